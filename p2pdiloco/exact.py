@@ -1,0 +1,150 @@
+"""Exact, self-verifying weighted sums over an all-reduce that only computes fp32 means.
+
+Why: hivemind returns each member `local + fl(mean − local)`, which differs from the mean (and between
+members) in ~35% of elements, so peers that "averaged" drift apart by ulps every round. Integers below 2^24
+are exact in fp32, so each member sends its token-weighted pseudo-gradient as integers on a per-block scale
+the group agrees on (from gathered block maxima). The all-reduce mean of integers, times the group size and
+rounded, is the exact integer sum on every member, bit for bit.
+
+Verification: the buffer ends with a tail of `limbs` slots per member. Member i writes its checksum
+⟨ρ, q_i⟩ (ρ: random int8 vector seeded by the group id) into its own slots and zeros elsewhere, so after the
+all-reduce every member holds every checksum exactly and checks ⟨ρ, Σq⟩ = Σ⟨ρ, q_i⟩. A part that a dead
+reducer never returned, or a part averaged without a dropped sender, breaks that equality.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+BLOCK = 1 << 14  # elements per quantization block (one scale each)
+LIMB_BITS = 12  # small limbs keep the tail's recovery exact for groups of up to 64
+LIMBS = 6  # checksum slots per member: 72 bits
+CHECKSUM_OFFSET = 1 << 62  # checksums are shifted to be non-negative before splitting into limbs
+_CHUNK = 1 << 22  # elements per chunk of int64 arithmetic (bounds temporary memory)
+
+
+def levels(group_size: int) -> int:
+    """Largest |integer| per contribution such that N·(rounding error) < 1/2 in the recovery, with margin.
+
+    The mean's error is at most ~2 ulp(L) = 2·L·2⁻²³; recovery multiplies it by N; keep N·2L·2⁻²³ ≤ 1/4.
+    """
+    return 1 << (19 - math.ceil(math.log2(max(group_size, 1))) - 1)
+
+
+def tail_size(max_group: int) -> int:
+    return max_group * LIMBS
+
+
+def n_blocks(n: int) -> int:
+    return (n + BLOCK - 1) // BLOCK
+
+
+def block_maxabs(x: torch.Tensor) -> torch.Tensor:
+    pad = n_blocks(x.numel()) * BLOCK - x.numel()
+    padded = torch.nn.functional.pad(x.abs().float(), (0, pad))
+    return padded.view(-1, BLOCK).amax(dim=1)
+
+
+def group_scales(maxabs: Sequence[torch.Tensor], group_size: int) -> torch.Tensor:
+    """Per-block step size shared by the group: the largest |value| any member sends maps to `levels`."""
+    top = torch.stack([m.double() for m in maxabs]).amax(dim=0)
+    scales = top / levels(group_size)
+    return torch.where(scales > 0, scales, torch.ones_like(scales))
+
+
+def _per_element(scales: torch.Tensor, n: int) -> torch.Tensor:
+    return scales.repeat_interleave(BLOCK)[:n]
+
+
+def quantize(delta: torch.Tensor, weight: float, scales: torch.Tensor) -> torch.Tensor:
+    """round(w·Δ / scale) as fp32 integers. |result| ≤ levels since w ≤ 1 and |Δ| ≤ the block maximum."""
+    q = torch.round(delta.double() * weight / _per_element(scales, delta.numel()))
+    return q.float()
+
+
+def dequantize(total: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return (total.double() * _per_element(scales, total.numel())).float()
+
+
+def recover_sum(mean: torch.Tensor, group_size: int) -> tuple[torch.Tensor, float]:
+    """The exact integer sum from an all-reduce mean, and the largest distance from an integer seen
+    (near 0 for a clean round; a part averaged over fewer senders usually lands far from integers)."""
+    scaled = mean.double() * group_size
+    total = torch.round(scaled)
+    worst = float((scaled - total).abs().max()) if scaled.numel() else 0.0
+    return total, worst
+
+
+def rho_seed(group_id: bytes) -> int:
+    return int.from_bytes(hashlib.sha256(b"p2pdiloco-checksum" + group_id).digest()[:8], "little") >> 1
+
+
+def checksum(q: torch.Tensor, seed: int) -> int:
+    """⟨ρ, q⟩ in exact int64 arithmetic, ρ ∈ [−127, 127] drawn from `seed`. |result| < 2^62 for n < 2^35."""
+    gen = torch.Generator().manual_seed(seed)
+    total = 0
+    for start in range(0, q.numel(), _CHUNK):
+        chunk = q[start : start + _CHUNK].to(torch.int64)
+        rho = torch.randint(-127, 128, (chunk.numel(),), generator=gen, dtype=torch.int64)
+        total += int((chunk * rho).sum())
+    return total
+
+
+def encode_checksum(value: int) -> torch.Tensor:
+    shifted = value + CHECKSUM_OFFSET
+    assert 0 <= shifted < 1 << (LIMB_BITS * LIMBS), "checksum out of range"
+    mask = (1 << LIMB_BITS) - 1
+    return torch.tensor([(shifted >> (LIMB_BITS * i)) & mask for i in range(LIMBS)], dtype=torch.float32)
+
+
+def decode_checksum(limbs: torch.Tensor) -> int:
+    return sum(int(v) << (LIMB_BITS * i) for i, v in enumerate(limbs.to(torch.int64).tolist())) - CHECKSUM_OFFSET
+
+
+@dataclass
+class Encoded:
+    """What one member writes into the all-reduce buffer, and what it needs to decode the result."""
+
+    buffer: torch.Tensor  # body (n integers) followed by the checksum tail
+    scales: torch.Tensor
+    seed: int
+
+
+def encode(delta: torch.Tensor, weight: float, maxabs: Sequence[torch.Tensor], my_index: int,
+           group_id: bytes, tail_len: int) -> Encoded:
+    group_size = len(maxabs)
+    scales = group_scales(maxabs, group_size)
+    q = quantize(delta, weight, scales)
+    seed = rho_seed(group_id)
+    tail = torch.zeros(tail_len)
+    tail[my_index * LIMBS : (my_index + 1) * LIMBS] = encode_checksum(checksum(q, seed))
+    return Encoded(buffer=torch.cat([q, tail]), scales=scales, seed=seed)
+
+
+@dataclass
+class Decoded:
+    merged: torch.Tensor  # Σ w_i Δ_i, bit-identical on every member whose `verified` is True
+    verified: bool
+    reason: str
+
+
+def decode(reduced: torch.Tensor, n: int, group_size: int, enc: Encoded) -> Decoded:
+    total, body_err = recover_sum(reduced[:n], group_size)
+    tail, tail_err = recover_sum(reduced[n : n + group_size * LIMBS], group_size)
+    expected = sum(decode_checksum(tail[i * LIMBS : (i + 1) * LIMBS]) for i in range(group_size))
+    merged = dequantize(total, enc.scales)
+    if max(body_err, tail_err) > 0.25:
+        return Decoded(merged, False, f"result is not an exact sum (off-integer by {max(body_err, tail_err):.3f})")
+    if checksum(total, enc.seed) != expected:
+        return Decoded(merged, False, "checksum mismatch: some parts missed a contribution or a reducer")
+    return Decoded(merged, True, "ok")
+
+
+def digest(t: torch.Tensor) -> str:
+    """Short content hash of a tensor, for comparing peers' states bit for bit."""
+    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()[:16]

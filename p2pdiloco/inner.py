@@ -1,0 +1,91 @@
+"""The inner loop: H steps of AdamW on this peer's own data stream. No networking here."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from p2pdiloco.config import InnerConfig
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    """The model's parameters as one fp32 CPU vector (the layout every peer shares)."""
+    return torch.cat([p.detach().float().cpu().reshape(-1) for p in model.parameters()])
+
+
+@torch.no_grad()
+def load_flat_params(model: nn.Module, flat: torch.Tensor) -> None:
+    offset = 0
+    for p in model.parameters():
+        p.copy_(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+    assert offset == flat.numel(), "flat vector does not match the model"
+
+
+@dataclass
+class InnerReport:
+    steps: int
+    tokens: int
+    mean_loss: float
+    compute_seconds: float  # time inside forward/backward/step (throttle sleep excluded)
+
+
+class InnerTrainer:
+    """Owns the local model and its AdamW state, which are kept across rounds (as DiLoCo prescribes)."""
+
+    def __init__(self, model: nn.Module, batches: Iterator, cfg: InnerConfig, device: torch.device,
+                 throttle: float = 1.0):
+        self.model, self.batches, self.cfg, self.device, self.throttle = model, batches, cfg, device, throttle
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                           betas=(0.9, 0.95))
+        self.total_steps = 0  # over the peer's life: drives the warm-up
+
+    def lr_at(self, step: int) -> float:
+        if self.cfg.warmup_steps == 0:
+            return self.cfg.lr
+        return self.cfg.lr * min(1.0, (step + 1) / self.cfg.warmup_steps)
+
+    def train_step(self) -> float:
+        inputs, targets = (t.to(self.device, non_blocking=True) for t in next(self.batches))
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_at(self.total_steps)
+        loss = self.model(inputs, targets)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.cfg.grad_clip > 0:
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.total_steps += 1
+        return loss.item()  # a device sync point: once per step is fine at these sizes
+
+    def run(self, steps: int, on_step: Callable[[int, float], None] = lambda i, loss: None,
+            should_stop: Callable[[], bool] = lambda: False) -> InnerReport:
+        self.model.train()
+        losses, compute = [], 0.0
+        for i in range(steps):
+            if should_stop():
+                break
+            start = time.perf_counter()
+            losses.append(self.train_step())
+            elapsed = time.perf_counter() - start
+            compute += elapsed
+            if self.throttle > 1.0:  # emulate a slower machine
+                time.sleep(elapsed * (self.throttle - 1.0))
+            on_step(i, losses[-1])
+        tokens = len(losses) * self.cfg.batch_size * self.cfg.seq_len
+        mean = sum(losses) / len(losses) if losses else math.nan
+        return InnerReport(steps=len(losses), tokens=tokens, mean_loss=mean, compute_seconds=compute)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list, device: torch.device) -> float:
+    was_training = model.training
+    model.eval()
+    losses = [model(x.to(device), y.to(device)).item() for x, y in batches]
+    model.train(was_training)
+    return sum(losses) / len(losses)

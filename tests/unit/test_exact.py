@@ -1,0 +1,81 @@
+"""The exact all-reduce encoding, driven through a simulation of hivemind's fp32 arithmetic."""
+
+import torch
+
+from p2pdiloco import exact
+from p2pdiloco.outer import merge_weights, weighted_merge
+
+
+def hivemind_like_allreduce(buffers, drop_sender_from=None):
+    """What hivemind's butterfly all-reduce hands each member: local + fl(mean − local), all in fp32.
+    drop_sender_from=(sender, start): that sender's values are missing from elements >= start."""
+    stacked = torch.stack(buffers)
+    n_members = len(buffers)
+    if drop_sender_from is None:
+        mean = stacked.sum(0) / n_members
+    else:
+        sender, start = drop_sender_from
+        mean = stacked.sum(0) / n_members
+        others = torch.cat([stacked[:sender], stacked[sender + 1:]])
+        mean[start:] = others[:, start:].sum(0) / (n_members - 1)
+    return [b + (mean - b) for b in buffers]
+
+
+def encode_group(deltas, tokens, group_id=b"group-1", max_group=8):
+    weights = merge_weights(tokens)
+    maxabs = [exact.block_maxabs(d) for d in deltas]
+    return [exact.encode(d, w, maxabs, i, group_id, exact.tail_size(max_group)) for i, (d, w) in
+            enumerate(zip(deltas, weights))]
+
+
+def make_deltas(n_members=4, n=50_000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=g) * 1e-3 * (i + 1) for i in range(n_members)]
+
+
+def test_naive_fp32_average_is_not_bitwise_equal_across_members():
+    deltas = make_deltas()
+    results = hivemind_like_allreduce(deltas)
+    assert not all(torch.equal(results[0], r) for r in results[1:])
+
+
+def test_exact_sum_is_bitwise_equal_verified_and_matches_weighted_mean():
+    deltas, tokens = make_deltas(), [1000, 2000, 3000, 500]
+    encoded = encode_group(deltas, tokens)
+    results = hivemind_like_allreduce([e.buffer for e in encoded])
+    decoded = [exact.decode(r, deltas[0].numel(), len(deltas), e) for r, e in zip(results, encoded)]
+    assert all(d.verified for d in decoded), [d.reason for d in decoded]
+    assert all(torch.equal(decoded[0].merged, d.merged) for d in decoded[1:])
+    reference = weighted_merge(deltas, tokens)
+    rel = (decoded[0].merged - reference).norm() / reference.norm()
+    assert rel < 1e-4, rel
+
+
+def test_kept_local_part_fails_verification():
+    deltas, tokens = make_deltas(), [1, 1, 1, 1]
+    encoded = encode_group(deltas, tokens)
+    results = hivemind_like_allreduce([e.buffer for e in encoded])
+    results[2][:100] = encoded[2].buffer[:100]  # a reducer died: member 2 keeps its own values there
+    decoded = exact.decode(results[2], deltas[0].numel(), 4, encoded[2])
+    assert not decoded.verified and "checksum" in decoded.reason
+
+
+def test_part_averaged_without_a_dropped_sender_fails_verification():
+    deltas, tokens = make_deltas(), [5, 1, 1, 1]
+    encoded = encode_group(deltas, tokens)
+    results = hivemind_like_allreduce([e.buffer for e in encoded], drop_sender_from=(1, 30_000))
+    decoded = exact.decode(results[0], deltas[0].numel(), 4, encoded[0])
+    assert not decoded.verified
+
+
+def test_group_of_one_returns_its_own_delta():
+    delta = make_deltas(1)[0]
+    (enc,) = encode_group([delta], [7])
+    decoded = exact.decode(hivemind_like_allreduce([enc.buffer])[0], delta.numel(), 1, enc)
+    assert decoded.verified
+    assert (decoded.merged - delta).abs().max() <= exact.block_maxabs(delta).max() / exact.levels(1)
+
+
+def test_checksum_roundtrip_through_limbs():
+    for value in (0, 1, -1, 2**61, -(2**61), 123456789012345):
+        assert exact.decode_checksum(exact.encode_checksum(value)) == value
