@@ -1,0 +1,36 @@
+"""A DHT-only node: a stable meeting point that trains nothing."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from pathlib import Path
+
+from p2pdiloco.config import SwarmConfig
+from p2pdiloco.lifeline import start_lifeline
+
+log = logging.getLogger("p2pdiloco")
+
+
+def run_bootstrap(cfg: SwarmConfig, log_dir: Path, name: str) -> None:
+    from p2pdiloco.swarm import node
+
+    from p2pdiloco.peer import configure_logging
+
+    configure_logging()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    dht = node.start_dht(cfg)
+    lifeline = start_lifeline()
+    try:
+        path = log_dir / f"{name}.addrs"
+        node.write_addresses(dht, path)
+        log.info("bootstrap node up; peers join with:\n  %s\n(addresses written to %s)",
+                 "\n  ".join(f"p2pdiloco join --initial-peers {a}" for a in node.visible_addresses(dht)), path)
+        stop.wait()
+    finally:
+        node.shutdown(dht)
+        if lifeline is not None:
+            lifeline.terminate()

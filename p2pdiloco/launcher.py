@@ -1,0 +1,134 @@
+"""Local swarm launcher: a bootstrap node plus N peers as processes, stopped by PID, never by name."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from p2pdiloco.lifeline import descendants, kill_snapshot
+from p2pdiloco.metrics import read_jsonl
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def peer_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "p2pdiloco.cli", *args]
+
+
+def start_process(args: list[str], log_file: Path, env: Optional[dict] = None) -> subprocess.Popen:
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with log_file.open("ab") as out:
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+def wait_for_file(path: Path, proc: subprocess.Popen, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            return path.read_text().split()[0]
+        if proc.poll() is not None:
+            raise LaunchError(f"process exited with code {proc.returncode} before writing {path}")
+        time.sleep(0.1)
+    raise LaunchError(f"{path} did not appear within {timeout:.0f} s")
+
+
+def stop_tree(proc: subprocess.Popen, grace: float = 15.0) -> None:
+    """SIGTERM the process (it leaves gracefully), then SIGKILL whatever of its tree is left."""
+    if proc.poll() is not None:
+        return
+    tree = descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        tree.update(descendants(proc.pid))
+        proc.kill()
+        proc.wait()
+    kill_snapshot(tree)
+
+
+def start_bootstrap(log_dir: Path, run_args: list[str]) -> tuple[subprocess.Popen, str]:
+    proc = start_process(peer_command("bootstrap", "--log-dir", str(log_dir), *run_args), log_dir / "bootstrap.log")
+    return proc, wait_for_file(log_dir / "bootstrap.addrs", proc, timeout=60)
+
+
+def run_local_swarm(n_peers: int, log_dir: Path, join_args: list[str], stagger: float = 1.0) -> dict:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for stale in (*log_dir.glob("*.addrs"), *log_dir.glob("*.jsonl")):
+        stale.unlink()
+    run_args = _run_id_args(join_args)
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        procs["bootstrap"], address = start_bootstrap(log_dir, run_args)
+        print(f"bootstrap node at {address}  (logs: {log_dir})", flush=True)
+        for i in range(n_peers):
+            name = f"peer{i}"
+            procs[name] = start_process(peer_command("join", "--initial-peers", address, "--log-dir", str(log_dir),
+                                                     "--name", name, *join_args), log_dir / f"{name}.log")
+            print(f"started {name} (pid {procs[name].pid}), log {log_dir / (name + '.log')}", flush=True)
+            time.sleep(stagger)
+        _follow(procs, log_dir, n_peers)
+    except KeyboardInterrupt:
+        print("\nstopping the swarm...", flush=True)
+    finally:
+        for proc in procs.values():
+            stop_tree(proc)
+    summaries = collect_summaries(log_dir, n_peers)
+    print_summary(summaries)
+    return summaries
+
+
+def _run_id_args(join_args: list[str]) -> list[str]:
+    for i, arg in enumerate(join_args):
+        if arg == "--run-id" and i + 1 < len(join_args):
+            return ["--run-id", join_args[i + 1]]
+        if arg.startswith("--run-id="):
+            return [arg]
+    return []
+
+
+def _follow(procs: dict, log_dir: Path, n_peers: int) -> None:
+    """Print each peer's round lines as they land, until every training peer has exited."""
+    seen: dict[str, int] = {}
+    trainers = [name for name in procs if name != "bootstrap"]
+    while any(procs[name].poll() is None for name in trainers):
+        time.sleep(1.0)
+        for name in trainers:
+            path = log_dir / f"{name}.jsonl"
+            if not path.exists():
+                continue
+            records = [r for r in read_jsonl(path) if r["kind"] == "round"]
+            for r in records[seen.get(name, 0):]:
+                val = f"{r['val_loss']:.4f}" if r.get("val_loss") is not None else "  -   "
+                print(f"{name:>7} round {r['round']:>3} v{r['version']:<3} island {len(r['members'])} "
+                      f"loss {r['loss']:.4f} val {val} {'merged' if r['applied'] else r['reason']}", flush=True)
+            seen[name] = len(records)
+
+
+def collect_summaries(log_dir: Path, n_peers: int) -> dict:
+    summaries = {}
+    for i in range(n_peers):
+        path = log_dir / f"peer{i}.jsonl"
+        found = [r for r in read_jsonl(path) if r["kind"] == "summary"] if path.exists() else []
+        summaries[f"peer{i}"] = found[-1] if found else None
+    return summaries
+
+
+def print_summary(summaries: dict) -> None:
+    print("\npeer      rounds  version  val loss before -> after   state digest")
+    for name, s in summaries.items():
+        if s is None:
+            print(f"{name:<9} (no summary: see its log)")
+        else:
+            print(f"{name:<9} {s['rounds']:>6}  {s['version']:>7}  {s['initial_val']:>8.4f} -> {s['final_val']:.4f}"
+                  f"     {s['digest']}")
+    print(json.dumps({k: (v or {}).get("final_val") for k, v in summaries.items()}))

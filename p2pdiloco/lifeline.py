@@ -1,0 +1,80 @@
+"""A watchdog that takes a peer's helper processes down with it, even when the peer is SIGKILLed.
+
+hivemind's DHT and averager are forked children and p2pd is their grandchild; none of them notices the main
+process dying, and a dead trainer's averager keeps joining rounds. This tiny process (started by the peer,
+outside its process tree's fate) snapshots the peer's descendants every `period` seconds and, once the peer
+is gone, kills exactly those PIDs (checking their start times, so a reused PID is never hit). Linux only.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks) of a live process, or None."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError, PermissionError):
+        return None
+    return int(fields[1]), int(fields[19])
+
+
+def descendants(root: int) -> dict[int, int]:
+    """{pid: start time} of every live descendant of `root`."""
+    children: dict[int, list[int]] = {}
+    starts: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (st := _stat(int(entry))) is not None:
+            children.setdefault(st[0], []).append(int(entry))
+            starts[int(entry)] = st[1]
+    found, todo = {}, [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found[child] = starts[child]
+            todo.append(child)
+    return found
+
+
+def kill_snapshot(snapshot: dict[int, int]) -> None:
+    for pid, start in snapshot.items():
+        st = _stat(pid)
+        if st is not None and st[1] == start:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def watch(parent: int, period: float = 0.25) -> None:
+    parent_start = _stat(parent)
+    if parent_start is None:
+        return
+    me = os.getpid()
+    snapshot: dict[int, int] = {}
+    while (st := _stat(parent)) is not None and st[1] == parent_start[1] and st[0] != 0:
+        if os.getppid() != parent:  # we were reparented: the parent is gone even if its PID lingers
+            break
+        snapshot = {pid: start for pid, start in descendants(parent).items() if pid != me}
+        time.sleep(period)
+    snapshot.update({pid: start for root in list(snapshot) for pid, start in descendants(root).items()})
+    snapshot.pop(me, None)
+    kill_snapshot(snapshot)
+
+
+def start_lifeline() -> subprocess.Popen | None:
+    """Start the watchdog for the current process; returns None where /proc is missing (not Linux)."""
+    if not Path("/proc/self/stat").exists():
+        return None
+    return subprocess.Popen([sys.executable, "-m", "p2pdiloco.lifeline", str(os.getpid())],
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C for the peer is not for us
+    watch(int(sys.argv[1]))

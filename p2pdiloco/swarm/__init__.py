@@ -1,0 +1,1 @@
+"""Swarm-facing modules: the only code that imports hivemind."""

@@ -1,0 +1,85 @@
+"""DHT lifetime: start a node with network hygiene, report addresses, fail clearly on unreachable peers."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from pathlib import Path
+from typing import Optional
+
+from hivemind import DHT
+
+from p2pdiloco.config import SwarmConfig
+
+
+class SwarmConnectError(RuntimeError):
+    """Could not join the swarm; the message says which peers were tried."""
+
+
+def dht_kwargs(cfg: SwarmConfig) -> dict:
+    """NAT port mapping, autonat and relays probe real interfaces: off unless the user asks for them."""
+    kwargs = dict(
+        host_maddrs=list(cfg.listen),
+        nat_port_map=cfg.nat_traversal,
+        auto_nat=cfg.nat_traversal,
+        use_relay=cfg.nat_traversal,
+        use_auto_relay=cfg.nat_traversal,
+    )
+    if cfg.announce:
+        kwargs["announce_maddrs"] = list(cfg.announce)
+    if cfg.identity is not None:
+        kwargs["identity_path"] = str(cfg.identity)
+    return kwargs
+
+
+def start_dht(cfg: SwarmConfig) -> DHT:
+    """Start (and bootstrap) a DHT node in a background process, bounded by `cfg.connect_timeout`."""
+    kwargs = dht_kwargs(cfg)
+    initial = list(cfg.initial_peers) or None
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    future = pool.submit(DHT, initial_peers=initial, start=True, startup_timeout=cfg.connect_timeout, **kwargs)
+    try:
+        dht = future.result(timeout=cfg.connect_timeout + 5)
+    except concurrent.futures.TimeoutError:
+        raise SwarmConnectError(_unreachable(cfg, f"no answer within {cfg.connect_timeout:.0f} s")) from None
+    except Exception as e:  # hivemind raises several types here (P2PDaemonError, ValueError, ...)
+        raise SwarmConnectError(_unreachable(cfg, f"{type(e).__name__}: {e}")) from None
+    finally:
+        pool.shutdown(wait=False)
+    if initial and not _has_neighbours(dht):
+        dht.shutdown()
+        raise SwarmConnectError(_unreachable(cfg, "no initial peer answered"))
+    return dht
+
+
+async def _count_neighbours(_dht, node) -> int:  # runs inside the DHT process (must be picklable)
+    return len(node.protocol.routing_table.uid_to_peer_id)
+
+
+def _has_neighbours(dht: DHT) -> bool:
+    return dht.run_coroutine(_count_neighbours) > 0
+
+
+def _unreachable(cfg: SwarmConfig, why: str) -> str:
+    peers = ", ".join(cfg.initial_peers) if cfg.initial_peers else "(none)"
+    return f"could not join the swarm through {peers}: {why}"
+
+
+def visible_addresses(dht: DHT) -> list[str]:
+    return [str(addr) for addr in dht.get_visible_maddrs()]
+
+
+def write_addresses(dht: DHT, path: Path) -> None:
+    """Write this peer's multiaddrs atomically, one per line, for launchers and other peers to read."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("\n".join(visible_addresses(dht)) + "\n")
+    tmp.replace(path)
+
+
+def peer_id(dht: DHT) -> str:
+    return dht.peer_id.to_base58()
+
+
+def shutdown(dht: Optional[DHT]) -> None:
+    if dht is not None and dht.is_alive():
+        dht.shutdown()

@@ -1,0 +1,104 @@
+"""Per-peer progress records on the DHT: who is alive, at which global version, ready for which round."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from hivemind import DHT
+from hivemind.utils import get_dht_time
+
+HEARTBEAT = 2.0  # seconds between re-publications
+TTL = 3 * HEARTBEAT  # a peer silent for this long is considered gone
+
+
+@dataclass
+class PeerRecord:
+    peer: str
+    name: str
+    version: int  # outer steps applied to this peer's global state
+    digest: str  # hash of its global parameters: equal digests at equal versions = consensus
+    ready: int = -1  # the version whose round it waits to merge, or -1 while training
+    inner_step: int = 0
+    tokens_per_s: float = 0.0
+
+
+def records_key(run_id: str) -> str:
+    return f"{run_id}.peers"
+
+
+def fetch_records(dht: DHT, run_id: str) -> list[PeerRecord]:
+    found = dht.get(records_key(run_id), latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    records = []
+    for item in found.value.values():
+        try:
+            records.append(PeerRecord(**item.value))
+        except (TypeError, AttributeError):
+            continue  # a malformed record from a remote peer is ignored, never trusted
+    return records
+
+
+class Heartbeat:
+    """Keeps this peer's record fresh from a background thread; `update` publishes at once."""
+
+    def __init__(self, dht: DHT, run_id: str, record: PeerRecord):
+        self.dht, self.run_id, self.record = dht, run_id, record
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="heartbeat")
+        self._thread.start()
+
+    def update(self, **fields) -> None:
+        with self._lock:
+            self.record = dataclasses.replace(self.record, **fields)
+        self.publish()
+
+    def publish(self) -> None:
+        with self._lock:
+            value = dataclasses.asdict(self.record)
+        self.dht.store(records_key(self.run_id), subkey=value["peer"], value=value,
+                       expiration_time=get_dht_time() + TTL)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(HEARTBEAT):
+            try:
+                self.publish()
+            except Exception:  # the DHT may be shutting down; the next beat retries
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        # withdraw our record so others stop waiting for us at once
+        try:
+            self.dht.store(records_key(self.run_id), subkey=self.record.peer, value=None,
+                           expiration_time=get_dht_time() + TTL)
+        except Exception:
+            pass
+
+
+@dataclass
+class BarrierResult:
+    expected: list[PeerRecord]  # live peers at our version, ourselves excluded
+    ready: list[PeerRecord]
+    ahead: list[PeerRecord]  # peers at a newer version: we are behind and must resync
+    waited: float
+
+
+def wait_for_round(dht: DHT, run_id: str, me: str, version: int, deadline: float, poll: float = 0.25,
+                   stop: Optional[threading.Event] = None) -> BarrierResult:
+    """Synchronous-round barrier: wait until every live peer at our version is ready too, or the deadline."""
+    start = time.monotonic()
+    while True:
+        others = [r for r in fetch_records(dht, run_id) if r.peer != me]
+        ahead = [r for r in others if r.version > version]
+        expected = [r for r in others if r.version == version]
+        ready = [r for r in expected if r.ready == version]
+        done = ahead or len(ready) == len(expected) or time.monotonic() >= deadline
+        if done or (stop is not None and stop.is_set()):
+            return BarrierResult(expected, ready, ahead, time.monotonic() - start)
+        time.sleep(poll)
