@@ -51,7 +51,7 @@ def text_files(path: Path) -> list[Path]:
     return files
 
 
-def load_corpus(path: Optional[Path] = None, min_bytes: int = 4 * CHUNK_BYTES) -> Corpus:
+def load_corpus(path: Optional[Path] = None, min_bytes: int = 8 * VAL_EVERY * 1024) -> Corpus:
     files = text_files(Path(path) if path is not None else builtin_corpus_dir())
     raw = b"\n\n".join(f.read_bytes() for f in files)
     if len(raw) < min_bytes:
@@ -61,7 +61,8 @@ def load_corpus(path: Optional[Path] = None, min_bytes: int = 4 * CHUNK_BYTES) -
 
 def split_corpus(data: np.ndarray) -> Corpus:
     """Interleaved split: every VAL_EVERY-th chunk goes to validation, so both halves span every source file."""
-    chunks = [data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)]
+    size = max(1024, min(CHUNK_BYTES, len(data) // (4 * VAL_EVERY)))  # small corpora: smaller chunks, >=4 held out
+    chunks = [data[i : i + size] for i in range(0, len(data), size)]
     val = [c for i, c in enumerate(chunks) if i % VAL_EVERY == VAL_EVERY - 1]
     train = [c for i, c in enumerate(chunks) if i % VAL_EVERY != VAL_EVERY - 1]
     return Corpus(train=torch.from_numpy(np.concatenate(train)), val=torch.from_numpy(np.concatenate(val)))

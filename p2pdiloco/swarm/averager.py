@@ -9,7 +9,10 @@ runs: every round outcome carries the verification this method adds.
 
 from __future__ import annotations
 
+import asyncio
 import math
+import os
+import signal
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -17,7 +20,7 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.utils.logging import get_logger
 
-from p2pdiloco import exact
+from p2pdiloco import exact, faults
 
 logger = get_logger(__name__)
 
@@ -80,6 +83,8 @@ class ExactAverager(DecentralizedAverager):
                                group_info.group_id, buffer.numel() - self.n_elements)
             buffer.copy_(enc.buffer)
         try:
+            if faults.planned("die_in_allreduce", gathered[my_index]["version"]):
+                await self._die_mid_allreduce(group_info, min_vector_size, **kwargs)
             await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
             with self.get_tensors() as (buffer,):
                 decoded = exact.decode(buffer, self.n_elements, size, enc)
@@ -92,6 +97,13 @@ class ExactAverager(DecentralizedAverager):
             logger.warning(f"round in group {group_info.group_id.hex()[:8]} not verified: {decoded.reason}")
         return dict(verified=decoded.verified, reason=decoded.reason, group_id=group_info.group_id.hex(),
                     members=gathered)
+
+    async def _die_mid_allreduce(self, group_info, min_vector_size: int, **kwargs) -> None:
+        """Fault injection: start the all-reduce, let some parts go out, then SIGKILL the whole peer."""
+        asyncio.create_task(super()._aggregate_with_group(group_info, min_vector_size, **kwargs))
+        await asyncio.sleep(0.05)
+        os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def get_current_state(self):
         """Runs in the host process when a peer downloads our state (late join, resync)."""

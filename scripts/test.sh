@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Sets up (once) and runs the test suite. Swarm tests run inside a loopback-only network namespace when this
+# machine allows it (root + unshare), so nothing any library defaults to can leave the machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+run=(.venv/bin/python -m pytest -q -p no:cacheprovider "$@")
+if [ -z "${P2PDILOCO_NETNS:-}" ] && command -v unshare >/dev/null && unshare -n true 2>/dev/null; then
+  exec unshare -n bash -c 'ip link set lo up && P2PDILOCO_NETNS=1 exec "$@"' _ "${run[@]}"
+fi
+exec "${run[@]}"

@@ -1,0 +1,85 @@
+"""Shared multi-process swarm harness: port 0 everywhere, bounded waits, processes stopped by PID tree."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from p2pdiloco.launcher import peer_command, start_bootstrap, start_process, stop_tree
+from p2pdiloco.lifeline import descendants
+from p2pdiloco.metrics import read_jsonl
+
+# small and fast: every swarm test peer trains the tiny model with one thread
+TINY = ["--model", "tiny", "--batch-size", "8", "--seq-len", "64", "--threads", "1", "--sync-wait", "30"]
+
+
+class LocalSwarm:
+    def __init__(self, log_dir: Path, run_id: str):
+        self.log_dir, self.run_id = log_dir, run_id
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.address = None
+
+    def start_bootstrap(self) -> str:
+        self.procs["bootstrap"], self.address = start_bootstrap(self.log_dir, ["--run-id", self.run_id])
+        return self.address
+
+    def start_peer(self, name: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+        cmd = peer_command("join", "--initial-peers", self.address, "--run-id", self.run_id, "--log-dir",
+                           str(self.log_dir), "--name", name, *TINY, *args)
+        self.procs[name] = start_process(cmd, self.log_dir / f"{name}.log", env=env)
+        return self.procs[name]
+
+    def wait(self, names, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for name in names:
+            remaining = max(deadline - time.monotonic(), 0.1)
+            try:
+                self.procs[name].wait(remaining)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{name} still running after {timeout:.0f} s; log:\n{self.log(name)[-3000:]}")
+
+    def records(self, name: str, kind: str | None = None) -> list[dict]:
+        path = self.log_dir / f"{name}.jsonl"
+        records = read_jsonl(path) if path.exists() else []
+        return [r for r in records if kind is None or r["kind"] == kind]
+
+    def log(self, name: str) -> str:
+        path = self.log_dir / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def tree(self, name: str) -> dict[int, int]:
+        return {self.procs[name].pid: 0, **descendants(self.procs[name].pid)}
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            stop_tree(proc, grace=10)
+
+
+@contextmanager
+def local_swarm(tmp_path: Path, run_id: str):
+    swarm = LocalSwarm(tmp_path, run_id)
+    try:
+        swarm.start_bootstrap()
+        yield swarm
+    finally:
+        swarm.stop_all()
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def digests_by_version(swarm: LocalSwarm, names) -> dict[int, set[str]]:
+    """Every (version -> set of global-state digests) any of these peers reported after a round."""
+    seen: dict[int, set[str]] = {}
+    for name in names:
+        for r in swarm.records(name, "round") + swarm.records(name, "resync"):
+            seen.setdefault(r["version"], set()).add(r["digest"])
+    return seen

@@ -1,0 +1,78 @@
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from p2pdiloco.cli import build_config, cli
+
+ROOT = Path(__file__).resolve().parents[2]
+PROFILES = sorted((ROOT / "peers").glob("*.toml"))
+
+
+@pytest.mark.parametrize("command", [[], ["join"], ["bootstrap"], ["swarm"]])
+def test_help_of_every_command(command):
+    result = CliRunner().invoke(cli, [*command, "--help"])
+    assert result.exit_code == 0 and "Usage:" in result.output
+
+
+def test_help_does_not_import_torch_or_hivemind():
+    code = "import sys; from p2pdiloco.cli import cli; print('torch' in sys.modules, 'hivemind' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["join", "--no-such-flag"], "No such option"),
+    (["join", "--inner-steps", "0"], "steps must be a positive integer"),
+    (["join", "--initial-peers", "example.com:80"], "is not a multiaddr"),
+    (["join", "--quorum", "9", "--max-island", "4"], "quorum (9) cannot exceed"),
+])
+def test_bad_flags_exit_nonzero_with_a_clear_message(args, message):
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2
+    assert message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_unreachable_initial_peer_fails_fast_and_clearly(tmp_path):
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWEBtXfqkCqYAic37BdvrUHGodu4Frq12EFaYar8u1Kp2d"
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "p2pdiloco.cli", "join", "--initial-peers", dead, "--model", "tiny",
+                           "--log-dir", str(tmp_path), "--connect-timeout", "10"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "could not join the swarm through" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("profile", PROFILES, ids=[p.stem for p in PROFILES])
+def test_every_profile_loads_and_flags_override_it(profile):
+    captured = {}
+    runner = CliRunner()
+
+    @cli.command("probe-" + profile.stem)
+    @__import__("p2pdiloco.cli", fromlist=["x"]).swarm_options
+    @__import__("p2pdiloco.cli", fromlist=["x"]).train_options
+    def probe(**options):
+        captured["cfg"] = build_config(options)
+        captured["options"] = options
+
+    result = runner.invoke(cli, ["probe-" + profile.stem, "--profile", str(profile), "--seed", "7"])
+    assert result.exit_code == 0, result.output
+    assert captured["cfg"].seed == 7
+    import tomllib
+
+    for key, value in tomllib.loads(profile.read_text()).items():
+        got = captured["options"][key]
+        assert (list(got) if isinstance(got, tuple) else got) == value, key
+
+
+def test_profile_with_unknown_key_is_rejected(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('modle = "tiny"\n')
+    result = CliRunner().invoke(cli, ["join", "--profile", str(bad)])
+    assert result.exit_code == 2 and "unknown keys: modle" in result.output

@@ -1,0 +1,75 @@
+import numpy as np
+import pytest
+import torch
+
+from p2pdiloco.config import ConfigError, InnerConfig, OuterConfig, PeerConfig, SwarmConfig
+from p2pdiloco.data import BatchStream, DataError, load_corpus, split_corpus, stream_seed, validation_batches
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_corpus()
+
+
+def test_builtin_corpus_is_megabytes_of_text_with_a_disjoint_validation_split(corpus):
+    assert len(corpus.train) > 4_000_000 and len(corpus.val) > 200_000
+    text = bytes(corpus.val[:2000].tolist()).decode("utf-8", errors="replace")
+    assert sum(c.isalpha() for c in text) > 1000  # natural language, not noise
+
+
+def test_split_interleaves_every_twentieth_chunk():
+    data = np.arange(40 * 65536, dtype=np.uint64).astype(np.uint8)
+    c = split_corpus(data)
+    assert len(c.val) == 2 * 65536 and len(c.train) == 38 * 65536
+
+
+def test_streams_of_two_peers_differ_and_are_reproducible(corpus):
+    a1 = BatchStream(corpus.train, 4, 32, stream_seed("peer-a", "run"))
+    a2 = BatchStream(corpus.train, 4, 32, stream_seed("peer-a", "run"))
+    b = BatchStream(corpus.train, 4, 32, stream_seed("peer-b", "run"))
+    xa1, xa2, xb = next(a1)[0], next(a2)[0], next(b)[0]
+    assert torch.equal(xa1, xa2)
+    assert not torch.equal(xa1, xb)
+    resumed = BatchStream(corpus.train, 4, 32, stream_seed("peer-a", "run"), position=1)
+    assert torch.equal(next(resumed)[0], next(a1)[0])
+
+
+def test_targets_are_inputs_shifted_by_one(corpus):
+    x, y = next(BatchStream(corpus.train, 2, 16, 0))
+    assert torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_validation_batches_are_identical_everywhere(corpus):
+    v1 = validation_batches(corpus.val, 2, 4, 32)
+    v2 = validation_batches(corpus.val, 2, 4, 32)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(v1, v2))
+
+
+def test_user_data_path(tmp_path):
+    (tmp_path / "a.txt").write_text("hello world. " * 30000)
+    corpus = load_corpus(tmp_path)
+    assert len(corpus.train) > 0 and len(corpus.val) > 0
+    assert len(load_corpus(tmp_path / "a.txt").train) > 0
+    (tmp_path / "tiny.txt").write_text("too short")
+    with pytest.raises(DataError, match="at least"):
+        load_corpus(tmp_path / "tiny.txt")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="no text files"):
+        load_corpus(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: InnerConfig(steps=0), "steps must be a positive integer"),
+    (lambda: InnerConfig(lr=-1.0), "lr must be a positive number"),
+    (lambda: OuterConfig(momentum=1.0), "outer momentum must be in"),
+    (lambda: SwarmConfig(quorum=5, max_island=4), "quorum (5) cannot exceed"),
+    (lambda: SwarmConfig(run_id="has space"), "run id must be"),
+    (lambda: SwarmConfig(initial_peers=("localhost:1234",)), "is not a multiaddr"),
+    (lambda: PeerConfig(model="huge"), "unknown model size 'huge'"),
+    (lambda: PeerConfig(throttle=0.5), "throttle must be"),
+    (lambda: PeerConfig(data="/does/not/exist"), "no such file"),
+])
+def test_config_errors_say_what_is_wrong(make, message):
+    with pytest.raises(ConfigError) as e:
+        make()
+    assert message in str(e.value)
