@@ -1,0 +1,63 @@
+"""4-peer swarm vs 1 peer alone, same per-peer settings, run back to back in one invocation.
+
+Reports validation loss at equal wall-clock (each run gets the same seconds) and at equal total tokens (the
+swarm's val loss at the first round where its summed tokens reach the solo run's total). Threads: every peer
+uses --threads 1, so 4 swarm peers share this machine's cores (on 2 cores each swarm peer gets ~half a core).
+Usage: python scripts/bench_swarm_vs_solo.py [--seconds 180] [--peers 4] [--model tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from p2pdiloco.launcher import collect_summaries, run_local_swarm
+from p2pdiloco.metrics import read_jsonl
+
+
+def run(n_peers: int, seconds: float, model: str, log_dir: Path) -> list[list[dict]]:
+    args = ["--model", model, "--threads", "1", "-H", "25", "--max-time", str(seconds), "--run-id", f"bench{n_peers}"]
+    run_local_swarm(n_peers, log_dir, args, stagger=0.2)
+    return [read_jsonl(log_dir / f"peer{i}.jsonl") for i in range(n_peers)]
+
+
+def final_val(records: list[list[dict]]) -> float:
+    return min(r[-1]["final_val"] for r in ([x for x in rec if x["kind"] == "summary"] for rec in records))
+
+
+def tokens_curve(records: list[list[dict]]) -> list[tuple[int, float]]:
+    """(total tokens merged by the swarm, val loss) after each committed version, from peer0's view."""
+    rounds = [r for r in records[0] if r["kind"] == "round" and r["applied"] and r["val_loss"] is not None]
+    total, curve = 0, []
+    for r in rounds:
+        total += sum(r["member_tokens"])
+        curve.append((total, r["val_loss"]))
+    return curve
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seconds", type=float, default=180)
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--model", default="tiny")
+    a = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        solo = run(1, a.seconds, a.model, Path(tmp) / "solo")
+        swarm = run(a.peers, a.seconds, a.model, Path(tmp) / "swarm")
+    solo_curve, swarm_curve = tokens_curve(solo), tokens_curve(swarm)
+    solo_tokens, solo_val = solo_curve[-1]
+    at_equal_tokens = next((v for t, v in swarm_curve if t >= solo_tokens), None)
+    result = dict(
+        seconds=a.seconds, model=a.model, peers=a.peers, threads_per_peer=1,
+        solo=dict(tokens=solo_tokens, val_loss=final_val(solo), versions=len(solo_curve)),
+        swarm=dict(tokens=swarm_curve[-1][0], val_loss=final_val(swarm), versions=len(swarm_curve)),
+        swarm_val_at_solo_tokens=at_equal_tokens,
+        val_ratio_equal_wallclock=final_val(swarm) / final_val(solo),
+    )
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
