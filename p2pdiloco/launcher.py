@@ -67,6 +67,7 @@ def run_local_swarm(n_peers: int, log_dir: Path, join_args: list[str], stagger: 
         stale.unlink()
     run_args = _run_id_args(join_args)
     procs: dict[str, subprocess.Popen] = {}
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # a SIGTERM must not orphan the swarm
     try:
         procs["bootstrap"], address = start_bootstrap(log_dir, run_args)
         print(f"bootstrap node at {address}  (logs: {log_dir})", flush=True)
@@ -80,11 +81,16 @@ def run_local_swarm(n_peers: int, log_dir: Path, join_args: list[str], stagger: 
     except KeyboardInterrupt:
         print("\nstopping the swarm...", flush=True)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         for proc in procs.values():
             stop_tree(proc)
     summaries = collect_summaries(log_dir, n_peers)
     print_summary(summaries)
     return summaries
+
+
+def _raise_interrupt(*_args):
+    raise KeyboardInterrupt
 
 
 def _run_id_args(join_args: list[str]) -> list[str]:
