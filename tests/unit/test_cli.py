@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from p2pdiloco.cli import build_config, cli
+from p2pdiloco.cli import build_config, cli, swarm_options, train_options
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILES = sorted((ROOT / "peers").glob("*.toml"))
@@ -55,8 +55,8 @@ def test_every_profile_loads_and_flags_override_it(profile):
     runner = CliRunner()
 
     @cli.command("probe-" + profile.stem)
-    @__import__("p2pdiloco.cli", fromlist=["x"]).swarm_options
-    @__import__("p2pdiloco.cli", fromlist=["x"]).train_options
+    @swarm_options
+    @train_options
     def probe(**options):
         captured["cfg"] = build_config(options)
         captured["options"] = options
