@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from p2pdiloco.config import (ConfigError, InnerConfig, OuterConfig, PeerConfig, SwarmConfig, MODEL_SIZES)
+from p2pdiloco.config import (MODEL_SIZES, MODES, WEIGHTINGS, ConfigError, InnerConfig, OuterConfig, PeerConfig,
+                              SwarmConfig)
 
 CONTEXT = dict(help_option_names=["-h", "--help"], auto_envvar_prefix="P2PDILOCO", max_content_width=110)
 
@@ -65,13 +66,28 @@ def train_options(f):
         click.option("--seq-len", type=int, default=128, show_default=True),
         click.option("--outer-lr", type=float, default=0.7, show_default=True),
         click.option("--outer-momentum", type=float, default=0.9, show_default=True),
+        click.option("--weighting", type=click.Choice(WEIGHTINGS), default="tokens2", show_default=True,
+                     help="Merge weights: tokens²/steps (Decoupled DiLoCo), tokens, or uniform."),
+        click.option("--rda/--no-rda", default=False, show_default=True,
+                     help="Radial-directional averaging of non-embedding tensors."),
+        click.option("--round-seconds", type=float,
+                     help="Time-budgeted H: contribute every this many seconds instead of every H steps."),
+        click.option("--mode", type=click.Choice(MODES), default="decoupled", show_default=True,
+                     help="decoupled: rounds run in the background; sync: everyone waits for everyone."),
         click.option("--quorum", type=int, default=1, show_default=True,
                      help="Fewest members for a round to merge (1: a lone peer applies its own update)."),
         click.option("--max-island", type=int, default=16, show_default=True, help="Largest all-reduce group."),
+        click.option("--grace-gamma", type=float, default=0.5, show_default=True,
+                     help="γ of the adaptive grace window: γ·(τ·step − quorum − sync), from measured averages."),
+        click.option("--overlap-steps", type=int, help="τ: inner steps a round may run in flight (default H/2)."),
+        click.option("--max-staleness", type=int, default=2, show_default=True,
+                     help="Contribute from up to this many versions behind; further behind, catch up first."),
         click.option("--sync-wait", type=float, default=60.0, show_default=True,
-                     help="Longest wait at a round for peers still training, in seconds."),
+                     help="Sync mode: longest wait at a round for peers still training, in seconds."),
         click.option("--bandwidth-mbps", type=float, default=100.0, show_default=True,
-                     help="Assumed link speed; sets the all-reduce timeouts."),
+                     help="Assumed link speed until the first round measures it (all-reduce deadlines)."),
+        click.option("--eval-every", type=int, default=1, show_default=True,
+                     help="Evaluate after every N merged rounds (0: only at start and end)."),
         click.option("--max-rounds", type=int, help="Leave after this many rounds."),
         click.option("--max-time", type=float, help="Leave after this many seconds of training."),
         click.option("--checkpoint-dir", type=click.Path(file_okay=False, path_type=Path),
@@ -91,12 +107,16 @@ def train_options(f):
 def build_config(o: dict) -> PeerConfig:
     swarm = SwarmConfig(run_id=o["run_id"], initial_peers=tuple(o["initial_peers"]), listen=tuple(o["listen"]),
                         announce=tuple(o["announce"]), identity=o["identity"], nat_traversal=o["nat_traversal"],
-                        quorum=o["quorum"], max_island=o["max_island"], sync_wait=o["sync_wait"],
+                        mode=o["mode"], quorum=o["quorum"], max_island=o["max_island"],
+                        grace_gamma=o["grace_gamma"], overlap_steps=o["overlap_steps"],
+                        max_staleness=o["max_staleness"], sync_wait=o["sync_wait"],
                         bandwidth_mbps=o["bandwidth_mbps"], connect_timeout=o["connect_timeout"])
-    inner = InnerConfig(steps=o["inner_steps"], lr=o["inner_lr"], batch_size=o["batch_size"], seq_len=o["seq_len"])
-    outer = OuterConfig(lr=o["outer_lr"], momentum=o["outer_momentum"])
+    inner = InnerConfig(steps=o["inner_steps"], lr=o["inner_lr"], batch_size=o["batch_size"], seq_len=o["seq_len"],
+                        round_seconds=o["round_seconds"])
+    outer = OuterConfig(lr=o["outer_lr"], momentum=o["outer_momentum"], weighting=o["weighting"], rda=o["rda"])
     return PeerConfig(model=o["model"], data=o["data"], seed=o["seed"], inner=inner, outer=outer, swarm=swarm,
                       max_rounds=o["max_rounds"], max_time=o["max_time"], throttle=o["throttle"],
+                      eval_every=o["eval_every"],
                       threads=o["threads"], device=o["device"], log_dir=o["log_dir"],
                       checkpoint_dir=o["checkpoint_dir"], name=o["name"])
 

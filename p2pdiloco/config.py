@@ -12,6 +12,10 @@ from pathlib import Path
 from typing import Optional
 
 
+WEIGHTINGS = ("tokens2", "tokens", "uniform")  # p2pdiloco.outer.merge_weights implements them
+MODES = ("decoupled", "sync")
+
+
 class ConfigError(ValueError):
     """A configuration value is invalid; the message says which and how to fix it."""
 
@@ -57,9 +61,12 @@ class InnerConfig:
     batch_size: int = 16
     seq_len: int = 128
     grad_clip: float = 1.0
+    round_seconds: Optional[float] = None  # time-budgeted H: contribute every this many seconds instead
 
     def __post_init__(self):
         _positive(self, "steps", "batch_size", "seq_len")
+        if self.round_seconds is not None:
+            _positive_float(self, "round_seconds")
         _positive_float(self, "lr")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0:
             raise ConfigError("inner warmup_steps, weight_decay and grad_clip must be >= 0")
@@ -71,9 +78,13 @@ class OuterConfig:
 
     lr: float = 0.7
     momentum: float = 0.9
+    weighting: str = "tokens2"  # merge weights: tokens²/steps (Decoupled DiLoCo), tokens, or uniform
+    rda: bool = False  # radial-directional averaging of non-embedding tensors
 
     def __post_init__(self):
         _positive_float(self, "lr")
+        if self.weighting not in WEIGHTINGS:
+            raise ConfigError(f"weighting must be one of {', '.join(WEIGHTINGS)}, got {self.weighting!r}")
         if not 0.0 <= self.momentum < 1.0:
             raise ConfigError(f"outer momentum must be in [0, 1), got {self.momentum}")
 
@@ -88,9 +99,13 @@ class SwarmConfig:
     announce: tuple[str, ...] = ()
     identity: Optional[Path] = None  # private key file: a stable peer id across restarts
     nat_traversal: bool = False  # hivemind's nat_port_map/auto_nat/use_relay; off: they probe real interfaces
+    mode: str = "decoupled"  # decoupled: rounds run in the background; sync: everyone waits for everyone
     quorum: int = 1  # K: fewest members (this peer included) for a round to merge
     max_island: int = 16  # largest group that one all-reduce forms
-    sync_wait: float = 60.0  # longest wait at the round barrier for peers that are still training
+    grace_gamma: float = 0.5  # γ of the adaptive grace window (Eq. 3), < 1
+    overlap_steps: Optional[int] = None  # τ: inner steps a round may run in flight; default H/2
+    max_staleness: int = 2  # contribute from up to this many versions behind; further behind: resync first
+    sync_wait: float = 60.0  # sync mode: longest wait at the round barrier for peers still training
     bandwidth_mbps: float = 100.0  # assumed link speed until measured; sets all-reduce timeouts
     connect_timeout: float = 20.0  # give up on unreachable initial peers after this many seconds
 
@@ -98,6 +113,14 @@ class SwarmConfig:
         if not self.run_id or not all(c.isalnum() or c in "-_" for c in self.run_id):
             raise ConfigError(f"run id must be non-empty letters, digits, '-' or '_', got {self.run_id!r}")
         _positive(self, "quorum", "max_island")
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if not 0.0 < self.grace_gamma < 1.0:
+            raise ConfigError(f"grace gamma must be in (0, 1), got {self.grace_gamma}")
+        if self.overlap_steps is not None:
+            _positive(self, "overlap_steps")
+        if not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            raise ConfigError(f"max staleness must be an integer >= 0, got {self.max_staleness!r}")
         if self.quorum > self.max_island:
             raise ConfigError(f"quorum ({self.quorum}) cannot exceed max island size ({self.max_island})")
         _positive_float(self, "sync_wait", "bandwidth_mbps", "connect_timeout")
@@ -119,6 +142,7 @@ class PeerConfig:
     max_rounds: Optional[int] = None
     max_time: Optional[float] = None  # seconds of training before leaving
     eval_batches: int = 8  # validation batches of the shared held-out split, per evaluation
+    eval_every: int = 1  # evaluate after every this many merged rounds; 0: only at start and end
     throttle: float = 1.0  # >1 slows each inner step by this factor (tests of heterogeneous peers)
     threads: int = 0  # torch intra-op threads; 0 leaves torch's default
     device: str = "auto"
@@ -139,6 +163,8 @@ class PeerConfig:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         _positive(self, "eval_batches")
+        if not isinstance(self.eval_every, int) or self.eval_every < 0:
+            raise ConfigError(f"eval every must be an integer >= 0, got {self.eval_every!r}")
 
     def replace(self, **changes) -> "PeerConfig":
         return dataclasses.replace(self, **changes)

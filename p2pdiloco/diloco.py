@@ -1,24 +1,36 @@
-"""The DiLoCo round, free of networking: inner steps, pseudo-gradient, merge (injected), outer step.
+"""The DiLoCo loop, free of networking: inner steps, contributions, rounds in flight, outer steps.
 
-Round outcomes and what they do to this peer's state:
-- committed at our version: apply the outer step to Θ, version += 1, θ ← Θ, pending tokens reset;
-- committed but the group held a newer version (we were stale): our Δ was merged by them; resync Θ;
-- rolled back (failed/partial/unverified round): Θ untouched, θ keeps its progress, tokens accumulate,
-  so the next contribution covers both rounds and nothing is lost.
+Decoupled (the default): inner training never stops for communication. Every H inner steps (or every
+`round_seconds`) the peer snapshots its pseudo-gradient Δ = Θ − θ_S and hands it to the merger, which runs in
+a background thread (matchmaking, all-reduce, downloads), while inner steps go on. When the outcome
+arrives it is applied between two inner steps ("delayed application"):
+
+- merged: Θ ← outer(Θ, merged) (or the group's newer Θ, downloaded), and θ ← Θ_new + (θ − θ_S): the steps
+  taken while the round was in flight are kept, rebased onto the new global state;
+- rolled back: nothing changes; the tokens stay unmerged and ride along with the next contribution.
+
+At most one round is in flight: if a round outlasts H steps, training goes on and the next contribution,
+sent once the round settles, carries the extra steps. Synchronous mode runs the same code but waits for each
+round before training on (the baseline the benchmark compares against).
+
+Invariant: when no round is in flight, every inner step since the last merge is counted in
+`unmerged_tokens`/`unmerged_steps` and measured by Θ − θ, so nothing is ever counted twice or lost.
 """
 
 from __future__ import annotations
 
-import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 
-from p2pdiloco.exact import digest
-from p2pdiloco.inner import InnerReport, InnerTrainer, flat_params, load_flat_params
-from p2pdiloco.outer import OuterOptimizer, pseudo_gradient
+from p2pdiloco.inner import InnerTrainer, flat_params, load_flat_params
+from p2pdiloco.outer import pseudo_gradient
 from p2pdiloco.roundtypes import Contribution, MergeOutcome
+from p2pdiloco.state import GlobalState
+from p2pdiloco.timing import RoundClock
 
 
 class Merger(Protocol):
@@ -29,112 +41,158 @@ class SoloMerger:
     """No network: a swarm of one. Used by unit tests and as the single-peer baseline."""
 
     def merge(self, c: Contribution) -> MergeOutcome:
-        import time
-
         return MergeOutcome.solo(c, time.monotonic())
 
 
-class GlobalState:
-    """Θ, the outer momentum and the version; `snapshot` is thread-safe (state sharing runs in a thread)."""
-
-    def __init__(self, params: torch.Tensor, lr: float, momentum: float):
-        self.outer = OuterOptimizer(params.clone(), lr, momentum)
-        self.version = 0
-        self.last_members: list[str] = []
-        self.lock = threading.Lock()
-
-    @property
-    def params(self) -> torch.Tensor:
-        return self.outer.params
-
-    @property
-    def digest(self) -> str:
-        return digest(self.params)
-
-    def apply(self, merged: torch.Tensor, members: list[str]) -> None:
-        with self.lock:
-            self.outer.step(merged)
-            self.version += 1
-            self.last_members = members
-
-    def snapshot(self) -> tuple[dict, list[torch.Tensor]]:
-        with self.lock:
-            metadata = dict(version=self.version, digest=self.digest, last_members=list(self.last_members))
-            return metadata, [t.clone() for t in self.outer.state_tensors()]
-
-    def load(self, metadata: dict, tensors: list[torch.Tensor]) -> None:
-        with self.lock:
-            self.outer.load_state_tensors(*tensors)
-            self.version = metadata["version"]
-            self.last_members = list(metadata.get("last_members", []))
-
-
-def validate_state(metadata, tensors, n_params: int, min_version: int) -> Optional[str]:
-    """Why a state downloaded from a remote peer is unacceptable, or None. Never trust the network."""
-    if not isinstance(metadata, dict) or not isinstance(metadata.get("version"), int):
-        return "metadata is not a dict with an integer version"
-    if metadata["version"] < min_version:
-        return f"donor is at version {metadata['version']}, older than ours ({min_version})"
-    if len(tensors) != 2 or any(t.dtype != torch.float32 or t.shape != (n_params,) for t in tensors):
-        return "tensors do not match this model"
-    if not all(bool(torch.isfinite(t).all()) for t in tensors):
-        return "tensors contain NaN or infinity"
-    if digest(tensors[0]) != metadata.get("digest"):
-        return "parameters do not match the donor's announced digest"
-    return None
+@dataclass
+class InFlight:
+    future: Future
+    contribution: Contribution
+    local_at_snapshot: torch.Tensor  # θ_S
+    global_at_snapshot: torch.Tensor  # Θ when Δ was taken (our base if the round is rolled back)
+    started: float
+    steps_at_snapshot: int
 
 
 @dataclass
-class RoundResult:
-    report: InnerReport
+class Settled:
+    """One round, as seen by this peer once its outcome was applied."""
+
     outcome: MergeOutcome
-    applied: bool
-    pending_tokens: int
+    contribution: Contribution
+    applied: bool  # our contribution reached the global state we now hold
+    steps_in_flight: int  # inner steps taken while the round ran (0 in synchronous mode)
+    unmerged_tokens: int  # after applying
 
 
 class DiLoCo:
     """Owns θ (the trainer's model), Θ (GlobalState) and the bookkeeping between rounds."""
 
-    def __init__(self, trainer: InnerTrainer, state: GlobalState, merger: Merger, peer: str, name: str):
+    def __init__(self, trainer: InnerTrainer, state: GlobalState, merger: Merger, peer: str, name: str,
+                 clock: Optional[RoundClock] = None):
         self.trainer, self.state, self.merger, self.peer, self.name = trainer, state, merger, peer, name
-        self.pending_tokens = 0  # tokens since our last merged contribution
-        self.pending_steps = 0
+        self.clock = clock or RoundClock()
+        self.unmerged_tokens = 0  # since the last contribution that reached the global state
+        self.unmerged_steps = 0
+        self.in_flight: Optional[InFlight] = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="round")
+
+    # ---- inner steps --------------------------------------------------------------------------------------
+    def inner_step(self) -> tuple[float, float]:
+        loss, seconds = self.trainer.timed_step()
+        self.unmerged_tokens += self.trainer.tokens_per_step
+        self.unmerged_steps += 1
+        self.clock.step.update(seconds)
+        return loss, seconds
 
     def local_params(self) -> torch.Tensor:
         return flat_params(self.trainer.model)
 
-    def contribution(self) -> Contribution:
-        delta = pseudo_gradient(self.state.params, self.local_params())
-        return Contribution(delta=delta, tokens=self.pending_tokens, steps=self.pending_steps,
-                            version=self.state.version, peer=self.peer, name=self.name, digest=self.state.digest)
+    # ---- contributing -------------------------------------------------------------------------------------
+    def contribute(self) -> None:
+        """Snapshot Δ and hand it to the merger in the background; training goes on at once."""
+        assert self.in_flight is None, "one round in flight at a time"
+        local = self.local_params()
+        with self.state.lock:
+            global_params = self.state.params.clone()
+            c = Contribution(delta=pseudo_gradient(global_params, local), tokens=self.unmerged_tokens,
+                             steps=self.unmerged_steps, version=self.state.version, peer=self.peer,
+                             name=self.name, digest=self.state.digest)
+        future = self._executor.submit(self.merger.merge, c)
+        self.in_flight = InFlight(future, c, local, global_params, time.monotonic(), self.trainer.total_steps)
 
-    def run_round(self, steps: int, on_step=lambda i, loss: None, should_stop=lambda: False) -> RoundResult:
-        report = self.trainer.run(steps, on_step=on_step, should_stop=should_stop)
-        self.pending_tokens += report.tokens
-        self.pending_steps += report.steps
-        if self.pending_tokens == 0:
-            return RoundResult(report, MergeOutcome(merged=None, reason="no steps"), False, 0)
-        outcome = self.merger.merge(self.contribution())
-        applied = self.finish(outcome)
-        return RoundResult(report, outcome, applied, self.pending_tokens)
+    def poll(self) -> Optional[Settled]:
+        """Apply the outcome of the round in flight if it has arrived; never blocks."""
+        if self.in_flight is None or not self.in_flight.future.done():
+            return None
+        return self._settle()
 
-    def finish(self, outcome: MergeOutcome) -> bool:
-        if not outcome.committed or outcome.max_version > self.state.version:
-            return False  # rolled back, or stale: the caller resyncs Θ from a peer
-        self.state.apply(outcome.merged, [m["peer"] for m in outcome.members])
-        self.reset_local_to_global()
-        return True
+    def wait(self, timeout: Optional[float] = None) -> Optional[Settled]:
+        if self.in_flight is None:
+            return None
+        self.in_flight.future.result(timeout=timeout)
+        return self._settle()
 
-    def reset_local_to_global(self) -> None:
-        load_flat_params(self.trainer.model, self.state.params)
-        self.pending_tokens = self.pending_steps = 0
+    def _settle(self) -> Settled:
+        flight, self.in_flight = self.in_flight, None
+        try:
+            outcome = flight.future.result()
+        except Exception as e:  # a merger bug must cost one round, never the peer
+            outcome = MergeOutcome.failed(f"merger error: {type(e).__name__}: {e}", flight.started)
+        applied = self.apply(outcome, flight)
+        return Settled(outcome, flight.contribution, applied,
+                       self.trainer.total_steps - flight.steps_at_snapshot, self.unmerged_tokens)
+
+    def apply(self, outcome: MergeOutcome, flight: InFlight) -> bool:
+        c = flight.contribution
+        with self.state.lock:
+            if outcome.state_before is not None:
+                self.state.load(*outcome.state_before)
+            if outcome.committed:
+                if outcome.state is not None:
+                    self.state.load(*outcome.state)  # the group's newer Θ, which already holds our Δ
+                else:
+                    self.state.apply(outcome.merged, [m["peer"] for m in outcome.members])
+                self.unmerged_tokens -= c.tokens
+                self.unmerged_steps -= c.steps
+                base = flight.local_at_snapshot  # progress up to θ_S is now in Θ
+            elif outcome.state is not None:
+                self.state.load(*outcome.state)  # resync without a merge: keep all our progress
+                base = flight.global_at_snapshot
+            elif outcome.state_before is not None:
+                base = flight.global_at_snapshot
+            else:
+                return False  # rolled back and nothing adopted: θ and Θ stay exactly as they are
+            self._rebase(base)
+        if outcome.sync_seconds:
+            self.clock.sync.update(outcome.sync_seconds)
+        self.clock.quorum.update(outcome.quorum_seconds)
+        return outcome.committed
+
+    def _rebase(self, base: torch.Tensor) -> None:
+        """θ ← Θ + (θ − base): keep the local progress not yet in Θ, on top of the new Θ."""
+        local = self.local_params()
+        if torch.equal(local, base):
+            load_flat_params(self.trainer.model, self.state.params)  # exactly Θ, bit for bit
+        else:
+            load_flat_params(self.trainer.model, self.state.params + (local - base))
 
     def adopt(self, metadata: dict, tensors: list[torch.Tensor]) -> None:
-        """Take a newer global state from a peer. If our pending work was merged into it, start afresh from
-        it; otherwise keep our pending progress by rebasing θ onto it: θ ← Θ_new − Δ_pending."""
-        pending = pseudo_gradient(self.state.params, self.local_params())
-        self.state.load(metadata, tensors)
-        if self.peer in self.state.last_members or self.pending_tokens == 0:
-            self.reset_local_to_global()
-        else:
-            load_flat_params(self.trainer.model, self.state.params - pending)
+        """Take a global state from a peer between rounds (joining, or behind): rebase unmerged progress."""
+        assert self.in_flight is None
+        with self.state.lock:
+            base = self.state.params.clone()
+            self.state.load(metadata, tensors)
+            self._rebase(base)
+
+    def close(self, timeout: float = 0.0) -> None:
+        self._executor.shutdown(wait=timeout > 0, cancel_futures=True)
+
+
+def train(diloco: DiLoCo, steps_per_round: int, should_leave: Callable[[], bool],
+          on_step: Callable[[float, float], None] = lambda loss, seconds: None,
+          on_round: Callable[[Settled], None] = lambda s: None, synchronous: bool = False,
+          round_seconds: Optional[float] = None, final_wait: float = 120.0) -> None:
+    """Run inner steps until `should_leave()`; contribute every `steps_per_round` steps (or every
+    `round_seconds`, a time-budgeted H that sizes each peer's rounds to its speed)."""
+    since_steps, since_time = 0, time.monotonic()
+    while not should_leave():
+        due = since_steps >= steps_per_round if round_seconds is None else (
+            since_steps > 0 and time.monotonic() - since_time >= round_seconds)
+        if due and diloco.in_flight is None:
+            diloco.contribute()
+            since_steps, since_time = 0, time.monotonic()
+            if synchronous:
+                on_round(diloco.wait())
+                continue
+        loss, seconds = diloco.inner_step()
+        since_steps += 1
+        on_step(loss, seconds)
+        settled = diloco.poll()
+        if settled is not None:
+            on_round(settled)
+    if diloco.in_flight is not None:  # let the round finish: abandoning it could stall our island
+        try:
+            on_round(diloco.wait(timeout=final_wait))
+        except TimeoutError:
+            pass

@@ -1,7 +1,10 @@
 """Declarative fault plans for tests and chaos runs, read from P2PDILOCO_FAULTS (never set in normal use).
 
-Format: comma-separated `action@version`, e.g. `die_in_allreduce@2`: SIGKILL this whole peer (main process
-and averager) shortly after the all-reduce of the round at global version 2 has started sending.
+Format: comma-separated `action@version`:
+- `die_in_allreduce@2`: SIGKILL this whole peer (main process and averager) shortly after the all-reduce of
+  the round at global version 2 has started sending;
+- `partition_until@3`: until this peer holds version 3, it looks for islands under a separate group key, so
+  it can only meet peers with the same fault (two islands that form apart, on one DHT).
 """
 
 from __future__ import annotations
@@ -14,3 +17,12 @@ ENV = "P2PDILOCO_FAULTS"
 def planned(action: str, version: int) -> bool:
     plan = os.environ.get(ENV, "")
     return f"{action}@{version}" in {item.strip() for item in plan.split(",") if item.strip()}
+
+
+def version_of(action: str) -> int | None:
+    """The version given for `action` in the plan, or None."""
+    for item in os.environ.get(ENV, "").split(","):
+        name, _, version = item.strip().partition("@")
+        if name == action and version.isdigit():
+            return int(version)
+    return None

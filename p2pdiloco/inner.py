@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -25,14 +23,6 @@ def load_flat_params(model: nn.Module, flat: torch.Tensor) -> None:
         p.copy_(flat[offset : offset + p.numel()].view_as(p))
         offset += p.numel()
     assert offset == flat.numel(), "flat vector does not match the model"
-
-
-@dataclass
-class InnerReport:
-    steps: int
-    tokens: int
-    mean_loss: float
-    compute_seconds: float  # time inside forward/backward/step (throttle sleep excluded)
 
 
 class InnerTrainer:
@@ -63,23 +53,19 @@ class InnerTrainer:
         self.total_steps += 1
         return loss.item()  # a device sync point: once per step is fine at these sizes
 
-    def run(self, steps: int, on_step: Callable[[int, float], None] = lambda i, loss: None,
-            should_stop: Callable[[], bool] = lambda: False) -> InnerReport:
-        self.model.train()
-        losses, compute = [], 0.0
-        for i in range(steps):
-            if should_stop():
-                break
-            start = time.perf_counter()
-            losses.append(self.train_step())
-            elapsed = time.perf_counter() - start
-            compute += elapsed
-            if self.throttle > 1.0:  # emulate a slower machine
-                time.sleep(elapsed * (self.throttle - 1.0))
-            on_step(i, losses[-1])
-        tokens = len(losses) * self.cfg.batch_size * self.cfg.seq_len
-        mean = sum(losses) / len(losses) if losses else math.nan
-        return InnerReport(steps=len(losses), tokens=tokens, mean_loss=mean, compute_seconds=compute)
+    def timed_step(self) -> tuple[float, float]:
+        """One inner step; returns (loss, wall seconds). A throttled peer sleeps in proportion, so it behaves
+        like a slower machine, and that sleep counts as step time (it stands for compute)."""
+        start = time.perf_counter()
+        loss = self.train_step()
+        elapsed = time.perf_counter() - start
+        if self.throttle > 1.0:
+            time.sleep(elapsed * (self.throttle - 1.0))
+        return loss, time.perf_counter() - start
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.batch_size * self.cfg.seq_len
 
 
 @torch.no_grad()

@@ -116,7 +116,8 @@ def _follow(procs: dict, log_dir: Path, n_peers: int) -> None:
             for r in records[seen.get(name, 0):]:
                 val = f"{r['val_loss']:.4f}" if r.get("val_loss") is not None else "  -   "
                 print(f"{name:>7} round {r['round']:>3} v{r['version']:<3} island {len(r['members'])} "
-                      f"loss {r['loss']:.4f} val {val} {'merged' if r['applied'] else r['reason']}", flush=True)
+                      f"loss {r['loss']:.4f} val {val} consensus {r['consensus_distance']:.3g} "
+                      f"{'merged' if r['applied'] else r['reason']}", flush=True)
             seen[name] = len(records)
 
 
@@ -130,11 +131,11 @@ def collect_summaries(log_dir: Path, n_peers: int) -> dict:
 
 
 def print_summary(summaries: dict) -> None:
-    print("\npeer      rounds  version  val loss before -> after   state digest")
+    print("\npeer      rounds  version  val loss before -> after   compute/wall  state digest")
     for name, s in summaries.items():
         if s is None:
             print(f"{name:<9} (no summary: see its log)")
         else:
             print(f"{name:<9} {s['rounds']:>6}  {s['version']:>7}  {s['initial_val']:>8.4f} -> {s['final_val']:.4f}"
-                  f"     {s['digest']}")
+                  f"     {100 * s['utilization']:>10.0f}%  {s['digest']}")
     print(json.dumps({k: (v or {}).get("final_val") for k, v in summaries.items()}))

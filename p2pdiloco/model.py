@@ -62,3 +62,14 @@ def build_model(cfg: ModelConfig, seed: int) -> ByteGPT:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return ByteGPT(cfg)
+
+
+def rda_segments(model: nn.Module, plain: tuple[str, ...] = ("embed", "pos")) -> list[tuple[int, int]]:
+    """[start, end) of every tensor in the flat parameter vector that RDA averages; embeddings (`plain`)
+    keep the plain weighted mean, as Decoupled DiLoCo does."""
+    segments, offset = [], 0
+    for name, p in model.named_parameters():
+        if not name.split(".")[0] in plain:
+            segments.append((offset, offset + p.numel()))
+        offset += p.numel()
+    return segments

@@ -11,27 +11,96 @@ from typing import Sequence
 
 import torch
 
+from p2pdiloco.config import WEIGHTINGS
+
 
 def pseudo_gradient(global_params: torch.Tensor, local_params: torch.Tensor) -> torch.Tensor:
     """Δ = Θ − θ: points from the local model back to the global one, like a gradient."""
     return global_params - local_params
 
 
-def merge_weights(tokens: Sequence[float]) -> list[float]:
-    """Normalised merge weights, proportional to the tokens each contribution processed."""
-    total = float(sum(tokens))
+def merge_weights(tokens: Sequence[float], steps: Sequence[float] | None = None,
+                  weighting: str = "tokens") -> list[float]:
+    """Normalised merge weights for one round's contributions.
+
+    tokens2:  tokens²/steps (Decoupled DiLoCo): quantity (tokens since the last merge) times quality
+              (tokens per step, i.e. batch size); a peer that trained longer or on bigger batches counts more.
+    tokens:   proportional to tokens processed.
+    uniform:  every contribution counts the same (OpenDiLoCo).
+    """
+    if weighting == "tokens2":
+        if steps is None or len(steps) != len(tokens):
+            raise ValueError("tokens² / steps weighting needs the steps of every contribution")
+        raw = [float(t) * float(t) / float(s) if s > 0 else 0.0 for t, s in zip(tokens, steps)]
+    elif weighting == "tokens":
+        raw = [float(t) for t in tokens]
+    elif weighting == "uniform":
+        raw = [1.0 if t > 0 else 0.0 for t in tokens]
+    else:
+        raise ValueError(f"unknown weighting {weighting!r}; choose one of {', '.join(WEIGHTINGS)}")
+    total = sum(raw)
     if total <= 0:
         raise ValueError("cannot merge contributions that processed no tokens")
-    return [float(t) / total for t in tokens]
+    return [r / total for r in raw]
 
 
-def weighted_merge(deltas: Sequence[torch.Tensor], tokens: Sequence[float]) -> torch.Tensor:
-    """Reference (in-process) token-weighted mean of pseudo-gradients; the swarm computes the same thing."""
-    weights = merge_weights(tokens)
+def weighted_merge(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """Reference (in-process) weighted sum of pseudo-gradients; the swarm computes the same thing."""
     merged = torch.zeros_like(deltas[0], dtype=torch.float64)
     for delta, weight in zip(deltas, weights):
         merged += delta.double() * weight
     return merged.float()
+
+
+# ---- radial-directional averaging (RDA) ----------------------------------------------------------------
+# Learners' pseudo-gradients are nearly orthogonal, so a plain mean of M of them shrinks like 1/√M and the
+# outer lr would need retuning whenever the island size changes. RDA averages norms and directions apart:
+#   RDA = (Σ w‖v‖) · unit(Σ w·unit(v))          (weights normalised; embeddings keep the plain mean)
+# In the swarm each member sends w·unit(v) through the exact all-reduce and its norms through the gathered
+# metadata; every member then rescales the summed directions identically.
+
+Segment = tuple[int, int]  # [start, end) of one tensor inside the flat parameter vector
+
+
+def _stable(x: float) -> float:
+    """Round a float64 reduction to 12 significant digits, so members whose BLAS sums in another order still
+    derive the same fp32 scale (bitwise agreement across hardware)."""
+    return float(f"{x:.12e}")
+
+
+def segment_norm(x: torch.Tensor) -> float:
+    return _stable(float(torch.sum(x.double() * x.double())) ** 0.5)
+
+
+def rda_directions(delta: torch.Tensor, segments: Sequence[Segment]) -> tuple[torch.Tensor, list[float]]:
+    """Unit directions on the RDA segments (the rest untouched) and the norm of each segment."""
+    out = delta.clone()
+    norms = []
+    for start, end in segments:
+        norm = segment_norm(delta[start:end])
+        norms.append(norm)
+        if norm > 0:
+            out[start:end] = delta[start:end] / torch.tensor(norm, dtype=torch.float32)
+    return out, norms
+
+
+def rda_combine(summed: torch.Tensor, norms: Sequence[Sequence[float]], weights: Sequence[float],
+                segments: Sequence[Segment]) -> torch.Tensor:
+    """Turn Σ w·unit(v) into the RDA update: mean norm times the unit of the summed direction."""
+    out = summed.clone()
+    for k, (start, end) in enumerate(segments):
+        mean_norm = _stable(sum(w * member[k] for w, member in zip(weights, norms)))
+        direction_norm = segment_norm(summed[start:end])
+        scale = _stable(mean_norm / direction_norm) if direction_norm > 0 else 0.0
+        out[start:end] = summed[start:end] * torch.tensor(scale, dtype=torch.float32)
+    return out
+
+
+def rda_reference(deltas: Sequence[torch.Tensor], weights: Sequence[float],
+                  segments: Sequence[Segment]) -> torch.Tensor:
+    """In-process RDA of whole pseudo-gradients (tests and the single-process simulator)."""
+    units, norms = zip(*(rda_directions(d, segments) for d in deltas))
+    return rda_combine(weighted_merge(units, weights), norms, weights, segments)
 
 
 class OuterOptimizer:

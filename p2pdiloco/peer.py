@@ -1,4 +1,4 @@
-"""A peer, top to bottom: build → join → (train H steps → merge → outer step → evaluate)* → leave."""
+"""A peer, top to bottom: build → join → train (rounds merge in the background) → leave."""
 
 from __future__ import annotations
 
@@ -12,11 +12,14 @@ import torch
 
 from p2pdiloco.config import PeerConfig, model_config
 from p2pdiloco.data import BatchStream, load_corpus, stream_seed, validation_batches
-from p2pdiloco.diloco import DiLoCo, GlobalState, validate_state
-from p2pdiloco.inner import InnerTrainer, evaluate, flat_params
+from p2pdiloco.consensus import consensus_distance, sketch
+from p2pdiloco.diloco import DiLoCo, Settled, train
+from p2pdiloco.inner import InnerTrainer, evaluate, flat_params, load_flat_params
 from p2pdiloco.lifeline import start_lifeline
 from p2pdiloco.metrics import JsonlSink, Progress
-from p2pdiloco.model import build_model
+from p2pdiloco.model import build_model, rda_segments
+from p2pdiloco.state import GlobalState, validate_state
+from p2pdiloco.timing import RoundClock
 
 log = logging.getLogger("p2pdiloco")
 STATE_DOWNLOAD_TIMEOUT = 60.0
@@ -73,96 +76,134 @@ class Peer:
                      addresses)
         self.heartbeat = Heartbeat(self.dht, cfg.swarm.run_id,
                                    PeerRecord(peer=self.peer_id, name=self.name, version=0, digest=self.state.digest))
-        self.merger = SwarmMerger(self.dht, cfg.swarm, self.n_params, self.heartbeat, self.state.snapshot, self.stop)
+        clock = RoundClock()
+        overlap = cfg.swarm.overlap_steps or max(1, cfg.inner.steps // 2)
+        self.merger = SwarmMerger(self.dht, cfg.swarm, cfg.outer, self.n_params, rda_segments(self.model),
+                                  self.heartbeat, self.state.snapshot, self.stop, clock, overlap)
         stream = BatchStream(self.corpus.train, cfg.inner.batch_size, cfg.inner.seq_len,
                              stream_seed(self.peer_id, cfg.swarm.run_id))
         trainer = InnerTrainer(self.model, stream, cfg.inner, self.device, cfg.throttle)
-        self.diloco = DiLoCo(trainer, self.state, self.merger, self.peer_id, self.name)
+        self.diloco = DiLoCo(trainer, self.state, self.merger, self.peer_id, self.name, clock)
         self.metrics = JsonlSink(cfg.log_dir / f"{self.name}.jsonl")
         if cfg.swarm.initial_peers:
             self._resync("joining")
+        self._publish_state()
 
     def _resync(self, why: str) -> bool:
-        """Download the newest global state from a live peer; never serve state while we are behind."""
-        self.merger.set_sharing(False, self.state.version)
-        try:
-            loaded = self.merger.load_state(timeout=STATE_DOWNLOAD_TIMEOUT)
-            problem = "no peer shared its state" if loaded is None else validate_state(
-                *loaded, self.n_params, self.state.version)
-            if problem:
-                log.info("%s: resync (%s) skipped: %s", self.name, why, problem)
-                return False
-            self.diloco.adopt(*loaded)
-            log.info("%s: resynced (%s) to version %d", self.name, why, self.state.version)
-            self.metrics.write("resync", peer=self.name, why=why, version=self.state.version,
-                               digest=self.state.digest)
-            return True
-        finally:
-            self.merger.set_sharing(True, self.state.version)
-            self.heartbeat.update(version=self.state.version, digest=self.state.digest, ready=-1)
+        """Download the newest global state from a live peer (validated: never trust the network)."""
+        loaded = self.merger.load_state(timeout=STATE_DOWNLOAD_TIMEOUT)
+        problem = "no peer shared its state" if loaded is None else validate_state(
+            *loaded, self.n_params, self.state.version)
+        if problem:
+            log.info("%s: resync (%s) skipped: %s", self.name, why, problem)
+            return False
+        self.diloco.adopt(*loaded)
+        log.info("%s: resynced (%s) to version %d", self.name, why, self.state.version)
+        self.metrics.write("resync", peer=self.name, why=why, version=self.state.version, digest=self.state.digest)
+        return True
+
+    def _publish_state(self) -> None:
+        self.merger.publish_state(self.state.version, self.state.digest, sketch(self.state.params))
+
+    def _evaluate_global(self) -> float:
+        """Validation loss of Θ, the global model every peer converges to (θ, the local one, runs ahead)."""
+        if getattr(self, "eval_model", None) is None:
+            self.eval_model = build_model(model_config(self.cfg.model), self.cfg.seed).to(self.device)
+        load_flat_params(self.eval_model, self.state.params)
+        return evaluate(self.eval_model, self.val, self.device)
 
     # ---- training ---------------------------------------------------------------------------------------
     def _train(self) -> dict:
         cfg = self.cfg
-        started = time.monotonic()
-        initial_val = evaluate(self.model, self.val, self.device)
+        self.started = time.monotonic()
+        initial_val = self._evaluate_global()
         self.metrics.write("start", peer=self.name, peer_id=self.peer_id, n_params=self.n_params,
-                           val_loss=initial_val, version=self.state.version, corpus=self.corpus.description)
-        progress = Progress(self.name, cfg.inner.steps)
-        round_index = 0
-        while not self._should_leave(round_index, started):
-            progress.start_round(round_index, self.state.version)
-            result = self.diloco.run_round(cfg.inner.steps, on_step=self._on_step(progress),
-                                           should_stop=self.stop.is_set)
-            if result.outcome.behind or (result.outcome.committed and not result.applied):
-                self._resync("behind" if result.outcome.behind else "stale contribution")
-            self.heartbeat.update(version=self.state.version, digest=self.state.digest, ready=-1)
-            val = evaluate(self.model, self.val, self.device) if result.applied else None
-            self._record_round(round_index, result, val, progress)
-            round_index += 1
-        final_val = evaluate(self.model, self.val, self.device)
-        summary = dict(peer=self.name, rounds=round_index, version=self.state.version, initial_val=initial_val,
-                       final_val=final_val, digest=self.state.digest, seconds=time.monotonic() - started)
+                           val_loss=initial_val, version=self.state.version, corpus=self.corpus.description,
+                           mode=cfg.swarm.mode)
+        self.progress = Progress(self.name, cfg.inner.steps)
+        self.progress.start_round(0, self.state.version)
+        self.rounds = self.merged_rounds = 0
+        self.compute_seconds = 0.0
+        self.round_losses: list[float] = []
+        self.window = dict(start=time.monotonic(), losses=[], seconds=0.0)
+        train(self.diloco, cfg.inner.steps, self._should_leave, self._on_step, self._on_round,
+              synchronous=cfg.swarm.mode == "sync", round_seconds=cfg.inner.round_seconds)
+        final_val = self._evaluate_global()
+        wall = time.monotonic() - self.started
+        summary = dict(peer=self.name, rounds=self.rounds, merged_rounds=self.merged_rounds,
+                       version=self.state.version, initial_val=initial_val, final_val=final_val,
+                       digest=self.state.digest, seconds=wall, compute_seconds=self.compute_seconds,
+                       utilization=self.compute_seconds / max(wall, 1e-9),
+                       tokens=self.diloco.trainer.total_steps * self.diloco.trainer.tokens_per_step)
         self.metrics.write("summary", **summary)
-        log.info("%s: done after %d rounds (version %d): val loss %.4f -> %.4f", self.name, round_index,
-                 self.state.version, initial_val, final_val)
+        log.info("%s: done after %d rounds (version %d): val loss %.4f -> %.4f, compute %.0f%% of wall time",
+                 self.name, self.rounds, self.state.version, initial_val, final_val, 100 * summary["utilization"])
         return summary
 
-    def _should_leave(self, round_index: int, started: float) -> bool:
+    def _should_leave(self) -> bool:
         cfg = self.cfg
-        return (self.stop.is_set() or (cfg.max_rounds is not None and round_index >= cfg.max_rounds)
-                or (cfg.max_time is not None and time.monotonic() - started >= cfg.max_time))
+        return (self.stop.is_set() or (cfg.max_rounds is not None and self.rounds >= cfg.max_rounds)
+                or (cfg.max_time is not None and time.monotonic() - self.started >= cfg.max_time))
 
-    def _on_step(self, progress: Progress):
-        window = dict(start=time.monotonic(), losses=[])
-        tokens_per_step = self.cfg.inner.batch_size * self.cfg.inner.seq_len
+    def _on_step(self, loss: float, seconds: float) -> None:
+        w = self.window
+        self.compute_seconds += seconds
+        w["losses"].append(loss)
+        w["seconds"] += seconds
+        self.round_losses.append(loss)
+        rate = len(w["losses"]) * self.diloco.trainer.tokens_per_step / max(time.monotonic() - w["start"], 1e-9)
+        self.progress.step(loss, rate, island=self.last_island)
+        if len(w["losses"]) == WINDOW:
+            self.metrics.write("window", peer=self.name, step=self.diloco.trainer.total_steps,
+                               loss=sum(w["losses"]) / WINDOW, tokens_per_s=rate, step_seconds=w["seconds"] / WINDOW,
+                               in_flight=self.diloco.in_flight is not None)
+            self.heartbeat.record.inner_step = self.diloco.trainer.total_steps
+            self.heartbeat.record.tokens_per_s = rate
+            w.update(start=time.monotonic(), losses=[], seconds=0.0)
 
-        def on_step(i: int, loss: float) -> None:
-            window["losses"].append(loss)
-            rate = len(window["losses"]) * tokens_per_step / max(time.monotonic() - window["start"], 1e-9)
-            progress.step(loss, rate, island=1)
-            if len(window["losses"]) == WINDOW:
-                self.metrics.write("window", peer=self.name, step=self.diloco.trainer.total_steps,
-                                   loss=sum(window["losses"]) / WINDOW, tokens_per_s=rate)
-                self.heartbeat.record.inner_step = self.diloco.trainer.total_steps
-                self.heartbeat.record.tokens_per_s = rate
-                window.update(start=time.monotonic(), losses=[])
+    last_island = 1
 
-        return on_step
+    def _on_round(self, settled: Settled | None) -> None:
+        if settled is None:
+            return
+        o = settled.outcome
+        self.rounds += 1
+        self.merged_rounds += int(settled.applied)
+        self.last_island = max(1, len(o.members))
+        self._publish_state()
+        evaluate_now = settled.applied and self.cfg.eval_every and self.merged_rounds % self.cfg.eval_every == 0
+        val = self._evaluate_global() if evaluate_now else None
+        self._record_round(settled, val)
+        self.progress.start_round(self.rounds, self.state.version)
 
-    def _record_round(self, round_index: int, result, val, progress: Progress) -> None:
-        o = result.outcome
+    def _record_round(self, settled: Settled, val) -> None:
+        o, c = settled.outcome, settled.contribution
+        from p2pdiloco.swarm.records import fetch_records
+
+        records = fetch_records(self.dht, self.cfg.swarm.run_id)
+        distance = consensus_distance([(r.digest, r.sketch) for r in records if r.sketch])
+        wall = time.monotonic() - self.started
         self.metrics.write(
-            "round", peer=self.name, round=round_index, version=self.state.version, applied=result.applied,
-            reason=o.reason, loss=result.report.mean_loss, val_loss=val, tokens=result.report.tokens,
-            pending_tokens=result.pending_tokens, members=[m.get("name", m["peer"]) for m in o.members],
-            member_tokens=[m["tokens"] for m in o.members], group_id=o.group_id, round_seconds=o.seconds,
-            compute_seconds=result.report.compute_seconds, bytes_sent=o.bytes_estimate,
-            bytes_received=o.bytes_estimate, digest=self.state.digest)
+            "round", peer=self.name, round=self.rounds, version=self.state.version, applied=settled.applied,
+            reason=o.reason, loss=sum(self.round_losses) / max(len(self.round_losses), 1), val_loss=val,
+            tokens=c.tokens, from_version=c.version,
+            unmerged_tokens=settled.unmerged_tokens, steps_in_flight=settled.steps_in_flight,
+            members=[m.get("name", m["peer"]) for m in o.members], member_tokens=[m["tokens"] for m in o.members],
+            member_versions=[m["version"] for m in o.members], member_steps=[m["steps"] for m in o.members],
+            weights=o.weights, tokens_merged=sum(m["tokens"] for m in o.members),
+            group_id=o.group_id, round_seconds=o.seconds, quorum_seconds=o.quorum_seconds,
+            sync_seconds=o.sync_seconds, grace_seconds=self.diloco.clock.grace(self.merger.overlap_steps,
+                                                                               self.merger.grace_policy),
+            step_seconds_ema=self.diloco.clock.step.get(), bytes_sent=o.wire_bytes, bytes_received=o.wire_bytes,
+            adopted=o.state is not None or o.state_before is not None, consensus_distance=distance,
+            live_peers=len(records), utilization=self.compute_seconds / max(wall, 1e-9), wall=wall,
+            digest=self.state.digest)
         val_text = f" val {val:.4f}" if val is not None else ""
-        progress.end_round(f"round {round_index}: {'merged' if result.applied else 'not merged'} "
-                           f"({o.reason}, island {len(o.members)}) v{self.state.version} loss "
-                           f"{result.report.mean_loss:.4f}{val_text} in {o.seconds:.1f}s")
+        self.progress.end_round(f"round {self.rounds}: {'merged' if settled.applied else 'not merged'} "
+                                f"({o.reason}, island {len(o.members)}) v{self.state.version}{val_text} "
+                                f"in {o.seconds:.1f}s, {settled.steps_in_flight} steps in flight, "
+                                f"consensus distance {distance:.3g}")
+        self.round_losses = []
 
     # ---- leaving ----------------------------------------------------------------------------------------
     def request_stop(self, *_args) -> None:
@@ -176,6 +217,8 @@ class Peer:
 
         if self.heartbeat is not None:
             self.heartbeat.stop()
+        if getattr(self, "diloco", None) is not None:
+            self.diloco.close()
         if self.merger is not None:
             self.merger.shutdown()
         node_dht, self.dht = self.dht, None

@@ -22,13 +22,21 @@ class Contribution:
 
 @dataclass
 class MergeOutcome:
-    merged: Optional[torch.Tensor]  # Σ wᵢΔᵢ over `members`; None: nothing to apply (rolled back)
+    """What one round did with a contribution. `merged` is Σ wᵢΔᵢ over `members` (None: rolled back, nothing
+    was merged). `state` is a global state downloaded from a peer; when set it already contains the merge (we
+    were not on the group's newest state) and replaces ours; `state_before` was adopted before contributing."""
+
+    merged: Optional[torch.Tensor]
     members: list[dict] = field(default_factory=list)  # gathered records: peer, name, version, tokens, ...
+    weights: list[float] = field(default_factory=list)  # each member's merge weight (sums to 1)
     group_id: str = ""
     reason: str = ""
-    seconds: float = 0.0
-    bytes_estimate: int = 0
-    behind: bool = False  # peers are at a newer version: resync before the next round
+    seconds: float = 0.0  # ready → outcome
+    quorum_seconds: float = 0.0  # ready → K−1 others ready
+    sync_seconds: float = 0.0  # group formed → all-reduce returned
+    wire_bytes: int = 0  # sent by this peer (and as many received), from the all-reduce's layout
+    state_before: Optional[tuple[dict, list[torch.Tensor]]] = None
+    state: Optional[tuple[dict, list[torch.Tensor]]] = None
 
     @property
     def committed(self) -> bool:
@@ -39,10 +47,18 @@ class MergeOutcome:
         return max((m["version"] for m in self.members), default=-1)
 
     @classmethod
-    def failed(cls, reason: str, start: float, behind: bool = False) -> "MergeOutcome":
-        return cls(merged=None, reason=reason, seconds=time.monotonic() - start, behind=behind)
+    def failed(cls, reason: str, start: float, **kwargs) -> "MergeOutcome":
+        return cls(merged=None, reason=reason, seconds=time.monotonic() - start, **kwargs)
 
     @classmethod
-    def solo(cls, c: Contribution, start: float) -> "MergeOutcome":
-        member = dict(peer=c.peer, name=c.name, version=c.version, tokens=c.tokens, steps=c.steps)
-        return cls(merged=c.delta.clone(), members=[member], reason="solo", seconds=time.monotonic() - start)
+    def solo(cls, c: Contribution, start: float, **kwargs) -> "MergeOutcome":
+        member = dict(peer=c.peer, name=c.name, version=c.version, tokens=c.tokens, steps=c.steps,
+                      digest=c.digest)
+        return cls(merged=c.delta.clone(), members=[member], weights=[1.0], reason="solo", seconds=time.monotonic() - start,
+                   **kwargs)
+
+
+def newest_member(members: list[dict]) -> dict:
+    """The member whose global state the group's merge is applied to: the highest (version, digest), the
+    same order every peer uses to reconcile forks (p2pdiloco.state.lineage_key)."""
+    return max(members, key=lambda m: (int(m["version"]), str(m["digest"])))

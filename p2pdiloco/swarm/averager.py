@@ -13,6 +13,7 @@ import asyncio
 import math
 import os
 import signal
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -21,6 +22,8 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.utils.logging import get_logger
 
 from p2pdiloco import exact, faults
+from p2pdiloco.outer import merge_weights
+from p2pdiloco.timing import allreduce_wire_bytes
 
 logger = get_logger(__name__)
 
@@ -28,32 +31,30 @@ StateProvider = Callable[[], tuple[dict, Sequence[torch.Tensor]]]
 
 
 @dataclass(frozen=True)
-class RoundTimeouts:
-    """All-reduce timeouts derived from the payload size and the link speed, never guessed constants."""
+class AveragerLimits:
+    """hivemind's construction-time limits. The all-reduce one is only an outer cap: each round's deadline
+    comes from the link speed this peer measured (RoundClock.allreduce_budget), sent along in the gathered
+    metadata and enforced in `_aggregate_with_group`, so it follows the network as it changes."""
 
-    allreduce: float
+    allreduce_cap: float
     next_chunk: float
-    matchmaking: float
+    matchmaking: float  # hivemind's min_matchmaking_time: the floor of the grace window
     request: float
-
-    @property
-    def step(self) -> float:
-        return self.matchmaking + self.allreduce + self.request
+    initial_bytes_per_s: float  # link speed assumed until the first round has been measured
 
 
-def round_timeouts(n_elements: int, max_group: int, bandwidth_mbps: float, part_bytes: int = 1 << 19,
-                   slack: float = 3.0, cpu_seconds_per_gb: float = 4.0) -> RoundTimeouts:
-    """Butterfly all-reduce moves 2·(N−1)/N·S bytes per peer; allow 3× that at the link rate, plus CPU time
-    for (de)serialization (measured ~0.6 s per 40 MB with 2 peers on 2 cores), plus a fixed slack."""
-    size_bytes = 4 * n_elements
-    wire = 2 * (max_group - 1) / max_group * size_bytes * 8 / (bandwidth_mbps * 1e6)
-    cpu = cpu_seconds_per_gb * size_bytes / 1e9 * max_group
-    allreduce = slack + 3.0 * (wire + cpu)
-    next_chunk = max(2.0, 10.0 * part_bytes * 8 / (bandwidth_mbps * 1e6))
-    request = 3.0
-    matchmaking = request + 2.0  # hivemind needs request_timeout < min_matchmaking_time
-    return RoundTimeouts(allreduce=math.ceil(allreduce), next_chunk=next_chunk, matchmaking=matchmaking,
-                         request=request)
+def averager_limits(n_elements: int, max_group: int, bandwidth_mbps: float, part_bytes: int = 1 << 19,
+                    cpu_seconds_per_gb: float = 4.0) -> AveragerLimits:
+    """From the payload size and the declared link: the butterfly moves 2·(N−1)/N·S bytes per peer, plus CPU
+    time for (de)serialization (measured ~0.6 s per 40 MB with 2 peers on 2 cores)."""
+    link = bandwidth_mbps * 1e6 / 8
+    cpu_rate = 1e9 / (cpu_seconds_per_gb * max_group)
+    effective = 1.0 / (1.0 / link + 1.0 / cpu_rate)
+    expected = allreduce_wire_bytes(n_elements, max_group) / effective
+    request = 2.0
+    return AveragerLimits(allreduce_cap=math.ceil(30.0 + 10.0 * expected),
+                          next_chunk=max(2.0, 10.0 * part_bytes / link), matchmaking=request + 0.5,
+                          request=request, initial_bytes_per_s=effective)
 
 
 class ExactAverager(DecentralizedAverager):
@@ -63,8 +64,10 @@ class ExactAverager(DecentralizedAverager):
     token-weighted sum Σ wᵢΔᵢ when `result["verified"]` is True. On failure the body holds Δ again.
     """
 
-    def __init__(self, n_elements: int, max_group: int, state_provider: StateProvider, **kwargs):
-        self.n_elements, self.max_group = n_elements, max_group
+    def __init__(self, n_elements: int, max_group: int, state_provider: StateProvider, weighting: str,
+                 allreduce_cap: float, **kwargs):
+        self.n_elements, self.max_group, self.weighting = n_elements, max_group, weighting
+        self.allreduce_cap = allreduce_cap
         self._state_provider = state_provider
         buffer = torch.zeros(n_elements + exact.tail_size(max_group))
         super().__init__([buffer], target_group_size=max_group, **kwargs)
@@ -74,18 +77,21 @@ class ExactAverager(DecentralizedAverager):
         gathered = [self.serializer.loads(m) for m in members]
         size = len(gathered)
         my_index = list(group_info.peer_ids).index(self.peer_id)
-        total_tokens = sum(g["tokens"] for g in gathered)
+        weights = merge_weights([g["tokens"] for g in gathered], [g["steps"] for g in gathered], self.weighting)
+        # every member derives the same deadline: the most patient member's budget, from its measured link
+        budget = min(self.allreduce_cap, max(float(g["budget"]) for g in gathered))
         maxabs = [torch.frombuffer(bytearray(g["maxabs"]), dtype=torch.float32) for g in gathered]
 
         with self.get_tensors() as (buffer,):
             original = buffer[: self.n_elements].clone()
-            enc = exact.encode(original, gathered[my_index]["tokens"] / total_tokens, maxabs, my_index,
+            enc = exact.encode(original, weights[my_index], maxabs, my_index,
                                group_info.group_id, buffer.numel() - self.n_elements)
             buffer.copy_(enc.buffer)
+        started = time.monotonic()
         try:
             if faults.planned("die_in_allreduce", gathered[my_index]["version"]):
                 await self._die_mid_allreduce(group_info, min_vector_size, **kwargs)
-            await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+            await asyncio.wait_for(super()._aggregate_with_group(group_info, min_vector_size, **kwargs), budget)
             with self.get_tensors() as (buffer,):
                 decoded = exact.decode(buffer, self.n_elements, size, enc)
                 buffer[: self.n_elements] = decoded.merged if decoded.verified else original
@@ -96,7 +102,7 @@ class ExactAverager(DecentralizedAverager):
         if not decoded.verified:
             logger.warning(f"round in group {group_info.group_id.hex()[:8]} not verified: {decoded.reason}")
         return dict(verified=decoded.verified, reason=decoded.reason, group_id=group_info.group_id.hex(),
-                    members=gathered)
+                    members=gathered, weights=weights, sync_seconds=time.monotonic() - started)
 
     async def _die_mid_allreduce(self, group_info, min_vector_size: int, **kwargs) -> None:
         """Fault injection: start the all-reduce, let some parts go out, then SIGKILL the whole peer."""
@@ -111,9 +117,10 @@ class ExactAverager(DecentralizedAverager):
         return metadata, list(tensors), None
 
 
-def gather_record(peer: str, name: str, version: int, tokens: int, steps: int, delta: torch.Tensor,
-                  digest: str) -> dict:
+def gather_record(peer: str, name: str, version: int, tokens: int, steps: int, body: torch.Tensor,
+                  digest: str, budget: float, norms: Sequence[float] = ()) -> dict:
     """This member's metadata for the round, all-gathered during matchmaking (kept small: ~4 bytes per
-    16K parameters for the block maxima)."""
+    16K parameters for the block maxima, one float per tensor for RDA norms)."""
     return dict(peer=peer, name=name, version=version, tokens=int(tokens), steps=int(steps), digest=digest,
-                maxabs=exact.block_maxabs(delta).numpy().tobytes())
+                budget=float(budget), norms=[float(x) for x in norms],
+                maxabs=exact.block_maxabs(body).numpy().tobytes())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from hivemind import DHT
@@ -21,9 +21,14 @@ class PeerRecord:
     name: str
     version: int  # outer steps applied to this peer's global state
     digest: str  # hash of its global parameters: equal digests at equal versions = consensus
-    ready: int = -1  # the version whose round it waits to merge, or -1 while training
+    ready: int = -1  # the version it contributes from while it looks for an island, or -1
     inner_step: int = 0
     tokens_per_s: float = 0.0
+    sketch: list = field(default_factory=list)  # p2pdiloco.consensus.sketch of its Θ
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return (self.version, self.digest)
 
 
 def records_key(run_id: str) -> str:
@@ -37,7 +42,9 @@ def fetch_records(dht: DHT, run_id: str) -> list[PeerRecord]:
     records = []
     for item in found.value.values():
         try:
-            records.append(PeerRecord(**item.value))
+            record = PeerRecord(**item.value)
+            if isinstance(record.version, int) and isinstance(record.digest, str) and isinstance(record.ready, int):
+                records.append(record)
         except (TypeError, AttributeError):
             continue  # a malformed record from a remote peer is ignored, never trusted
     return records
@@ -101,4 +108,17 @@ def wait_for_round(dht: DHT, run_id: str, me: str, version: int, deadline: float
         done = ahead or len(ready) == len(expected) or time.monotonic() >= deadline
         if done or (stop is not None and stop.is_set()):
             return BarrierResult(expected, ready, ahead, time.monotonic() - start)
+        time.sleep(poll)
+
+
+def wait_for_quorum(dht: DHT, run_id: str, me: str, others_needed: int, deadline: float, poll: float = 0.25,
+                    stop: Optional[threading.Event] = None) -> tuple[float, list[PeerRecord]]:
+    """Decoupled rounds: wait until `others_needed` other live peers are looking for an island too (any
+    version: stale contributors are welcome). Returns the time it took and the live others."""
+    start = time.monotonic()
+    while True:
+        others = [r for r in fetch_records(dht, run_id) if r.peer != me]
+        ready = [r for r in others if r.ready >= 0]
+        if len(ready) >= others_needed or time.monotonic() >= deadline or (stop is not None and stop.is_set()):
+            return time.monotonic() - start, others
         time.sleep(poll)

@@ -1,88 +1,183 @@
-"""One synchronous round over the swarm: barrier on the DHT, verified exact all-reduce, outcome.
+"""One round over the swarm, run from DiLoCo's background thread: island, verified exact all-reduce, outcome.
 
-The DiLoCo side sees only `merge(...) -> MergeOutcome`; `p2pdiloco.peer.SoloMerger` is the same interface
-without a network, which is what unit tests and a swarm of one use.
+Decoupled mode (the default), no global barrier:
+1. catch up first only if needed: a live peer holds a higher state at our version (a fork: everyone moves
+   to the highest `lineage_key`) or is more than `max_staleness` versions ahead;
+2. quorum: wait until K−1 other peers are looking for an island (K=1: no wait);
+3. grace window (Eq. 3, from measured EMAs): how long our matchmaking stays open for more members;
+4. exact all-reduce of Δ with weights tokens²/steps (or RDA), verified by every member;
+5. members on the group's newest state apply the merge; stale members download that state afterwards.
+A peer alone in the swarm (K=1) applies its own update at once. A peer that finds no island while others
+are alive rolls back instead: its Δ rides along with its next contribution. Applying it alone would fork Θ,
+and the fork's update would be dropped when the forks reconcile.
+
+Sync mode, the baseline: the same, after a barrier on the DHT where everyone waits for everyone.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from hivemind import DHT
+from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 
-from p2pdiloco import exact
-from p2pdiloco.config import SwarmConfig
-from p2pdiloco.roundtypes import Contribution, MergeOutcome
-from p2pdiloco.swarm.averager import ExactAverager, gather_record, round_timeouts
-from p2pdiloco.swarm.records import Heartbeat, wait_for_round
+from p2pdiloco import exact, faults
+from p2pdiloco.config import OuterConfig, SwarmConfig
+from p2pdiloco.outer import Segment, rda_combine, rda_directions
+from p2pdiloco.roundtypes import Contribution, MergeOutcome, newest_member
+from p2pdiloco.state import sharing_priority, validate_state
+from p2pdiloco.swarm.averager import ExactAverager, averager_limits, gather_record
+from p2pdiloco.swarm.records import Heartbeat, PeerRecord, fetch_records, wait_for_quorum, wait_for_round
+from p2pdiloco.timing import GracePolicy, RoundClock, allreduce_wire_bytes
 
 logger = get_logger(__name__)
+StateTuple = tuple[dict, list[torch.Tensor]]
 
 
 class SwarmMerger:
-    def __init__(self, dht: DHT, cfg: SwarmConfig, n_params: int, heartbeat: Heartbeat, state_provider,
-                 stop: threading.Event):
-        self.dht, self.cfg, self.n, self.heartbeat, self.stop = dht, cfg, n_params, heartbeat, stop
-        self.timeouts = round_timeouts(n_params + exact.tail_size(cfg.max_island), cfg.max_island,
-                                       cfg.bandwidth_mbps)
+    def __init__(self, dht: DHT, cfg: SwarmConfig, outer: OuterConfig, n_params: int,
+                 segments: Sequence[Segment], heartbeat: Heartbeat, state_provider: Callable[[], StateTuple],
+                 stop: threading.Event, clock: RoundClock, overlap_steps: int):
+        self.dht, self.cfg, self.outer, self.n, self.segments = dht, cfg, outer, n_params, list(segments)
+        self.heartbeat, self.stop, self.clock, self.overlap_steps = heartbeat, stop, clock, overlap_steps
+        self.buffer_size = n_params + exact.tail_size(cfg.max_island)
+        self.limits = averager_limits(self.buffer_size, cfg.max_island, cfg.bandwidth_mbps)
+        self.grace_policy = GracePolicy(gamma=cfg.grace_gamma, floor=self.limits.matchmaking + 0.5)
+        merge_rule = f"{outer.weighting}_{'rda' if outer.rda else 'mean'}"  # peers with other rules never meet
         self.averager = ExactAverager(
-            n_params, cfg.max_island, state_provider, dht=dht, prefix=f"{cfg.run_id}_round", start=True,
-            min_group_size=max(2, cfg.quorum),  # hivemind forms groups of 1 at once; K=1 is ours min_matchmaking_time=self.timeouts.matchmaking,
-            request_timeout=self.timeouts.request, allreduce_timeout=self.timeouts.allreduce,
-            next_chunk_timeout=self.timeouts.next_chunk, allow_state_sharing=True,
+            n_params, cfg.max_island, state_provider, outer.weighting, self.limits.allreduce_cap,
+            dht=dht, prefix=f"{cfg.run_id}_{merge_rule}", start=True,
+            min_group_size=max(2, cfg.quorum),  # hivemind would "form" a group of 1 at once; K=1 is ours
+            min_matchmaking_time=self.limits.matchmaking, request_timeout=self.limits.request,
+            allreduce_timeout=self.limits.allreduce_cap, next_chunk_timeout=self.limits.next_chunk,
+            allow_state_sharing=True, initial_group_bits=self._group_bits(0),
         )
         self.peer = dht.peer_id.to_base58()
 
+    # ---- the round ----------------------------------------------------------------------------------------
     def merge(self, c: Contribution) -> MergeOutcome:
-        start = time.monotonic()
-        self.heartbeat.update(ready=c.version)
-        barrier = wait_for_round(self.dht, self.cfg.run_id, self.peer, c.version,
-                                 deadline=time.monotonic() + self.cfg.sync_wait, stop=self.stop)
-        if barrier.ahead:
-            return MergeOutcome.failed("behind: peers are at a newer version", start, behind=True)
-        if not barrier.expected and self.cfg.quorum <= 1:
-            return MergeOutcome.solo(c, start)  # nobody else alive: K=1 applies its own update
-        return self._allreduce(c, start)
-
-    def _allreduce(self, c: Contribution, start: float) -> MergeOutcome:
-        with self.averager.get_tensors() as (buffer,):
-            buffer[: self.n] = c.delta
-        gather = gather_record(self.peer, c.name, c.version, c.tokens, c.steps, c.delta, c.digest)
         try:
-            result = self.averager.step(gather=gather, weight=1.0, timeout=self.timeouts.step,
-                                        allow_retries=False)
+            return self._merge(c, time.monotonic())
+        finally:
+            self.heartbeat.update(ready=-1)
+
+    def _merge(self, c: Contribution, start: float) -> MergeOutcome:
+        state_before = self._catch_up_first(c)
+        if state_before is not None:
+            c = dataclasses.replace(c, version=state_before[0]["version"], digest=state_before[0]["digest"])
+        extra = dict(state_before=state_before)
+        self.heartbeat.update(ready=c.version)
+        quorum_seconds, others = self._quorum(c, start)
+        extra["quorum_seconds"] = quorum_seconds
+        if not others and self.cfg.quorum <= 1:
+            return MergeOutcome.solo(c, start, **extra)  # alone in the swarm: K=1 applies its own update
+        outcome = self._allreduce(c, start, self.clock.grace(self.overlap_steps, self.grace_policy), extra)
+        if not outcome.committed and "could not find a group" in outcome.reason and self.cfg.quorum <= 1:
+            if not self._live_others():
+                return MergeOutcome.solo(c, start, **extra)  # everyone else left while we looked
+        if outcome.committed:
+            newest = newest_member(outcome.members)
+            if (newest["version"], newest["digest"]) != (c.version, c.digest):
+                # we contributed from an older state: the newest members applied the merge; fetch theirs
+                outcome.state = self._download(newest["version"], "stale contribution")
+        return outcome
+
+    def _catch_up_first(self, c: Contribution) -> Optional[StateTuple]:
+        others = self._live_others()
+        if not others:
+            return None
+        best = max(others, key=lambda r: r.key)
+        behind_limit = 0 if self.cfg.mode == "sync" else self.cfg.max_staleness
+        fork = best.version == c.version and best.digest != c.digest and best.key > (c.version, c.digest)
+        if fork or best.version > c.version + behind_limit:
+            return self._download(best.version, "fork" if fork else "behind")
+        return None
+
+    def _quorum(self, c: Contribution, start: float) -> tuple[float, list[PeerRecord]]:
+        if self.cfg.mode == "sync":  # everyone waits for everyone at our version
+            barrier = wait_for_round(self.dht, self.cfg.run_id, self.peer, c.version,
+                                     deadline=start + self.cfg.sync_wait, stop=self.stop)
+            return barrier.waited, barrier.expected + barrier.ahead
+        deadline = time.monotonic() + self.grace_policy.cap
+        return wait_for_quorum(self.dht, self.cfg.run_id, self.peer, self.cfg.quorum - 1, deadline, stop=self.stop)
+
+    def _live_others(self) -> list[PeerRecord]:
+        return [r for r in fetch_records(self.dht, self.cfg.run_id) if r.peer != self.peer]
+
+    @staticmethod
+    def _group_bits(version: int) -> str:
+        until = faults.version_of("partition_until")
+        return "1" if until is not None and version < until else ""
+
+    def _allreduce(self, c: Contribution, start: float, grace: float, extra: dict) -> MergeOutcome:
+        if self._group_bits(c.version) != self._group_bits(0):
+            self.averager.set_group_bits(self._group_bits(c.version))
+        body, norms = rda_directions(c.delta, self.segments) if self.outer.rda else (c.delta, [])
+        with self.averager.get_tensors() as (buffer,):
+            buffer[: self.n] = body
+        budget = self.clock.allreduce_budget(allreduce_wire_bytes(self.buffer_size, self.cfg.max_island),
+                                             self.limits.initial_bytes_per_s)
+        gather = gather_record(self.peer, c.name, c.version, c.tokens, c.steps, body, c.digest, budget, norms)
+        find_timeout = grace + 2 * self.limits.request + 2.0
+        control = self.averager.step(gather=gather, weight=1.0, scheduled_time=get_dht_time() + grace,
+                                     timeout=find_timeout, allow_retries=False, wait=False)
+        try:
+            result = control.result(timeout=find_timeout + self.limits.allreduce_cap + 5.0)
         except Exception as e:
-            if self.cfg.quorum <= 1 and "could not find a group" in str(e):
-                return MergeOutcome.solo(c, start)  # nobody came: K=1 applies its own update
-            return MergeOutcome.failed(f"all-reduce failed: {type(e).__name__}: {e}", start)
+            control.cancel()
+            return MergeOutcome.failed(f"all-reduce failed: {type(e).__name__}: {e}", start, **extra)
         if not result or not result.get("verified"):
             reason = result.get("reason", "no result") if result else "no group"
-            return MergeOutcome.failed(f"round discarded: {reason}", start)
+            return MergeOutcome.failed(f"round discarded: {reason}", start, **extra)
         with self.averager.get_tensors() as (buffer,):
             merged = buffer[: self.n].clone()
         members = result["members"]
-        return MergeOutcome(merged=merged, members=members, group_id=result["group_id"], reason="ok",
-                            seconds=time.monotonic() - start,
-                            bytes_estimate=_allreduce_bytes(self.n + exact.tail_size(self.cfg.max_island),
-                                                            len(members)))
+        try:
+            if self.outer.rda:
+                merged = rda_combine(merged, [m["norms"] for m in members], result["weights"], self.segments)
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            return MergeOutcome.failed(f"round discarded: malformed RDA norms ({e})", start, **extra)
+        if not bool(torch.isfinite(merged).all()):
+            return MergeOutcome.failed("round discarded: merged update is not finite", start, **extra)
+        wire = allreduce_wire_bytes(self.buffer_size, len(members))
+        sync_seconds = float(result.get("sync_seconds", 0.0))
+        if wire and sync_seconds > 0:
+            self.clock.throughput.update(wire / sync_seconds)
+        return MergeOutcome(merged=merged, members=members, weights=result["weights"], group_id=result["group_id"],
+                            reason="ok",
+                            seconds=time.monotonic() - start, sync_seconds=sync_seconds, wire_bytes=wire,
+                            **extra)
 
-    def load_state(self, timeout: float) -> Optional[tuple[dict, list[torch.Tensor]]]:
-        loaded = self.averager.load_state_from_peers(timeout=timeout)
+    # ---- global state from peers --------------------------------------------------------------------------
+    def _download(self, min_version: int, why: str) -> Optional[StateTuple]:
+        loaded = self.load_state(timeout=max(10.0, self.limits.allreduce_cap))
+        problem = "no peer shared its state" if loaded is None else validate_state(*loaded, self.n, min_version)
+        if problem:
+            logger.info(f"state download ({why}) failed: {problem}")
+            return None
+        return loaded
+
+    def load_state(self, timeout: float) -> Optional[StateTuple]:
+        try:
+            loaded = self.averager.load_state_from_peers(timeout=timeout)
+        except Exception as e:  # a hostile or dying donor: report, never crash
+            logger.info(f"state download failed: {type(e).__name__}: {e}")
+            return None
         return None if loaded is None else (loaded[0], list(loaded[1]))
 
-    def set_sharing(self, allowed: bool, version: int) -> None:
-        self.averager.state_sharing_priority = float(version + 1)
+    def publish_state(self, version: int, state_digest: str, sketch: list[float]) -> None:
+        """After every change of Θ: donors are ranked by the same order peers reconcile by."""
+        self.averager.state_sharing_priority = sharing_priority(version, state_digest)
+        self.heartbeat.update(version=version, digest=state_digest, sketch=sketch)
+
+    def set_sharing(self, allowed: bool) -> None:
         self.averager.allow_state_sharing = allowed
 
     def shutdown(self) -> None:
         if self.averager.is_alive():
             self.averager.shutdown()
-
-
-def _allreduce_bytes(n_elements: int, group_size: int) -> int:
-    """Bytes this peer sends (and receives) in a butterfly all-reduce of fp32 values."""
-    return int(2 * (group_size - 1) / group_size * 4 * n_elements)

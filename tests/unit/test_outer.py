@@ -46,4 +46,4 @@ def test_nesterov_matches_torch_sgd_nesterov():
 def test_weighted_merge_weights_by_tokens():
     deltas = [torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])]
     assert merge_weights([100, 300]) == [0.25, 0.75]
-    assert torch.allclose(weighted_merge(deltas, [100, 300]), torch.tensor([0.25, 0.75]))
+    assert torch.allclose(weighted_merge(deltas, [0.25, 0.75]), torch.tensor([0.25, 0.75]))

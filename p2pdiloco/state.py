@@ -1,0 +1,92 @@
+"""The global state Θ every peer keeps a copy of, its version, and the order that reconciles copies.
+
+There is no central holder of Θ. Members of one round apply the same merged update and stay bit-identical;
+peers that merged in different islands may hold different states at the same version (a fork). Every peer
+ranks states by the same total order, `lineage_key` = (version, digest), and moves to the highest one it
+sees. Because everyone uses the same order, two forks reconcile as soon as either side sees the other.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch
+
+from p2pdiloco.exact import digest
+from p2pdiloco.outer import OuterOptimizer
+
+
+def lineage_key(version: int, state_digest: str) -> tuple[int, str]:
+    return (int(version), str(state_digest))
+
+
+def sharing_priority(version: int, state_digest: str) -> float:
+    """hivemind picks the donor with the highest priority (random among ties): encode `lineage_key` in a
+    float, digest as a tie-breaker below one version step, so a joiner downloads the state everyone
+    converges to."""
+    return float(version) + int(state_digest[:6], 16) / float(1 << 25)
+
+
+class GlobalState:
+    """Θ, the outer momentum and the version; `snapshot` is thread-safe (state sharing runs in a thread)."""
+
+    def __init__(self, params: torch.Tensor, lr: float, momentum: float):
+        self.outer = OuterOptimizer(params.clone(), lr, momentum)
+        self.version = 0
+        self.last_members: list[str] = []
+        self.lock = threading.RLock()
+        self._digest: Optional[str] = None
+
+    @property
+    def params(self) -> torch.Tensor:
+        return self.outer.params
+
+    @property
+    def digest(self) -> str:
+        """Hash of Θ and the outer momentum: equal digests mean the next outer step is equal too."""
+        with self.lock:
+            if self._digest is None:
+                self._digest = digest(torch.cat(self.outer.state_tensors()))
+            return self._digest
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return lineage_key(self.version, self.digest)
+
+    def apply(self, merged: torch.Tensor, members: list[str]) -> None:
+        with self.lock:
+            self.outer.step(merged)
+            self.version += 1
+            self.last_members = members
+            self._digest = None
+
+    def snapshot(self) -> tuple[dict, list[torch.Tensor]]:
+        with self.lock:
+            metadata = dict(version=self.version, digest=self.digest, last_members=list(self.last_members))
+            return metadata, [t.clone() for t in self.outer.state_tensors()]
+
+    def load(self, metadata: dict, tensors: list[torch.Tensor]) -> None:
+        with self.lock:
+            self.outer.load_state_tensors(*tensors)
+            self.version = metadata["version"]
+            self.last_members = list(metadata.get("last_members", []))
+            self._digest = None
+
+
+def validate_state(metadata, tensors, n_params: int, min_version: int) -> Optional[str]:
+    """Why a state downloaded from a remote peer is unacceptable, or None. Never trust the network."""
+    if not isinstance(metadata, dict) or not isinstance(metadata.get("version"), int):
+        return "metadata is not a dict with an integer version"
+    if metadata["version"] < min_version:
+        return f"donor is at version {metadata['version']}, older than ours ({min_version})"
+    if not isinstance(tensors, (list, tuple)) or len(tensors) != 2:
+        return "expected parameters and momentum"
+    if any(not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.shape != (n_params,)
+           for t in tensors):
+        return "tensors do not match this model"
+    if not all(bool(torch.isfinite(t).all()) for t in tensors):
+        return "tensors contain NaN or infinity"
+    if digest(torch.cat(list(tensors))) != metadata.get("digest"):
+        return "state does not match the donor's announced digest"
+    return None

@@ -1,0 +1,187 @@
+"""Decoupled rounds without a network: background rounds, delayed application, weights, RDA, grace window."""
+
+import threading
+
+import pytest
+import torch
+
+from p2pdiloco import exact
+from p2pdiloco.config import InnerConfig, model_config
+from p2pdiloco.diloco import DiLoCo, SoloMerger, train
+from p2pdiloco.inner import InnerTrainer, flat_params
+from p2pdiloco.model import build_model, rda_segments
+from p2pdiloco.outer import OuterOptimizer, merge_weights, rda_reference, weighted_merge
+from p2pdiloco.roundtypes import MergeOutcome
+from p2pdiloco.state import GlobalState
+from p2pdiloco.timing import GracePolicy, RoundClock
+from tests.unit.test_exact import hivemind_like_allreduce
+
+
+def random_batches(seed=0, batch=4, seq=16):
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        x = torch.randint(0, 256, (batch, seq + 1), generator=g)
+        yield x[:, :-1], x[:, 1:]
+
+
+def make_diloco(merger, seed=0):
+    torch.manual_seed(seed)
+    model = build_model(model_config("tiny"), seed=0)
+    cfg = InnerConfig(steps=4, batch_size=4, seq_len=16, warmup_steps=0)
+    trainer = InnerTrainer(model, random_batches(seed), cfg, torch.device("cpu"))
+    state = GlobalState(flat_params(model), lr=0.7, momentum=0.9)
+    return DiLoCo(trainer, state, merger, peer="me", name="me")
+
+
+class HeldMerger:
+    """Holds every round until released: stands for a slow island forming and a slow all-reduce."""
+
+    def __init__(self, outcome=None):
+        self.release, self.entered = threading.Event(), threading.Event()
+        self.outcome = outcome
+
+    def merge(self, c):
+        self.entered.set()
+        assert self.release.wait(30)
+        return self.outcome(c) if self.outcome else MergeOutcome.solo(c, 0.0)
+
+
+def test_training_goes_on_while_the_round_is_in_flight_and_the_merge_is_rebased():
+    merger = HeldMerger()
+    d = make_diloco(merger)
+    theta0 = d.state.params.clone()
+    for _ in range(4):
+        d.inner_step()
+    d.contribute()
+    delta, snapshot = d.in_flight.contribution.delta.clone(), d.local_params()
+    assert merger.entered.wait(10)
+    for _ in range(3):  # the round is held: inner steps do not wait for it
+        d.inner_step()
+        assert d.poll() is None
+    assert d.unmerged_tokens == 7 * d.trainer.tokens_per_step
+    before_apply = d.local_params()
+    merger.release.set()
+    settled = d.wait(10)
+    assert settled.applied and settled.steps_in_flight == 3
+    expected = OuterOptimizer(theta0.clone(), 0.7, 0.9)
+    expected.step(delta)
+    assert torch.equal(d.state.params, expected.params)  # Θ ← outer(Θ, Δ_S)
+    # θ keeps the 3 in-flight steps, moved onto the new Θ: θ = Θ_new + (θ_before_apply − θ_S)
+    assert d.unmerged_tokens == 3 * d.trainer.tokens_per_step and d.state.version == 1
+    in_flight_progress = before_apply - snapshot
+    assert in_flight_progress.abs().max() > 0
+    assert torch.equal(d.local_params(), d.state.params + in_flight_progress)
+
+
+def test_rolled_back_round_changes_nothing_and_its_tokens_ride_along():
+    merger = HeldMerger(outcome=lambda c: MergeOutcome.failed("no island", 0.0))
+    d = make_diloco(merger)
+    for _ in range(4):
+        d.inner_step()
+    d.contribute()
+    merger.release.set()
+    d.inner_step()
+    theta_before, global_before = d.local_params(), d.state.params.clone()
+    settled = d.wait(10)
+    assert not settled.applied
+    assert torch.equal(d.local_params(), theta_before) and torch.equal(d.state.params, global_before)
+    assert d.unmerged_tokens == 5 * d.trainer.tokens_per_step and d.unmerged_steps == 5
+    # the next contribution covers both rounds' steps, measured from the unchanged Θ
+    d.contribute()
+    c = d.in_flight.contribution
+    assert c.steps == 5 and torch.equal(c.delta, global_before - theta_before)
+    d.close()
+
+
+def test_stale_contribution_adopts_the_groups_newer_state_and_keeps_in_flight_steps():
+    donor = make_diloco(SoloMerger(), seed=1)
+    for _ in range(3):
+        donor.inner_step()
+    donor.contribute()
+    donor.wait(10)  # the donor is now one version ahead
+    newer = donor.state.snapshot()
+    merger = HeldMerger(outcome=lambda c: MergeOutcome(merged=c.delta, members=[
+        dict(peer="me", version=0, digest="a", tokens=c.tokens, steps=c.steps),
+        dict(peer="donor", version=1, digest="b", tokens=1, steps=1)], state=newer))
+    d = make_diloco(merger)
+    for _ in range(2):
+        d.inner_step()
+    d.contribute()
+    snapshot = d.in_flight.local_at_snapshot
+    merger.release.set()
+    d.inner_step()
+    before_apply = d.local_params()
+    assert d.wait(10).applied
+    assert d.state.version == 1 and torch.equal(d.state.params, newer[1][0])
+    assert torch.allclose(d.local_params(), newer[1][0] + (before_apply - snapshot), atol=1e-6)
+    assert d.unmerged_steps == 1
+
+
+def test_train_loop_with_one_peer_never_blocks_and_applies_its_own_updates():
+    d = make_diloco(SoloMerger())
+    rounds = []
+    train(d, steps_per_round=4, should_leave=lambda: len(rounds) >= 3, on_round=rounds.append)
+    assert [r.applied for r in rounds] == [True, True, True] and d.state.version == 3
+    d.close()
+
+
+def test_island_of_three_merges_with_tokens_squared_over_steps_weights():
+    tokens, steps = [1000, 2000, 4000], [10, 10, 20]  # 100, 200, 200 tokens per step
+    # hand computation: 1000²/10 = 1e5, 2000²/10 = 4e5, 4000²/20 = 8e5  →  1/13, 4/13, 8/13
+    weights = merge_weights(tokens, steps, "tokens2")
+    assert weights == pytest.approx([1 / 13, 4 / 13, 8 / 13])
+    g = torch.Generator().manual_seed(3)
+    deltas = [torch.randn(40_000, generator=g) * 1e-3 for _ in range(3)]
+    maxabs = [exact.block_maxabs(x) for x in deltas]
+    encoded = [exact.encode(x, w, maxabs, i, b"island", exact.tail_size(4)) for i, (x, w) in
+               enumerate(zip(deltas, weights))]
+    results = hivemind_like_allreduce([e.buffer for e in encoded])
+    decoded = [exact.decode(r, 40_000, 3, e) for r, e in zip(results, encoded)]
+    assert all(x.verified for x in decoded) and all(torch.equal(decoded[0].merged, x.merged) for x in decoded)
+    hand = (deltas[0] * 1 + deltas[1] * 4 + deltas[2] * 8) / 13
+    assert (decoded[0].merged - hand).norm() / hand.norm() < 1e-4
+    assert merge_weights(tokens, steps, "tokens") == pytest.approx([1 / 7, 2 / 7, 4 / 7])
+    assert merge_weights(tokens, steps, "uniform") == pytest.approx([1 / 3] * 3)
+
+
+def test_rda_keeps_the_norm_that_a_plain_mean_of_orthogonal_updates_shrinks():
+    model = build_model(model_config("tiny"), seed=0)
+    segments = rda_segments(model)
+    n = sum(p.numel() for p in model.parameters())
+    assert segments and segments[0][0] > 0  # the embeddings come first and keep the plain mean
+    g = torch.Generator().manual_seed(0)
+    deltas = [torch.randn(n, generator=g) for _ in range(4)]
+    weights = [0.25] * 4
+    rda, mean = rda_reference(deltas, weights, segments), weighted_merge(deltas, weights)
+    start, end = segments[5]
+    member_norm = sum(x[start:end].norm() for x in deltas) / 4
+    assert mean[start:end].norm() < 0.6 * member_norm  # ~1/√4: the outer lr would need retuning
+    assert rda[start:end].norm() == pytest.approx(float(member_norm), rel=1e-4)
+    assert torch.equal(rda[: segments[0][0]], mean[: segments[0][0]])  # embeddings: plain weighted mean
+
+
+def test_grace_window_adapts_when_step_time_changes():
+    clock, policy = RoundClock(), GracePolicy(gamma=0.5, floor=1.0, cap=100.0)
+    for _ in range(20):
+        clock.step.update(0.5)
+    clock.quorum.update(1.0)
+    clock.sync.update(2.0)
+    fast = clock.grace(overlap_steps=20, policy=policy)
+    assert fast == pytest.approx(0.5 * (20 * 0.5 - 1.0 - 2.0))
+    for _ in range(20):
+        clock.step.update(1.5)  # the machine got 3x slower: more slack to wait for island members
+    slow = clock.grace(overlap_steps=20, policy=policy)
+    assert slow > 2.5 * fast
+    for _ in range(20):
+        clock.sync.update(40.0)  # the network got slow: no slack left, hivemind's floor
+    assert clock.grace(overlap_steps=20, policy=policy) == policy.floor
+
+
+def test_allreduce_budget_follows_the_measured_link_not_the_declared_one():
+    clock = RoundClock()
+    declared = 100e6 / 8
+    first = clock.allreduce_budget(50e6, declared)
+    assert first == pytest.approx(3.0 + 3 * 4.0)
+    for _ in range(10):
+        clock.throughput.update(1e6)  # measured: 8 Mbit/s
+    assert clock.allreduce_budget(50e6, declared) == pytest.approx(3.0 + 3 * 50.0, rel=0.05)
