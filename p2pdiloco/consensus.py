@@ -37,10 +37,12 @@ def sketch_distance(a: Sequence[float], b: Sequence[float]) -> float:
     return math.sqrt(sum((x - y) ** 2 for x, y in zip(a, b)))
 
 
-def consensus_distance(states: Sequence[tuple[str, Sequence[float]]]) -> float:
-    """Max pairwise distance among (digest, sketch) pairs; 0 exactly for equal digests."""
+def consensus_distance(states: Sequence[tuple[int, str, Sequence[float]]], same_version: bool = False) -> float:
+    """Max pairwise distance among live peers' (version, digest, sketch); 0 exactly for equal digests.
+    same_version=True measures disagreement only (forks): peers at different versions are merely at
+    different points of the same history while rounds are in flight."""
     worst = 0.0
-    for (digest_a, sketch_a), (digest_b, sketch_b) in itertools.combinations(states, 2):
-        if digest_a != digest_b:
+    for (va, digest_a, sketch_a), (vb, digest_b, sketch_b) in itertools.combinations(states, 2):
+        if digest_a != digest_b and (va == vb or not same_version):
             worst = max(worst, sketch_distance(sketch_a, sketch_b))
     return worst

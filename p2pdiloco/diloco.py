@@ -29,7 +29,7 @@ import torch
 from p2pdiloco.inner import InnerTrainer, flat_params, load_flat_params
 from p2pdiloco.outer import pseudo_gradient
 from p2pdiloco.roundtypes import Contribution, MergeOutcome
-from p2pdiloco.state import GlobalState
+from p2pdiloco.state import GlobalState, contains
 from p2pdiloco.timing import RoundClock
 
 
@@ -55,6 +55,17 @@ class InFlight:
 
 
 @dataclass
+class LastMerge:
+    """Our latest contribution that reached Θ: if we later adopt a state that does not descend from
+    `key` (our island lost a fork), this progress is restored locally and contributed again."""
+
+    key: tuple[int, str]  # the global state right after it was merged
+    delta: torch.Tensor
+    tokens: int
+    steps: int
+
+
+@dataclass
 class Settled:
     """One round, as seen by this peer once its outcome was applied."""
 
@@ -75,6 +86,8 @@ class DiLoCo:
         self.unmerged_tokens = 0  # since the last contribution that reached the global state
         self.unmerged_steps = 0
         self.in_flight: Optional[InFlight] = None
+        self.last_merge: Optional[LastMerge] = None
+        self.recovered_tokens = 0  # tokens of merges lost in forks and contributed again (a metric)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="round")
 
     # ---- inner steps --------------------------------------------------------------------------------------
@@ -126,44 +139,67 @@ class DiLoCo:
     def apply(self, outcome: MergeOutcome, flight: InFlight) -> bool:
         c = flight.contribution
         with self.state.lock:
+            restored = None
             if outcome.state_before is not None:
-                self.state.load(*outcome.state_before)
+                restored = self._load_foreign(*outcome.state_before)
             if outcome.committed:
                 if outcome.state is not None:
-                    self.state.load(*outcome.state)  # the group's newer Θ, which already holds our Δ
-                else:
+                    restored = self._add(restored, self._load_foreign(*outcome.state))  # already holds our Δ
+                elif not outcome.stale:
                     self.state.apply(outcome.merged, [m["peer"] for m in outcome.members])
                 self.unmerged_tokens -= c.tokens
                 self.unmerged_steps -= c.steps
+                # stale and no download: our Δ lives in the group's state, not in ours; we catch up later
+                stale_only = outcome.stale and outcome.state is None
+                self.last_merge = None if stale_only else LastMerge(self.state.key, c.delta, c.tokens, c.steps)
                 base = flight.local_at_snapshot  # progress up to θ_S is now in Θ
             elif outcome.state is not None:
-                self.state.load(*outcome.state)  # resync without a merge: keep all our progress
+                restored = self._add(restored, self._load_foreign(*outcome.state))
                 base = flight.global_at_snapshot
             elif outcome.state_before is not None:
                 base = flight.global_at_snapshot
             else:
                 return False  # rolled back and nothing adopted: θ and Θ stay exactly as they are
-            self._rebase(base)
+            self._rebase(base, restored)
         if outcome.sync_seconds:
             self.clock.sync.update(outcome.sync_seconds)
         self.clock.quorum.update(outcome.quorum_seconds)
         return outcome.committed
 
-    def _rebase(self, base: torch.Tensor) -> None:
-        """θ ← Θ + (θ − base): keep the local progress not yet in Θ, on top of the new Θ."""
+    def _load_foreign(self, metadata: dict, tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Load a peer's global state. If it does not contain our latest merge (our island lost a fork),
+        return that merge's local progress, −Δ, to restore: its tokens count as unmerged again."""
+        lost = self.last_merge is not None and not contains(metadata, self.last_merge.key)
+        restored = None
+        if lost:
+            restored = -self.last_merge.delta
+            self.unmerged_tokens += self.last_merge.tokens
+            self.unmerged_steps += self.last_merge.steps
+            self.recovered_tokens += self.last_merge.tokens
+            self.last_merge = None
+        self.state.load(metadata, tensors)
+        return restored
+
+    @staticmethod
+    def _add(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return b if a is None else a if b is None else a + b
+
+    def _rebase(self, base: torch.Tensor, restored: Optional[torch.Tensor] = None) -> None:
+        """θ ← Θ + (θ − base) [+ restored]: keep the local progress not yet in Θ, on top of the new Θ."""
         local = self.local_params()
-        if torch.equal(local, base):
+        if restored is None and torch.equal(local, base):
             load_flat_params(self.trainer.model, self.state.params)  # exactly Θ, bit for bit
         else:
-            load_flat_params(self.trainer.model, self.state.params + (local - base))
+            progress = local - base if restored is None else local - base + restored
+            load_flat_params(self.trainer.model, self.state.params + progress)
 
     def adopt(self, metadata: dict, tensors: list[torch.Tensor]) -> None:
         """Take a global state from a peer between rounds (joining, or behind): rebase unmerged progress."""
         assert self.in_flight is None
         with self.state.lock:
             base = self.state.params.clone()
-            self.state.load(metadata, tensors)
-            self._rebase(base)
+            restored = self._load_foreign(metadata, tensors)
+            self._rebase(base, restored)
 
     def close(self, timeout: float = 0.0) -> None:
         self._executor.shutdown(wait=timeout > 0, cancel_futures=True)

@@ -61,7 +61,9 @@ def start_bootstrap(log_dir: Path, run_args: list[str]) -> tuple[subprocess.Pope
     return proc, wait_for_file(log_dir / "bootstrap.addrs", proc, timeout=60)
 
 
-def run_local_swarm(n_peers: int, log_dir: Path, join_args: list[str], stagger: float = 1.0) -> dict:
+def run_local_swarm(n_peers: int, log_dir: Path, join_args: list[str], stagger: float = 1.0,
+                    per_peer_args: Optional[dict[int, list[str]]] = None) -> dict:
+    """`per_peer_args[i]` are appended to peer i's command line (e.g. a throttle for one slow peer)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     for stale in (*log_dir.glob("*.addrs"), *log_dir.glob("*.jsonl")):
         stale.unlink()
@@ -74,7 +76,8 @@ def run_local_swarm(n_peers: int, log_dir: Path, join_args: list[str], stagger: 
         for i in range(n_peers):
             name = f"peer{i}"
             procs[name] = start_process(peer_command("join", "--initial-peers", address, "--log-dir", str(log_dir),
-                                                     "--name", name, *join_args), log_dir / f"{name}.log")
+                                                     "--name", name, *join_args, *(per_peer_args or {}).get(i, [])),
+                                        log_dir / f"{name}.log")
             print(f"started {name} (pid {procs[name].pid}), log {log_dir / (name + '.log')}", flush=True)
             time.sleep(stagger)
         _follow(procs, log_dir, n_peers)

@@ -181,7 +181,8 @@ class Peer:
         from p2pdiloco.swarm.records import fetch_records
 
         records = fetch_records(self.dht, self.cfg.swarm.run_id)
-        distance = consensus_distance([(r.digest, r.sketch) for r in records if r.sketch])
+        states = [(r.version, r.digest, r.sketch) for r in records if r.sketch]
+        distance = consensus_distance(states)
         wall = time.monotonic() - self.started
         self.metrics.write(
             "round", peer=self.name, round=self.rounds, version=self.state.version, applied=settled.applied,
@@ -196,6 +197,8 @@ class Peer:
                                                                                self.merger.grace_policy),
             step_seconds_ema=self.diloco.clock.step.get(), bytes_sent=o.wire_bytes, bytes_received=o.wire_bytes,
             adopted=o.state is not None or o.state_before is not None, consensus_distance=distance,
+            fork_distance=consensus_distance(states, same_version=True),
+            version_spread=max(r.version for r in records) - min(r.version for r in records) if records else 0,
             live_peers=len(records), utilization=self.compute_seconds / max(wall, 1e-9), wall=wall,
             digest=self.state.digest)
         val_text = f" val {val:.4f}" if val is not None else ""

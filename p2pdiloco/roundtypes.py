@@ -37,6 +37,7 @@ class MergeOutcome:
     wire_bytes: int = 0  # sent by this peer (and as many received), from the all-reduce's layout
     state_before: Optional[tuple[dict, list[torch.Tensor]]] = None
     state: Optional[tuple[dict, list[torch.Tensor]]] = None
+    stale: bool = False  # we were not on the group's newest state: the merge applies to theirs, not ours
 
     @property
     def committed(self) -> bool:

@@ -9,7 +9,7 @@ sees. Because everyone uses the same order, two forks reconcile as soon as eithe
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -28,8 +28,14 @@ def sharing_priority(version: int, state_digest: str) -> float:
     return float(version) + int(state_digest[:6], 16) / float(1 << 25)
 
 
+HISTORY = 32  # (version, digest) of the latest states of a lineage, carried with the state
+
+
 class GlobalState:
-    """Θ, the outer momentum and the version; `snapshot` is thread-safe (state sharing runs in a thread)."""
+    """Θ, the outer momentum and the version; `snapshot` is thread-safe (state sharing runs in a thread).
+
+    `history` lists the keys of the states this one descends from (itself included), so a peer that adopts
+    another peer's state can tell whether its own latest merge is part of it or was lost in a fork."""
 
     def __init__(self, params: torch.Tensor, lr: float, momentum: float):
         self.outer = OuterOptimizer(params.clone(), lr, momentum)
@@ -37,6 +43,7 @@ class GlobalState:
         self.last_members: list[str] = []
         self.lock = threading.RLock()
         self._digest: Optional[str] = None
+        self.history: list[tuple[int, str]] = [self.key]
 
     @property
     def params(self) -> torch.Tensor:
@@ -60,10 +67,12 @@ class GlobalState:
             self.version += 1
             self.last_members = members
             self._digest = None
+            self.history = (self.history + [self.key])[-HISTORY:]
 
     def snapshot(self) -> tuple[dict, list[torch.Tensor]]:
         with self.lock:
-            metadata = dict(version=self.version, digest=self.digest, last_members=list(self.last_members))
+            metadata = dict(version=self.version, digest=self.digest, last_members=list(self.last_members),
+                            history=[list(k) for k in self.history])
             return metadata, [t.clone() for t in self.outer.state_tensors()]
 
     def load(self, metadata: dict, tensors: list[torch.Tensor]) -> None:
@@ -72,6 +81,31 @@ class GlobalState:
             self.version = metadata["version"]
             self.last_members = list(metadata.get("last_members", []))
             self._digest = None
+            history = parse_history(metadata.get("history"))
+            self.history = (history if history[-1:] == [self.key] else history + [self.key])[-HISTORY:]
+
+
+def parse_history(raw) -> list[tuple[int, str]]:
+    """A remote peer's history list, defensively: anything malformed counts as no history."""
+    if not isinstance(raw, (list, tuple)) or len(raw) > HISTORY:
+        return []
+    keys = []
+    for item in raw:
+        if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], int)
+                and isinstance(item[1], str)):
+            return []
+        keys.append((item[0], item[1]))
+    return keys
+
+
+def contains(metadata: dict, key: Sequence) -> bool:
+    """Whether a state (by its metadata) is `key` or descends from it, as far as its history reaches.
+    Beyond that reach we cannot tell, and assume it does (never count work twice)."""
+    history = parse_history(metadata.get("history")) + [(metadata.get("version"), metadata.get("digest"))]
+    if tuple(key) in history:
+        return True
+    oldest = min((v for v, _ in history if isinstance(v, int)), default=0)
+    return key[0] < oldest
 
 
 def validate_state(metadata, tensors, n_params: int, min_version: int) -> Optional[str]:

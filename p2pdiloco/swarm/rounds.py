@@ -84,7 +84,8 @@ class SwarmMerger:
             newest = newest_member(outcome.members)
             if (newest["version"], newest["digest"]) != (c.version, c.digest):
                 # we contributed from an older state: the newest members applied the merge; fetch theirs
-                outcome.state = self._download(newest["version"], "stale contribution")
+                outcome.stale = True
+                outcome.state = self._download(newest["version"] + 1, "stale contribution")
         return outcome
 
     def _catch_up_first(self, c: Contribution) -> Optional[StateTuple]:
@@ -155,12 +156,18 @@ class SwarmMerger:
 
     # ---- global state from peers --------------------------------------------------------------------------
     def _download(self, min_version: int, why: str) -> Optional[StateTuple]:
-        loaded = self.load_state(timeout=max(10.0, self.limits.allreduce_cap))
-        problem = "no peer shared its state" if loaded is None else validate_state(*loaded, self.n, min_version)
-        if problem:
-            logger.info(f"state download ({why}) failed: {problem}")
-            return None
-        return loaded
+        """The newest state from the swarm, at least `min_version`. Right after a round the members that
+        apply the merge publish it a moment later, so an older donor is retried until the deadline."""
+        deadline = time.monotonic() + max(10.0, self.limits.allreduce_cap)
+        while True:
+            loaded = self.load_state(timeout=max(1.0, deadline - time.monotonic()))
+            problem = "no peer shared its state" if loaded is None else validate_state(*loaded, self.n, min_version)
+            if not problem:
+                return loaded
+            if time.monotonic() >= deadline or self.stop.is_set():
+                logger.info(f"state download ({why}) failed: {problem}")
+                return None
+            time.sleep(0.5)
 
     def load_state(self, timeout: float) -> Optional[StateTuple]:
         try:

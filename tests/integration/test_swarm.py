@@ -7,6 +7,7 @@ import time
 import pytest
 
 from p2pdiloco.faults import ENV as FAULTS_ENV
+from p2pdiloco.outer import merge_weights
 from tests.harness.swarm import alive, digests_by_version, local_swarm
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
@@ -24,6 +25,8 @@ def test_three_peers_stay_bitwise_equal_and_learn(tmp_path):
         # the hook ran: every merged round in a group was verified by the exact all-reduce
         merged_in_group = [r for rs in rounds.values() for r in rs if r["applied"] and len(r["members"]) > 1]
         assert len(merged_in_group) >= 6, rounds
+        for r in merged_in_group:  # every member applied tokens²/steps weights, from the gathered records
+            assert r["weights"] == pytest.approx(merge_weights(r["member_tokens"], r["member_steps"], "tokens2"))
         # after every committed round, all peers at that version hold bit-identical global parameters
         for version, digests in digests_by_version(swarm, names).items():
             assert len(digests) == 1, f"peers disagree at version {version}: {digests}"

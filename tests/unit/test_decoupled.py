@@ -185,3 +185,33 @@ def test_allreduce_budget_follows_the_measured_link_not_the_declared_one():
     for _ in range(10):
         clock.throughput.update(1e6)  # measured: 8 Mbit/s
     assert clock.allreduce_budget(50e6, declared) == pytest.approx(3.0 + 3 * 50.0, rel=0.05)
+
+
+def test_adopting_a_fork_that_lacks_our_merge_restores_our_work_for_the_next_contribution():
+    d = make_diloco(SoloMerger())
+    theta0 = d.state.params.clone()
+    for _ in range(3):
+        d.inner_step()
+    d.contribute()
+    own_delta = d.in_flight.contribution.delta.clone()
+    d.wait(10)  # our island (of one) merged: version 1 on our side of the fork
+    d.inner_step()
+    ours, local_now = d.state.params.clone(), d.local_params()
+    other = GlobalState(theta0 - 0.01, lr=0.7, momentum=0.9)  # the other island's version 1
+    other.apply(torch.full_like(theta0, 1e-3), ["x"])
+    metadata, tensors = other.snapshot()
+    assert metadata["version"] == 1 and [1, d.state.digest] not in metadata["history"]
+    d.adopt(metadata, tensors)
+    assert d.unmerged_steps == 4 and d.recovered_tokens == 3 * d.trainer.tokens_per_step
+    expected = other.params + (local_now - ours) - own_delta
+    assert torch.allclose(d.local_params(), expected, atol=1e-6)
+    # a state that descends from our merge keeps it: nothing is restored, nothing counted twice
+    d2 = make_diloco(SoloMerger())
+    d2.inner_step()
+    d2.contribute()
+    d2.wait(10)
+    descendant = GlobalState(d2.state.params.clone(), lr=0.7, momentum=0.9)
+    descendant.load(*d2.state.snapshot())
+    descendant.apply(torch.zeros_like(theta0), ["y"])
+    d2.adopt(*descendant.snapshot())
+    assert d2.unmerged_steps == 0 and d2.recovered_tokens == 0
