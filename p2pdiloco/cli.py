@@ -91,7 +91,11 @@ def train_options(f):
         click.option("--max-rounds", type=int, help="Leave after this many rounds."),
         click.option("--max-time", type=float, help="Leave after this many seconds of training."),
         click.option("--checkpoint-dir", type=click.Path(file_okay=False, path_type=Path),
-                     default=Path("runs/checkpoints"), show_default=True),
+                     default=Path("runs/checkpoints"), show_default=True,
+                     help="Checkpoints go to CHECKPOINT_DIR/NAME; a restarted peer resumes from there."),
+        click.option("--checkpoint-every", type=int, default=5, show_default=True,
+                     help="Merged rounds between checkpoints (one is always written on leaving; 0: never)."),
+        click.option("--keep-checkpoints", type=int, default=3, show_default=True),
         click.option("--threads", type=int, default=0, show_default=True, help="torch threads (0: torch's default)."),
         click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N."),
         click.option("--throttle", type=float, default=1.0, show_default=True,
@@ -118,7 +122,8 @@ def build_config(o: dict) -> PeerConfig:
                       max_rounds=o["max_rounds"], max_time=o["max_time"], throttle=o["throttle"],
                       eval_every=o["eval_every"],
                       threads=o["threads"], device=o["device"], log_dir=o["log_dir"],
-                      checkpoint_dir=o["checkpoint_dir"], name=o["name"])
+                      checkpoint_dir=o["checkpoint_dir"], checkpoint_every=o["checkpoint_every"],
+                      keep_checkpoints=o["keep_checkpoints"], name=o["name"])
 
 
 def config_or_usage_error(options: dict) -> PeerConfig:

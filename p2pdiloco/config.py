@@ -148,6 +148,8 @@ class PeerConfig:
     device: str = "auto"
     log_dir: Path = Path("runs/logs")
     checkpoint_dir: Path = Path("runs/checkpoints")
+    checkpoint_every: int = 5  # merged rounds between checkpoints (one is always written on leaving); 0: never
+    keep_checkpoints: int = 3
     name: Optional[str] = None  # label for logs and metrics; default: a short form of the peer id
 
     def __post_init__(self):
@@ -163,6 +165,9 @@ class PeerConfig:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         _positive(self, "eval_batches")
+        if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
+            raise ConfigError(f"checkpoint every must be an integer >= 0, got {self.checkpoint_every!r}")
+        _positive(self, "keep_checkpoints")
         if not isinstance(self.eval_every, int) or self.eval_every < 0:
             raise ConfigError(f"eval every must be an integer >= 0, got {self.eval_every!r}")
 

@@ -201,6 +201,12 @@ class DiLoCo:
             restored = self._load_foreign(metadata, tensors)
             self._rebase(base, restored)
 
+    def abandon(self) -> None:
+        """Leave without the round in flight's outcome: Θ and θ are untouched and its tokens stay unmerged.
+        (Should the island still merge it, it is counted twice at our next start: the rare price of leaving
+        within a bound.)"""
+        self.in_flight = None
+
     def close(self, timeout: float = 0.0) -> None:
         self._executor.shutdown(wait=timeout > 0, cancel_futures=True)
 
@@ -208,7 +214,8 @@ class DiLoCo:
 def train(diloco: DiLoCo, steps_per_round: int, should_leave: Callable[[], bool],
           on_step: Callable[[float, float], None] = lambda loss, seconds: None,
           on_round: Callable[[Settled], None] = lambda s: None, synchronous: bool = False,
-          round_seconds: Optional[float] = None, final_wait: float = 120.0) -> None:
+          round_seconds: Optional[float] = None,
+          final_wait: Callable[[], float] = lambda: 120.0) -> None:
     """Run inner steps until `should_leave()`; contribute every `steps_per_round` steps (or every
     `round_seconds`, a time-budgeted H that sizes each peer's rounds to its speed)."""
     since_steps, since_time = 0, time.monotonic()
@@ -227,8 +234,8 @@ def train(diloco: DiLoCo, steps_per_round: int, should_leave: Callable[[], bool]
         settled = diloco.poll()
         if settled is not None:
             on_round(settled)
-    if diloco.in_flight is not None:  # let the round finish: abandoning it could stall our island
+    if diloco.in_flight is not None:  # let the round finish: abandoning it costs our island a retry
         try:
-            on_round(diloco.wait(timeout=final_wait))
+            on_round(diloco.wait(timeout=final_wait()))
         except TimeoutError:
-            pass
+            diloco.abandon()

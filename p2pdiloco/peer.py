@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from p2pdiloco import checkpoint
 from p2pdiloco.config import PeerConfig, model_config
 from p2pdiloco.data import BatchStream, load_corpus, stream_seed, validation_batches
 from p2pdiloco.consensus import consensus_distance, sketch
@@ -18,12 +19,14 @@ from p2pdiloco.inner import InnerTrainer, evaluate, flat_params, load_flat_param
 from p2pdiloco.lifeline import start_lifeline
 from p2pdiloco.metrics import JsonlSink, Progress
 from p2pdiloco.model import build_model, rda_segments
-from p2pdiloco.state import GlobalState, validate_state
+from p2pdiloco.state import GlobalState
 from p2pdiloco.timing import RoundClock
 
 log = logging.getLogger("p2pdiloco")
 STATE_DOWNLOAD_TIMEOUT = 60.0
 WINDOW = 10  # inner steps per metrics record
+LEAVE_ROUND_WAIT = 4.0  # on SIGTERM/Ctrl-C: how long the round in flight may finish before we abandon it
+FINISH_ROUND_WAIT = 120.0  # at max rounds/time: let the last round finish
 
 
 def pick_device(name: str) -> torch.device:
@@ -85,22 +88,72 @@ class Peer:
         trainer = InnerTrainer(self.model, stream, cfg.inner, self.device, cfg.throttle)
         self.diloco = DiLoCo(trainer, self.state, self.merger, self.peer_id, self.name, clock)
         self.metrics = JsonlSink(cfg.log_dir / f"{self.name}.jsonl")
+        self._restore_checkpoint()
         if cfg.swarm.initial_peers:
             self._resync("joining")
         self._publish_state()
 
     def _resync(self, why: str) -> bool:
-        """Download the newest global state from a live peer (validated: never trust the network)."""
-        loaded = self.merger.load_state(timeout=STATE_DOWNLOAD_TIMEOUT)
-        problem = "no peer shared its state" if loaded is None else validate_state(
-            *loaded, self.n_params, self.state.version)
-        if problem:
-            log.info("%s: resync (%s) skipped: %s", self.name, why, problem)
+        """Download the newest global state from live peers (validated: never trust the network)."""
+        if not self.merger.live_others():
+            log.info("%s: no other training peer yet: starting from version %d", self.name, self.state.version)
+            return False
+        loaded = self.merger.download(self.state.version, why, timeout=STATE_DOWNLOAD_TIMEOUT)
+        if loaded is None:
+            log.warning("%s: could not download the swarm's state (%s); going on from version %d", self.name,
+                        why, self.state.version)
             return False
         self.diloco.adopt(*loaded)
         log.info("%s: resynced (%s) to version %d", self.name, why, self.state.version)
         self.metrics.write("resync", peer=self.name, why=why, version=self.state.version, digest=self.state.digest)
         return True
+
+    # ---- checkpoints -----------------------------------------------------------------------------------
+    @property
+    def checkpoint_folder(self) -> Path:
+        return self.cfg.checkpoint_dir / self.name
+
+    def _save_checkpoint(self, why: str) -> None:
+        """Only between rounds: a contribution in flight could be merged by others after we save."""
+        if self.diloco.in_flight is not None:
+            return
+        trainer = self.diloco.trainer
+        tensors = {"global": self.state.params, "momentum": self.state.outer.momentum_buffer,
+                   "local": self.diloco.local_params()}
+        for i, p in enumerate(trainer.model.parameters()):
+            moments = trainer.optimizer.state.get(p, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in moments:
+                    tensors[f"adam.{i}.{key}"] = moments[key].reshape(-1).float().cpu()
+        with self.state.lock:
+            meta = dict(version=self.state.version, digest=self.state.digest, history=self.state.history,
+                        last_members=self.state.last_members, unmerged_tokens=self.diloco.unmerged_tokens,
+                        unmerged_steps=self.diloco.unmerged_steps, inner_step=trainer.total_steps,
+                        stream_position=trainer.batches.position, model=self.cfg.model, n_params=self.n_params,
+                        run_id=self.cfg.swarm.run_id, why=why)
+            path = checkpoint.save(self.checkpoint_folder, meta, tensors, keep=self.cfg.keep_checkpoints)
+        self.metrics.write("checkpoint", peer=self.name, version=self.state.version, path=str(path), why=why)
+
+    def _restore_checkpoint(self) -> None:
+        found = checkpoint.load_latest(self.checkpoint_folder, self.n_params, report=log.warning)
+        if found is None:
+            return
+        meta, tensors, trainer = found.meta, found.tensors, self.diloco.trainer
+        self.state.load(dict(version=meta["version"], digest=meta["digest"], history=meta.get("history", []),
+                             last_members=meta.get("last_members", [])), [tensors["global"], tensors["momentum"]])
+        load_flat_params(trainer.model, tensors["local"])
+        for i, p in enumerate(trainer.model.parameters()):
+            if f"adam.{i}.exp_avg" in tensors:
+                trainer.optimizer.state[p] = dict(
+                    step=torch.tensor(float(meta["inner_step"])),
+                    exp_avg=tensors[f"adam.{i}.exp_avg"].view_as(p).to(p.device),
+                    exp_avg_sq=tensors[f"adam.{i}.exp_avg_sq"].view_as(p).to(p.device))
+        trainer.total_steps = int(meta["inner_step"])
+        trainer.batches.position = int(meta["stream_position"])
+        self.diloco.unmerged_tokens, self.diloco.unmerged_steps = meta["unmerged_tokens"], meta["unmerged_steps"]
+        log.info("%s: resumed from checkpoint %s (version %d)", self.name, found.path, self.state.version)
+        self.metrics.write("restore", peer=self.name, version=self.state.version, digest=self.state.digest,
+                           path=str(found.path))
 
     def _publish_state(self) -> None:
         self.merger.publish_state(self.state.version, self.state.digest, sketch(self.state.params))
@@ -127,7 +180,10 @@ class Peer:
         self.round_losses: list[float] = []
         self.window = dict(start=time.monotonic(), losses=[], seconds=0.0)
         train(self.diloco, cfg.inner.steps, self._should_leave, self._on_step, self._on_round,
-              synchronous=cfg.swarm.mode == "sync", round_seconds=cfg.inner.round_seconds)
+              synchronous=cfg.swarm.mode == "sync", round_seconds=cfg.inner.round_seconds,
+              final_wait=lambda: LEAVE_ROUND_WAIT if self.stop.is_set() else FINISH_ROUND_WAIT)
+        if cfg.checkpoint_every:
+            self._save_checkpoint("leaving")
         final_val = self._evaluate_global()
         wall = time.monotonic() - self.started
         summary = dict(peer=self.name, rounds=self.rounds, merged_rounds=self.merged_rounds,
@@ -171,6 +227,8 @@ class Peer:
         self.merged_rounds += int(settled.applied)
         self.last_island = max(1, len(o.members))
         self._publish_state()
+        if settled.applied and self.cfg.checkpoint_every and self.merged_rounds % self.cfg.checkpoint_every == 0:
+            self._save_checkpoint("periodic")
         evaluate_now = settled.applied and self.cfg.eval_every and self.merged_rounds % self.cfg.eval_every == 0
         val = self._evaluate_global() if evaluate_now else None
         self._record_round(settled, val)
@@ -193,7 +251,7 @@ class Peer:
             member_versions=[m["version"] for m in o.members], member_steps=[m["steps"] for m in o.members],
             weights=o.weights, tokens_merged=sum(m["tokens"] for m in o.members),
             group_id=o.group_id, round_seconds=o.seconds, quorum_seconds=o.quorum_seconds,
-            sync_seconds=o.sync_seconds, grace_seconds=self.diloco.clock.grace(self.merger.overlap_steps,
+            sync_seconds=o.sync_seconds, deadline_seconds=o.deadline_seconds, grace_seconds=self.diloco.clock.grace(self.merger.overlap_steps,
                                                                                self.merger.grace_policy),
             step_seconds_ema=self.diloco.clock.step.get(), bytes_sent=o.wire_bytes, bytes_received=o.wire_bytes,
             adopted=o.state is not None or o.state_before is not None, consensus_distance=distance,

@@ -34,6 +34,7 @@ class MergeOutcome:
     seconds: float = 0.0  # ready → outcome
     quorum_seconds: float = 0.0  # ready → K−1 others ready
     sync_seconds: float = 0.0  # group formed → all-reduce returned
+    deadline_seconds: float = 0.0  # the all-reduce deadline the group agreed on (from measured link speeds)
     wire_bytes: int = 0  # sent by this peer (and as many received), from the all-reduce's layout
     state_before: Optional[tuple[dict, list[torch.Tensor]]] = None
     state: Optional[tuple[dict, list[torch.Tensor]]] = None

@@ -102,7 +102,8 @@ class ExactAverager(DecentralizedAverager):
         if not decoded.verified:
             logger.warning(f"round in group {group_info.group_id.hex()[:8]} not verified: {decoded.reason}")
         return dict(verified=decoded.verified, reason=decoded.reason, group_id=group_info.group_id.hex(),
-                    members=gathered, weights=weights, sync_seconds=time.monotonic() - started)
+                    members=gathered, weights=weights, sync_seconds=time.monotonic() - started,
+                    deadline=budget)
 
     async def _die_mid_allreduce(self, group_info, min_vector_size: int, **kwargs) -> None:
         """Fault injection: start the all-reduce, let some parts go out, then SIGKILL the whole peer."""

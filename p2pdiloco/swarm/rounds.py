@@ -78,25 +78,25 @@ class SwarmMerger:
             return MergeOutcome.solo(c, start, **extra)  # alone in the swarm: K=1 applies its own update
         outcome = self._allreduce(c, start, self.clock.grace(self.overlap_steps, self.grace_policy), extra)
         if not outcome.committed and "could not find a group" in outcome.reason and self.cfg.quorum <= 1:
-            if not self._live_others():
+            if not self.live_others():
                 return MergeOutcome.solo(c, start, **extra)  # everyone else left while we looked
         if outcome.committed:
             newest = newest_member(outcome.members)
             if (newest["version"], newest["digest"]) != (c.version, c.digest):
                 # we contributed from an older state: the newest members applied the merge; fetch theirs
                 outcome.stale = True
-                outcome.state = self._download(newest["version"] + 1, "stale contribution")
+                outcome.state = self.download(newest["version"] + 1, "stale contribution")
         return outcome
 
     def _catch_up_first(self, c: Contribution) -> Optional[StateTuple]:
-        others = self._live_others()
+        others = self.live_others()
         if not others:
             return None
         best = max(others, key=lambda r: r.key)
         behind_limit = 0 if self.cfg.mode == "sync" else self.cfg.max_staleness
         fork = best.version == c.version and best.digest != c.digest and best.key > (c.version, c.digest)
         if fork or best.version > c.version + behind_limit:
-            return self._download(best.version, "fork" if fork else "behind")
+            return self.download(best.version, "fork" if fork else "behind")
         return None
 
     def _quorum(self, c: Contribution, start: float) -> tuple[float, list[PeerRecord]]:
@@ -107,7 +107,7 @@ class SwarmMerger:
         deadline = time.monotonic() + self.grace_policy.cap
         return wait_for_quorum(self.dht, self.cfg.run_id, self.peer, self.cfg.quorum - 1, deadline, stop=self.stop)
 
-    def _live_others(self) -> list[PeerRecord]:
+    def live_others(self) -> list[PeerRecord]:
         return [r for r in fetch_records(self.dht, self.cfg.run_id) if r.peer != self.peer]
 
     @staticmethod
@@ -152,13 +152,15 @@ class SwarmMerger:
         return MergeOutcome(merged=merged, members=members, weights=result["weights"], group_id=result["group_id"],
                             reason="ok",
                             seconds=time.monotonic() - start, sync_seconds=sync_seconds, wire_bytes=wire,
+                            deadline_seconds=float(result.get("deadline", 0.0)),
                             **extra)
 
     # ---- global state from peers --------------------------------------------------------------------------
-    def _download(self, min_version: int, why: str) -> Optional[StateTuple]:
-        """The newest state from the swarm, at least `min_version`. Right after a round the members that
-        apply the merge publish it a moment later, so an older donor is retried until the deadline."""
-        deadline = time.monotonic() + max(10.0, self.limits.allreduce_cap)
+    def download(self, min_version: int, why: str, timeout: Optional[float] = None) -> Optional[StateTuple]:
+        """The newest state from the swarm, at least `min_version`, validated. A donor that is older (right
+        after a round the members that apply the merge publish it a moment later), dies mid-transfer or
+        sends garbage is retried, next time from the best donor then, until the deadline."""
+        deadline = time.monotonic() + (timeout or max(10.0, self.limits.allreduce_cap))
         while True:
             loaded = self.load_state(timeout=max(1.0, deadline - time.monotonic()))
             problem = "no peer shared its state" if loaded is None else validate_state(*loaded, self.n, min_version)

@@ -26,9 +26,11 @@ class LocalSwarm:
         self.procs["bootstrap"], self.address = start_bootstrap(self.log_dir, ["--run-id", self.run_id])
         return self.address
 
-    def start_peer(self, name: str, *args: str, env: dict | None = None) -> subprocess.Popen:
-        cmd = peer_command("join", "--initial-peers", self.address, "--run-id", self.run_id, "--log-dir",
-                           str(self.log_dir), "--name", name, *TINY, *args)
+    def start_peer(self, name: str, *args: str, env: dict | None = None, via: str | None = None) -> subprocess.Popen:
+        """`via`: join through this address instead of the bootstrap node's."""
+        cmd = peer_command("join", "--initial-peers", via or self.address, "--run-id", self.run_id, "--log-dir",
+                           str(self.log_dir), "--checkpoint-dir", str(self.log_dir / "checkpoints"), "--name", name,
+                           *TINY, *args)
         self.procs[name] = start_process(cmd, self.log_dir / f"{name}.log", env=env)
         return self.procs[name]
 
@@ -45,6 +47,20 @@ class LocalSwarm:
         path = self.log_dir / f"{name}.jsonl"
         records = read_jsonl(path) if path.exists() else []
         return [r for r in records if kind is None or r["kind"] == kind]
+
+    def address_of(self, name: str) -> str:
+        return (self.log_dir / f"{name}.addrs").read_text().split()[0]
+
+    def wait_for(self, condition, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+            time.sleep(0.5)
+
+    def version(self, name: str) -> int:
+        rounds = self.records(name, "round")
+        return rounds[-1]["version"] if rounds else -1
 
     def log(self, name: str) -> str:
         path = self.log_dir / f"{name}.log"

@@ -17,7 +17,7 @@ def test_three_peers_stay_bitwise_equal_and_learn(tmp_path):
     names = ["a", "b", "c"]
     with local_swarm(tmp_path, "bitwise") as swarm:
         for name in names:
-            swarm.start_peer(name, "-H", "15", "--max-rounds", "5")
+            swarm.start_peer(name, "-H", "15", "--max-rounds", "5", "--bandwidth-mbps", "10")
         swarm.wait(names, timeout=400)
         for name in names:
             assert swarm.procs[name].returncode == 0, swarm.log(name)[-3000:]
@@ -30,8 +30,14 @@ def test_three_peers_stay_bitwise_equal_and_learn(tmp_path):
         # after every committed round, all peers at that version hold bit-identical global parameters
         for version, digests in digests_by_version(swarm, names).items():
             assert len(digests) == 1, f"peers disagree at version {version}: {digests}"
+        # all-reduce deadlines follow the measured link: loopback is far faster than the declared 10 Mbit/s
+        deadlines = [r["deadline_seconds"] for r in sorted(merged_in_group, key=lambda r: r["version"])]
+        assert deadlines[-1] < deadlines[0] / 2, deadlines
         summaries = [swarm.records(name, "summary")[-1] for name in names]
-        assert len({s["digest"] for s in summaries}) == 1
+        final = {}
+        for s in summaries:  # peers that end at the same version end bit-identical
+            final.setdefault(s["version"], set()).add(s["digest"])
+        assert all(len(d) == 1 for d in final.values()), summaries
         for s in summaries:
             assert s["final_val"] < s["initial_val"] - 2.0, s  # byte-level loss starts ~5.5 (ln 256)
 

@@ -1,0 +1,109 @@
+"""Checkpoints: atomic, verifiable, the last K kept. No networking.
+
+Layout: CHECKPOINT_DIR/NAME/v00000012-<step>/ holds `tensors.safetensors` (Θ, outer momentum, θ, AdamW
+moments) and `meta.json` (version, digest, history, counters, stream position, the tensors file's sha256).
+A checkpoint is written into a hidden temporary folder and renamed into place (rename is atomic), so a kill
+at any moment leaves either the previous set or a complete new one. Loading verifies the hash, the shapes
+and the digest; a damaged checkpoint is reported and the next older one is tried.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from p2pdiloco.exact import digest
+
+TENSORS, META = "tensors.safetensors", "meta.json"
+FORMAT = 1
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    meta: dict
+    tensors: dict[str, torch.Tensor]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def save(folder: Path, meta: dict, tensors: dict[str, torch.Tensor], keep: int = 3) -> Path:
+    """Write one checkpoint atomically and prune all but the newest `keep`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    final = folder / f"v{meta['version']:08d}-{meta['inner_step']:09d}"
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder))
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / TENSORS))
+        full = dict(meta, format=FORMAT, sha256=_sha256(tmp / TENSORS))
+        (tmp / META).write_text(json.dumps(full, indent=1))
+        for f in (tmp / TENSORS, tmp / META):
+            with f.open("rb") as handle:
+                os.fsync(handle.fileno())
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in list_checkpoints(folder)[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(folder: Path) -> list[Path]:
+    """Complete-looking checkpoints, newest first (temporary folders of interrupted writes are ignored)."""
+    if not folder.is_dir():
+        return []
+    return sorted((p for p in folder.iterdir() if p.is_dir() and p.name.startswith("v")), reverse=True)
+
+
+def load_one(path: Path, n_params: int) -> Checkpoint:
+    """Load and verify one checkpoint; CheckpointError says exactly what is wrong."""
+    try:
+        meta = json.loads((path / META).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable metadata ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a p2pdiloco checkpoint of format {FORMAT}")
+    if not (path / TENSORS).exists() or _sha256(path / TENSORS) != meta.get("sha256"):
+        raise CheckpointError(f"{path}: tensor file is missing, truncated or corrupt (hash mismatch)")
+    try:
+        tensors = load_file(str(path / TENSORS))
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot read tensors ({e})") from None
+    for key in ("global", "momentum", "local"):
+        t = tensors.get(key)
+        if t is None or t.shape != (n_params,) or t.dtype != torch.float32:
+            raise CheckpointError(f"{path}: {key} tensor does not match this model ({n_params} parameters)")
+    if digest(torch.cat([tensors["global"], tensors["momentum"]])) != meta.get("digest"):
+        raise CheckpointError(f"{path}: global state does not match its recorded digest")
+    return Checkpoint(path, meta, tensors)
+
+
+def load_latest(folder: Path, n_params: int, report=lambda message: None) -> Optional[Checkpoint]:
+    """The newest checkpoint that verifies; damaged ones are reported and skipped (never deleted)."""
+    for path in list_checkpoints(folder):
+        try:
+            return load_one(path, n_params)
+        except CheckpointError as e:
+            report(f"skipping damaged checkpoint: {e}")
+    return None

@@ -1,0 +1,62 @@
+"""Churn: a late joiner, the bootstrap node's death, a newcomer through a live peer, SIGTERM with a
+checkpoint, and a restart that resumes from it, all in one swarm to keep the suite short."""
+
+import signal
+import time
+
+import pytest
+
+from p2pdiloco import checkpoint
+from tests.harness.swarm import digests_by_version, local_swarm
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
+ARGS = ["-H", "10", "--max-time", "400", "--checkpoint-every", "2"]
+
+
+def test_late_join_bootstrap_death_graceful_leave_and_restart(tmp_path):
+    with local_swarm(tmp_path, "churn") as swarm:
+        swarm.start_peer("a", *ARGS)
+        swarm.start_peer("b", *ARGS)
+        swarm.wait_for(lambda: swarm.version("a") >= 2, 120, "a and b to merge twice")
+
+        # a late joiner gets the exact current state, and its next contribution is merged
+        swarm.start_peer("late", *ARGS)
+        swarm.wait_for(lambda: any(r["applied"] and len(r["members"]) > 1 for r in swarm.records("late", "round")),
+                       120, "the late joiner's first merged round")
+        joined = swarm.records("late", "resync")[0]
+        assert joined["why"] == "joining" and joined["version"] >= 2
+
+        # the first node dies: the others go on, and a newcomer joins through a live peer
+        swarm.procs["bootstrap"].kill()
+        swarm.procs["bootstrap"].wait()
+        swarm.start_peer("newcomer", *ARGS, via=swarm.address_of("late"))
+        swarm.wait_for(lambda: any(r["applied"] and len(r["members"]) > 1
+                                   for r in swarm.records("newcomer", "round")), 150, "the newcomer to merge")
+
+        # SIGTERM: a leaves within 10 s and writes a checkpoint
+        left_at_version = swarm.version("a")
+        start = time.monotonic()
+        swarm.procs["a"].send_signal(signal.SIGTERM)
+        swarm.procs["a"].wait(30)
+        took = time.monotonic() - start
+        assert took < 10.0, f"graceful leave took {took:.1f} s"
+        assert swarm.procs["a"].returncode == 0, swarm.log("a")[-2000:]
+        ckpt = [r for r in swarm.records("a", "checkpoint") if r["why"] == "leaving"]
+        assert ckpt and ckpt[-1]["version"] >= left_at_version
+        newest = checkpoint.list_checkpoints(tmp_path / "checkpoints" / "a")[0]
+        assert str(newest) == ckpt[-1]["path"]
+
+        # restart: a resumes the version it saved, then catches up with the swarm and merges again
+        swarm.start_peer("a", *ARGS, via=swarm.address_of("b"))
+        swarm.wait_for(lambda: len(swarm.records("a", "restore")) == 1, 60, "a to restore its checkpoint")
+        assert swarm.records("a", "restore")[0]["version"] == ckpt[-1]["version"]
+        before = len(swarm.records("a", "round"))
+        swarm.wait_for(lambda: any(r["applied"] and len(r["members"]) > 1
+                                   for r in swarm.records("a", "round")[before:]), 150, "a to merge after restart")
+
+        names = ["a", "b", "late", "newcomer"]
+        for name in names:
+            swarm.procs[name].send_signal(signal.SIGTERM)
+        swarm.wait(names, timeout=60)
+        for version, digests in digests_by_version(swarm, names).items():
+            assert len(digests) == 1, f"peers disagree at version {version}: {digests}"
