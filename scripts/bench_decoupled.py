@@ -5,7 +5,7 @@
 Same wall-clock budget, same model and settings, every peer `--threads 1`. Reports each fast peer's compute
 utilization (time in inner steps / wall time), tokens merged per round, consensus distance over time and
 validation loss of the global model at the end (equal wall-clock).
-Usage: python scripts/bench_decoupled.py [--seconds 150] [--slow-factor 3] [--model tiny] [-H 20]
+Usage: python scripts/bench_decoupled.py [--seconds 150] [--slow-factor 3] [--model tiny] [-H 20] [-- --rda]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ SLOW = N_PEERS - 1  # the last peer is the slow one
 
 def run(mode: str, a, log_dir: Path) -> list[list[dict]]:
     args = ["--model", a.model, "--threads", "1", "-H", str(a.inner_steps), "--max-time", str(a.seconds),
-            "--eval-every", "0", "--mode", mode, "--run-id", f"bench-{mode}", "--sync-wait", "600"]
+            "--eval-every", "0", "--mode", mode, "--run-id", f"bench-{mode}", "--sync-wait", "600", *a.extra]
     run_local_swarm(N_PEERS, log_dir, args, stagger=0.2, per_peer_args={SLOW: ["--throttle", str(a.slow_factor)]})
     return [read_jsonl(log_dir / f"peer{i}.jsonl") for i in range(N_PEERS)]
 
@@ -63,6 +63,7 @@ def main():
     parser.add_argument("-H", "--inner-steps", type=int, default=20)
     parser.add_argument("--modes", default="sync,decoupled")
     parser.add_argument("--log-dir", type=Path, default=Path("runs/bench-decoupled"))
+    parser.add_argument("extra", nargs="*", help="more `p2pdiloco join` flags for every peer (after --)")
     a = parser.parse_args()
     results = {}
     for mode in a.modes.split(","):
