@@ -183,8 +183,10 @@ def bootstrap(**options):
 @click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/swarm"),
               show_default=True)
 @click.option("--stagger", type=float, default=1.0, show_default=True, help="Seconds between peer starts.")
+@click.option("--resume/--fresh", default=False, show_default=True,
+              help="Resume from the checkpoints of the previous local swarm in LOG_DIR, or start afresh.")
 @click.argument("join_args", nargs=-1, type=click.UNPROCESSED)
-def swarm(peers, log_dir, stagger, join_args):
+def swarm(peers, log_dir, stagger, resume, join_args):
     """Start a local swarm: a bootstrap node plus N training peers, each logging to a file.
 
     Extra arguments go to every `p2pdiloco join` (e.g. --model tiny --max-rounds 5).
@@ -195,7 +197,7 @@ def swarm(peers, log_dir, stagger, join_args):
     if peers < 1:
         raise click.UsageError("--peers must be at least 1")
     try:
-        summaries = run_local_swarm(peers, log_dir, list(join_args), stagger=stagger)
+        summaries = run_local_swarm(peers, log_dir, list(join_args), stagger=stagger, resume=resume)
     except LaunchError as e:
         raise click.ClickException(str(e)) from None
     if not summaries or any(s is None for s in summaries.values()):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,11 +63,17 @@ def start_bootstrap(log_dir: Path, run_args: list[str]) -> tuple[subprocess.Pope
 
 
 def run_local_swarm(n_peers: int, log_dir: Path, join_args: list[str], stagger: float = 1.0,
-                    per_peer_args: Optional[dict[int, list[str]]] = None) -> dict:
-    """`per_peer_args[i]` are appended to peer i's command line (e.g. a throttle for one slow peer)."""
+                    per_peer_args: Optional[dict[int, list[str]]] = None, resume: bool = False) -> dict:
+    """`per_peer_args[i]` are appended to peer i's command line (e.g. a throttle for one slow peer).
+    Checkpoints go to LOG_DIR/checkpoints unless the join arguments say otherwise; without `resume` a
+    previous local swarm's checkpoints there are removed first, so each launch starts fresh."""
     log_dir.mkdir(parents=True, exist_ok=True)
     for stale in (*log_dir.glob("*.addrs"), *log_dir.glob("*.jsonl")):
         stale.unlink()
+    if not any(a == "--checkpoint-dir" or a.startswith("--checkpoint-dir=") for a in join_args):
+        join_args = [*join_args, "--checkpoint-dir", str(log_dir / "checkpoints")]
+        if not resume:
+            shutil.rmtree(log_dir / "checkpoints", ignore_errors=True)
     run_args = _run_id_args(join_args)
     procs: dict[str, subprocess.Popen] = {}
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # a SIGTERM must not orphan the swarm

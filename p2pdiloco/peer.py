@@ -111,7 +111,7 @@ class Peer:
     # ---- checkpoints -----------------------------------------------------------------------------------
     @property
     def checkpoint_folder(self) -> Path:
-        return self.cfg.checkpoint_dir / self.name
+        return self.cfg.checkpoint_dir / self.cfg.swarm.run_id / self.name
 
     def _save_checkpoint(self, why: str) -> None:
         """Only between rounds: a contribution in flight could be merged by others after we save."""
@@ -139,6 +139,10 @@ class Peer:
         if found is None:
             return
         meta, tensors, trainer = found.meta, found.tensors, self.diloco.trainer
+        if meta.get("run_id") != self.cfg.swarm.run_id or meta.get("model") != self.cfg.model:
+            log.warning("%s: ignoring checkpoint %s: it is of run %r, model %r", self.name, found.path,
+                        meta.get("run_id"), meta.get("model"))
+            return
         self.state.load(dict(version=meta["version"], digest=meta["digest"], history=meta.get("history", []),
                              last_members=meta.get("last_members", [])), [tensors["global"], tensors["momentum"]])
         load_flat_params(trainer.model, tensors["local"])

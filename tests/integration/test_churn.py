@@ -43,7 +43,7 @@ def test_late_join_bootstrap_death_graceful_leave_and_restart(tmp_path):
         assert swarm.procs["a"].returncode == 0, swarm.log("a")[-2000:]
         ckpt = [r for r in swarm.records("a", "checkpoint") if r["why"] == "leaving"]
         assert ckpt and ckpt[-1]["version"] >= left_at_version
-        newest = checkpoint.list_checkpoints(tmp_path / "checkpoints" / "a")[0]
+        newest = checkpoint.list_checkpoints(tmp_path / "checkpoints" / "churn" / "a")[0]
         assert str(newest) == ckpt[-1]["path"]
 
         # restart: a resumes the version it saved, then catches up with the swarm and merges again
