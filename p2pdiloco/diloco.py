@@ -207,8 +207,8 @@ class DiLoCo:
         within a bound.)"""
         self.in_flight = None
 
-    def close(self, timeout: float = 0.0) -> None:
-        self._executor.shutdown(wait=timeout > 0, cancel_futures=True)
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 def train(diloco: DiLoCo, steps_per_round: int, should_leave: Callable[[], bool],

@@ -180,6 +180,7 @@ class Peer:
         self.progress = Progress(self.name, cfg.inner.steps)
         self.progress.start_round(0, self.state.version)
         self.rounds = self.merged_rounds = 0
+        self.last_island = 1
         self.compute_seconds = 0.0
         self.round_losses: list[float] = []
         self.window = dict(start=time.monotonic(), losses=[], seconds=0.0)
@@ -221,8 +222,6 @@ class Peer:
             self.heartbeat.record.tokens_per_s = rate
             w.update(start=time.monotonic(), losses=[], seconds=0.0)
 
-    last_island = 1
-
     def _on_round(self, settled: Settled | None) -> None:
         if settled is None:
             return
@@ -261,7 +260,7 @@ class Peer:
             adopted=o.state is not None or o.state_before is not None, consensus_distance=distance,
             fork_distance=consensus_distance(states, same_version=True),
             version_spread=max(r.version for r in records) - min(r.version for r in records) if records else 0,
-            live_peers=len(records), utilization=self.compute_seconds / max(wall, 1e-9), wall=wall,
+            live_peers=len(records), recovered_tokens=self.diloco.recovered_tokens, utilization=self.compute_seconds / max(wall, 1e-9), wall=wall,
             digest=self.state.digest)
         val_text = f" val {val:.4f}" if val is not None else ""
         self.progress.end_round(f"round {self.rounds}: {'merged' if settled.applied else 'not merged'} "

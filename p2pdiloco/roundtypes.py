@@ -44,10 +44,6 @@ class MergeOutcome:
     def committed(self) -> bool:
         return self.merged is not None
 
-    @property
-    def max_version(self) -> int:
-        return max((m["version"] for m in self.members), default=-1)
-
     @classmethod
     def failed(cls, reason: str, start: float, **kwargs) -> "MergeOutcome":
         return cls(merged=None, reason=reason, seconds=time.monotonic() - start, **kwargs)

@@ -63,6 +63,20 @@ class RoundClock:
         return slack + factor * wire_bytes / max(rate, 1.0)
 
 
+def agreed_deadline(budgets, cap: float) -> float:
+    """The all-reduce deadline every member derives from the gathered budgets: the most patient member's,
+    within hivemind's cap. A missing, non-numeric, non-finite or negative budget (a hostile or broken peer)
+    counts as the cap, so it can neither hang the round nor cut it short for everyone."""
+    clean = []
+    for b in budgets:
+        try:
+            b = float(b)
+        except (TypeError, ValueError):
+            b = cap
+        clean.append(b if math.isfinite(b) and b > 0 else cap)
+    return min(cap, max(clean, default=cap))
+
+
 def allreduce_wire_bytes(n_elements: int, group_size: int, bytes_per_element: int = 4) -> int:
     """Bytes one peer sends (and as many it receives) in a butterfly all-reduce of n elements."""
     if group_size <= 1:

@@ -13,7 +13,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from p2pdiloco.launcher import collect_summaries, run_local_swarm
+from p2pdiloco.launcher import run_local_swarm
 from p2pdiloco.metrics import read_jsonl
 
 

@@ -23,7 +23,7 @@ from hivemind.utils.logging import get_logger
 
 from p2pdiloco import exact, faults
 from p2pdiloco.outer import merge_weights
-from p2pdiloco.timing import allreduce_wire_bytes
+from p2pdiloco.timing import agreed_deadline, allreduce_wire_bytes
 
 logger = get_logger(__name__)
 
@@ -79,7 +79,7 @@ class ExactAverager(DecentralizedAverager):
         my_index = list(group_info.peer_ids).index(self.peer_id)
         weights = merge_weights([g["tokens"] for g in gathered], [g["steps"] for g in gathered], self.weighting)
         # every member derives the same deadline: the most patient member's budget, from its measured link
-        budget = min(self.allreduce_cap, max(float(g["budget"]) for g in gathered))
+        budget = agreed_deadline([g.get("budget") for g in gathered], self.allreduce_cap)
         maxabs = [torch.frombuffer(bytearray(g["maxabs"]), dtype=torch.float32) for g in gathered]
 
         with self.get_tensors() as (buffer,):

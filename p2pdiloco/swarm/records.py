@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -10,6 +11,8 @@ from typing import Optional
 
 from hivemind import DHT
 from hivemind.utils import get_dht_time
+
+from p2pdiloco.consensus import SKETCH_DIM
 
 HEARTBEAT = 2.0  # seconds between re-publications
 TTL = 3 * HEARTBEAT  # a peer silent for this long is considered gone
@@ -35,19 +38,25 @@ def records_key(run_id: str) -> str:
     return f"{run_id}.peers"
 
 
+def parse_record(value) -> Optional[PeerRecord]:
+    """A remote peer's record, or None if anything in it is malformed: never trusted, never a crash."""
+    try:
+        record = PeerRecord(**value)
+    except TypeError:
+        return None
+    fields_ok = (isinstance(record.peer, str) and isinstance(record.version, int) and isinstance(record.digest, str)
+                 and len(record.digest) >= 6 and isinstance(record.ready, int))
+    sketch_ok = isinstance(record.sketch, list) and len(record.sketch) <= SKETCH_DIM and all(
+        isinstance(x, (int, float)) and math.isfinite(x) for x in record.sketch)
+    return record if fields_ok and sketch_ok else None
+
+
 def fetch_records(dht: DHT, run_id: str) -> list[PeerRecord]:
     found = dht.get(records_key(run_id), latest=True)
     if found is None or not isinstance(found.value, dict):
         return []
-    records = []
-    for item in found.value.values():
-        try:
-            record = PeerRecord(**item.value)
-            if isinstance(record.version, int) and isinstance(record.digest, str) and isinstance(record.ready, int):
-                records.append(record)
-        except (TypeError, AttributeError):
-            continue  # a malformed record from a remote peer is ignored, never trusted
-    return records
+    parsed = [parse_record(getattr(item, "value", None)) for item in found.value.values()]
+    return [r for r in parsed if r is not None]
 
 
 class Heartbeat:

@@ -184,9 +184,6 @@ class SwarmMerger:
         self.averager.state_sharing_priority = sharing_priority(version, state_digest)
         self.heartbeat.update(version=version, digest=state_digest, sketch=sketch)
 
-    def set_sharing(self, allowed: bool) -> None:
-        self.averager.allow_state_sharing = allowed
-
     def shutdown(self) -> None:
         if self.averager.is_alive():
             self.averager.shutdown()

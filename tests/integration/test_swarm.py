@@ -1,6 +1,5 @@
 """Multi-process swarms on loopback: bitwise agreement, learning, and a peer killed mid all-reduce."""
 
-import os
 import signal
 import time
 
