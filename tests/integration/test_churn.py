@@ -7,7 +7,7 @@ import time
 import pytest
 
 from p2pdiloco import checkpoint
-from tests.harness.swarm import digests_by_version, local_swarm
+from tests.harness.swarm import islands_disagreeing, local_swarm, unresolved_forks
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
 ARGS = ["-H", "10", "--max-time", "400", "--checkpoint-every", "2"]
@@ -58,5 +58,7 @@ def test_late_join_bootstrap_death_graceful_leave_and_restart(tmp_path):
         for name in names:
             swarm.procs[name].send_signal(signal.SIGTERM)
         swarm.wait(names, timeout=60)
-        for version, digests in digests_by_version(swarm, names).items():
-            assert len(digests) == 1, f"peers disagree at version {version}: {digests}"
+        # four live peers may form two islands from one version (a fork, repaired at the loser's next round);
+        # what must never happen is an island whose members end a round with different states
+        assert not islands_disagreeing(swarm, names)
+        assert not unresolved_forks(swarm, names, within_rounds=2)
