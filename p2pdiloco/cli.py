@@ -79,7 +79,7 @@ def train_options(f):
         click.option("--max-island", type=int, default=16, show_default=True, help="Largest all-reduce group."),
         click.option("--grace-gamma", type=float, default=0.5, show_default=True,
                      help="γ of the adaptive grace window: γ·(τ·step − quorum − sync), from measured averages."),
-        click.option("--overlap-steps", type=int, help="τ: inner steps a round may run in flight (default H/2)."),
+        click.option("--overlap-steps", type=int, help="τ: inner steps a round may run in flight (default H: the next contribution is due then)."),
         click.option("--max-staleness", type=int, default=2, show_default=True,
                      help="Contribute from up to this many versions behind; further behind, catch up first."),
         click.option("--sync-wait", type=float, default=60.0, show_default=True,

@@ -103,7 +103,7 @@ class SwarmConfig:
     quorum: int = 1  # K: fewest members (this peer included) for a round to merge
     max_island: int = 16  # largest group that one all-reduce forms
     grace_gamma: float = 0.5  # γ of the adaptive grace window (Eq. 3), < 1
-    overlap_steps: Optional[int] = None  # τ: inner steps a round may run in flight; default H/2
+    overlap_steps: Optional[int] = None  # τ: inner steps a round may run in flight; default H
     max_staleness: int = 2  # contribute from up to this many versions behind; further behind: resync first
     sync_wait: float = 60.0  # sync mode: longest wait at the round barrier for peers still training
     bandwidth_mbps: float = 100.0  # assumed link speed until measured; sets all-reduce timeouts

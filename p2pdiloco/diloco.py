@@ -14,7 +14,8 @@ sent once the round settles, carries the extra steps. Synchronous mode runs the 
 round before training on (the baseline the benchmark compares against).
 
 Invariant: when no round is in flight, every inner step since the last merge is counted in
-`unmerged_tokens`/`unmerged_steps` and measured by Θ − θ, so nothing is ever counted twice or lost.
+`unmerged_tokens`/`unmerged_steps`/`unmerged_seconds` and measured by Θ − θ, so nothing is ever counted twice
+or lost. `merged_seconds` is the inner-step time that reached the global model (the numerator of goodput).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class LastMerge:
     delta: torch.Tensor
     tokens: int
     steps: int
+    seconds: float
 
 
 @dataclass
@@ -85,6 +87,8 @@ class DiLoCo:
         self.clock = clock or RoundClock()
         self.unmerged_tokens = 0  # since the last contribution that reached the global state
         self.unmerged_steps = 0
+        self.unmerged_seconds = 0.0
+        self.merged_seconds = 0.0  # inner-step time whose progress reached the global model
         self.in_flight: Optional[InFlight] = None
         self.last_merge: Optional[LastMerge] = None
         self.recovered_tokens = 0  # tokens of merges lost in forks and contributed again (a metric)
@@ -95,6 +99,7 @@ class DiLoCo:
         loss, seconds = self.trainer.timed_step()
         self.unmerged_tokens += self.trainer.tokens_per_step
         self.unmerged_steps += 1
+        self.unmerged_seconds += seconds
         self.clock.step.update(seconds)
         return loss, seconds
 
@@ -110,7 +115,7 @@ class DiLoCo:
             global_params = self.state.params.clone()
             c = Contribution(delta=pseudo_gradient(global_params, local), tokens=self.unmerged_tokens,
                              steps=self.unmerged_steps, version=self.state.version, peer=self.peer,
-                             name=self.name, digest=self.state.digest)
+                             name=self.name, digest=self.state.digest, seconds=self.unmerged_seconds)
         future = self._executor.submit(self.merger.merge, c)
         self.in_flight = InFlight(future, c, local, global_params, time.monotonic(), self.trainer.total_steps)
 
@@ -149,9 +154,12 @@ class DiLoCo:
                     self.state.apply(outcome.merged, [m["peer"] for m in outcome.members])
                 self.unmerged_tokens -= c.tokens
                 self.unmerged_steps -= c.steps
+                self.unmerged_seconds -= c.seconds
+                self.merged_seconds += c.seconds
                 # stale and no download: our Δ lives in the group's state, not in ours; we catch up later
                 stale_only = outcome.stale and outcome.state is None
-                self.last_merge = None if stale_only else LastMerge(self.state.key, c.delta, c.tokens, c.steps)
+                self.last_merge = None if stale_only else LastMerge(self.state.key, c.delta, c.tokens, c.steps,
+                                                                     c.seconds)
                 base = flight.local_at_snapshot  # progress up to θ_S is now in Θ
             elif outcome.state is not None:
                 restored = self._add(restored, self._load_foreign(*outcome.state))
@@ -175,6 +183,8 @@ class DiLoCo:
             restored = -self.last_merge.delta
             self.unmerged_tokens += self.last_merge.tokens
             self.unmerged_steps += self.last_merge.steps
+            self.unmerged_seconds += self.last_merge.seconds
+            self.merged_seconds -= self.last_merge.seconds  # it did not reach the global model after all
             self.recovered_tokens += self.last_merge.tokens
             self.last_merge = None
         self.state.load(metadata, tensors)
@@ -215,7 +225,8 @@ def train(diloco: DiLoCo, steps_per_round: int, should_leave: Callable[[], bool]
           on_step: Callable[[float, float], None] = lambda loss, seconds: None,
           on_round: Callable[[Settled], None] = lambda s: None, synchronous: bool = False,
           round_seconds: Optional[float] = None,
-          final_wait: Callable[[], float] = lambda: 120.0) -> None:
+          final_wait: Callable[[], float] = lambda: 120.0,
+          on_contribute: Callable[[Contribution], None] = lambda c: None) -> None:
     """Run inner steps until `should_leave()`; contribute every `steps_per_round` steps (or every
     `round_seconds`, a time-budgeted H that sizes each peer's rounds to its speed)."""
     since_steps, since_time = 0, time.monotonic()
@@ -224,6 +235,7 @@ def train(diloco: DiLoCo, steps_per_round: int, should_leave: Callable[[], bool]
             since_steps > 0 and time.monotonic() - since_time >= round_seconds)
         if due and diloco.in_flight is None:
             diloco.contribute()
+            on_contribute(diloco.in_flight.contribution)
             since_steps, since_time = 0, time.monotonic()
             if synchronous:
                 on_round(diloco.wait())

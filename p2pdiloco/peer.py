@@ -15,6 +15,7 @@ from p2pdiloco.config import PeerConfig, model_config
 from p2pdiloco.data import BatchStream, load_corpus, stream_seed, validation_batches
 from p2pdiloco.consensus import consensus_distance, sketch
 from p2pdiloco.diloco import DiLoCo, Settled, train
+from p2pdiloco.roundtypes import Contribution
 from p2pdiloco.inner import InnerTrainer, evaluate, flat_params, load_flat_params
 from p2pdiloco.lifeline import start_lifeline
 from p2pdiloco.metrics import JsonlSink, Progress
@@ -80,7 +81,7 @@ class Peer:
         self.heartbeat = Heartbeat(self.dht, cfg.swarm.run_id,
                                    PeerRecord(peer=self.peer_id, name=self.name, version=0, digest=self.state.digest))
         clock = RoundClock()
-        overlap = cfg.swarm.overlap_steps or max(1, cfg.inner.steps // 2)
+        overlap = cfg.swarm.overlap_steps or cfg.inner.steps  # the next contribution is due H steps later
         self.merger = SwarmMerger(self.dht, cfg.swarm, cfg.outer, self.n_params, rda_segments(self.model),
                                   self.heartbeat, self.state.snapshot, self.stop, clock, overlap)
         stream = BatchStream(self.corpus.train, cfg.inner.batch_size, cfg.inner.seq_len,
@@ -186,7 +187,8 @@ class Peer:
         self.window = dict(start=time.monotonic(), losses=[], seconds=0.0)
         train(self.diloco, cfg.inner.steps, self._should_leave, self._on_step, self._on_round,
               synchronous=cfg.swarm.mode == "sync", round_seconds=cfg.inner.round_seconds,
-              final_wait=lambda: LEAVE_ROUND_WAIT if self.stop.is_set() else FINISH_ROUND_WAIT)
+              final_wait=lambda: LEAVE_ROUND_WAIT if self.stop.is_set() else FINISH_ROUND_WAIT,
+              on_contribute=self._on_contribute)
         if cfg.checkpoint_every:
             self._save_checkpoint("leaving")
         final_val = self._evaluate_global()
@@ -217,10 +219,17 @@ class Peer:
         if len(w["losses"]) == WINDOW:
             self.metrics.write("window", peer=self.name, step=self.diloco.trainer.total_steps,
                                loss=sum(w["losses"]) / WINDOW, tokens_per_s=rate, step_seconds=w["seconds"] / WINDOW,
-                               in_flight=self.diloco.in_flight is not None)
+                               in_flight=self.diloco.in_flight is not None, **self._goodput_fields())
             self.heartbeat.record.inner_step = self.diloco.trainer.total_steps
             self.heartbeat.record.tokens_per_s = rate
             w.update(start=time.monotonic(), losses=[], seconds=0.0)
+
+    def _goodput_fields(self) -> dict:
+        """Cumulative over this process's life: inner-step time, and the part of it that reached Θ."""
+        return dict(compute_seconds=self.compute_seconds, merged_seconds=self.diloco.merged_seconds)
+
+    def _on_contribute(self, c: Contribution) -> None:
+        self.metrics.write("contribute", peer=self.name, version=c.version, tokens=c.tokens, steps=c.steps)
 
     def _on_round(self, settled: Settled | None) -> None:
         if settled is None:
@@ -260,7 +269,8 @@ class Peer:
             adopted=o.state is not None or o.state_before is not None, consensus_distance=distance,
             fork_distance=consensus_distance(states, same_version=True),
             version_spread=max(r.version for r in records) - min(r.version for r in records) if records else 0,
-            live_peers=len(records), recovered_tokens=self.diloco.recovered_tokens, utilization=self.compute_seconds / max(wall, 1e-9), wall=wall,
+            live_peers=len(records), recovered_tokens=self.diloco.recovered_tokens,
+            **self._goodput_fields(), utilization=self.compute_seconds / max(wall, 1e-9), wall=wall,
             digest=self.state.digest)
         val_text = f" val {val:.4f}" if val is not None else ""
         self.progress.end_round(f"round {self.rounds}: {'merged' if settled.applied else 'not merged'} "

@@ -18,6 +18,7 @@ class Contribution:
     peer: str
     name: str
     digest: str  # hash of Θ
+    seconds: float = 0.0  # wall time of the inner steps it covers (for goodput; never sent to peers)
 
 
 @dataclass

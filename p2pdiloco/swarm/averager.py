@@ -15,10 +15,12 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
 from hivemind.utils.logging import get_logger
 
 from p2pdiloco import exact, faults
@@ -112,10 +114,30 @@ class ExactAverager(DecentralizedAverager):
         os.kill(os.getppid(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
 
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
+                                 context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """hivemind's state stream, unchanged unless a fault plan makes this donor die halfway through it."""
+        die_from = faults.version_of("die_while_sharing")
+        async for i, message in _enumerate(super().rpc_download_state(request, context)):
+            yield message
+            if die_from is not None and i == 0 and message.metadata:
+                if self.serializer.loads(message.metadata).get("version", -1) >= die_from:
+                    await asyncio.sleep(0.2)  # the first part is on its way: the joiner is mid-transfer
+                    logger.warning("fault plan: dying while sharing state")
+                    os.kill(os.getppid(), signal.SIGKILL)
+                    os.kill(os.getpid(), signal.SIGKILL)
+
     def get_current_state(self):
         """Runs in the host process when a peer downloads our state (late join, resync)."""
         metadata, tensors = self._state_provider()
         return metadata, list(tensors), None
+
+
+async def _enumerate(stream):
+    i = 0
+    async for item in stream:
+        yield i, item
+        i += 1
 
 
 def gather_record(peer: str, name: str, version: int, tokens: int, steps: int, body: torch.Tensor,

@@ -7,6 +7,7 @@ import time
 import pytest
 
 from p2pdiloco import checkpoint
+from p2pdiloco.faults import ENV as FAULTS_ENV
 from tests.harness.swarm import islands_disagreeing, local_swarm, unresolved_forks
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
@@ -62,3 +63,29 @@ def test_late_join_bootstrap_death_graceful_leave_and_restart(tmp_path):
         # what must never happen is an island whose members end a round with different states
         assert not islands_disagreeing(swarm, names)
         assert not unresolved_forks(swarm, names, within_rounds=2)
+
+
+def test_joiner_gets_the_state_when_its_donor_dies_mid_transfer(tmp_path):
+    """`donor` advertises itself as the best donor and, by fault plan, SIGKILLs itself halfway through the
+    first state stream it serves at version ≥ 2: the joiner's first download breaks off mid-transfer."""
+    with local_swarm(tmp_path, "donor") as swarm:
+        swarm.start_peer("donor", *ARGS, env={FAULTS_ENV: "die_while_sharing@2"})
+        swarm.start_peer("other", *ARGS)
+        swarm.wait_for(lambda: swarm.version("other") >= 2 and swarm.version("donor") >= 2, 120, "two merges")
+        swarm.start_peer("joiner", *ARGS)
+        swarm.procs["donor"].wait(90)
+        assert swarm.procs["donor"].returncode == -signal.SIGKILL
+        assert "dying while sharing state" in swarm.log("donor")
+        donor_id = swarm.records("donor", "start")[0]["peer_id"]
+        assert f"Failed to download state from {donor_id}" in swarm.log("joiner")  # it was mid-transfer
+        swarm.wait_for(lambda: swarm.records("joiner", "resync"), 60, "the joiner to get the state")
+        joined = swarm.records("joiner", "resync")[0]
+        assert joined["why"] == "joining" and joined["version"] >= 2
+        known = {(r["version"], r["digest"]) for r in swarm.records("other", "round") + swarm.records("donor", "round")}
+        assert (joined["version"], joined["digest"]) in known  # exactly a state the swarm held
+        swarm.wait_for(lambda: any(r["applied"] and len(r["members"]) > 1 for r in swarm.records("joiner", "round")),
+                       120, "the joiner's first merged round")
+        for name in ("other", "joiner"):
+            swarm.procs[name].send_signal(signal.SIGTERM)
+        swarm.wait(["other", "joiner"], timeout=30)
+        assert not islands_disagreeing(swarm, ["other", "joiner", "donor"])

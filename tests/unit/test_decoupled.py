@@ -86,6 +86,7 @@ def test_rolled_back_round_changes_nothing_and_its_tokens_ride_along():
     assert not settled.applied
     assert torch.equal(d.local_params(), theta_before) and torch.equal(d.state.params, global_before)
     assert d.unmerged_tokens == 5 * d.trainer.tokens_per_step and d.unmerged_steps == 5
+    assert d.merged_seconds == 0.0 and d.unmerged_seconds > 0  # nothing reached Θ: no goodput yet
     # the next contribution covers both rounds' steps, measured from the unchanged Θ
     d.contribute()
     c = d.in_flight.contribution
@@ -119,9 +120,14 @@ def test_stale_contribution_adopts_the_groups_newer_state_and_keeps_in_flight_st
 
 def test_train_loop_with_one_peer_never_blocks_and_applies_its_own_updates():
     d = make_diloco(SoloMerger())
-    rounds = []
-    train(d, steps_per_round=4, should_leave=lambda: len(rounds) >= 3, on_round=rounds.append)
+    rounds, step_seconds, contributed = [], [], []
+    train(d, steps_per_round=4, should_leave=lambda: len(rounds) >= 3, on_round=rounds.append,
+          on_step=lambda loss, seconds: step_seconds.append(seconds), on_contribute=contributed.append)
     assert [r.applied for r in rounds] == [True, True, True] and d.state.version == 3
+    assert [c.steps for c in contributed] == [4, 4, 4]
+    # goodput bookkeeping: every step's time is either merged or still unmerged, never both or neither
+    assert d.merged_seconds == pytest.approx(sum(c.seconds for c in contributed))
+    assert d.merged_seconds + d.unmerged_seconds == pytest.approx(sum(step_seconds))
     d.close()
 
 
@@ -203,6 +209,7 @@ def test_adopting_a_fork_that_lacks_our_merge_restores_our_work_for_the_next_con
     assert metadata["version"] == 1 and [1, d.state.digest] not in metadata["history"]
     d.adopt(metadata, tensors)
     assert d.unmerged_steps == 4 and d.recovered_tokens == 3 * d.trainer.tokens_per_step
+    assert d.merged_seconds == 0.0  # the lost merge's step time no longer counts as goodput
     expected = other.params + (local_now - ours) - own_delta
     assert torch.allclose(d.local_params(), expected, atol=1e-6)
     # a state that descends from our merge keeps it: nothing is restored, nothing counted twice
