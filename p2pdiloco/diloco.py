@@ -220,6 +220,45 @@ class DiLoCo:
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
+    # ---- resuming ---------------------------------------------------------------------------------------
+    def checkpoint_state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """Everything a restarted peer needs to go on exactly where it stopped: Θ, momentum and version, θ,
+        the AdamW moments, the step count, the data stream's position and the unmerged counters. Only
+        between rounds: a contribution in flight could still be merged by others after we save."""
+        assert self.in_flight is None, "checkpoint between rounds only"
+        trainer = self.trainer
+        with self.state.lock:
+            tensors = {"global": self.state.params.clone(), "momentum": self.state.outer.momentum_buffer.clone(),
+                       "local": self.local_params()}
+            meta = dict(version=self.state.version, digest=self.state.digest, history=self.state.history,
+                        last_members=self.state.last_members)
+        for i, p in enumerate(trainer.model.parameters()):
+            moments = trainer.optimizer.state.get(p, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in moments:
+                    tensors[f"adam.{i}.{key}"] = moments[key].reshape(-1).float().cpu()
+        meta.update(unmerged_tokens=self.unmerged_tokens, unmerged_steps=self.unmerged_steps,
+                    unmerged_seconds=self.unmerged_seconds, inner_step=trainer.total_steps,
+                    stream_position=getattr(trainer.batches, "position", None))
+        return meta, tensors
+
+    def restore_checkpoint_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+        trainer = self.trainer
+        self.state.load(dict(version=meta["version"], digest=meta["digest"], history=meta.get("history", []),
+                             last_members=meta.get("last_members", [])), [tensors["global"], tensors["momentum"]])
+        load_flat_params(trainer.model, tensors["local"])
+        for i, p in enumerate(trainer.model.parameters()):
+            if f"adam.{i}.exp_avg" in tensors:
+                trainer.optimizer.state[p] = dict(
+                    step=torch.tensor(float(meta["inner_step"])),
+                    exp_avg=tensors[f"adam.{i}.exp_avg"].view_as(p).to(p.device).to(p.dtype),
+                    exp_avg_sq=tensors[f"adam.{i}.exp_avg_sq"].view_as(p).to(p.device).to(p.dtype))
+        trainer.total_steps = int(meta["inner_step"])
+        if meta.get("stream_position") is not None:
+            trainer.batches.position = int(meta["stream_position"])
+        self.unmerged_tokens, self.unmerged_steps = meta["unmerged_tokens"], meta["unmerged_steps"]
+        self.unmerged_seconds = float(meta.get("unmerged_seconds", 0.0))
+
 
 def train(diloco: DiLoCo, steps_per_round: int, should_leave: Callable[[], bool],
           on_step: Callable[[float, float], None] = lambda loss, seconds: None,

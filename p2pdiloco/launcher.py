@@ -58,6 +58,7 @@ def stop_tree(proc: subprocess.Popen, grace: float = 15.0) -> None:
 
 
 def start_bootstrap(log_dir: Path, run_args: list[str]) -> tuple[subprocess.Popen, str]:
+    (log_dir / "bootstrap.addrs").unlink(missing_ok=True)  # a previous node's: it must not be read as ours
     proc = start_process(peer_command("bootstrap", "--log-dir", str(log_dir), *run_args), log_dir / "bootstrap.log")
     return proc, wait_for_file(log_dir / "bootstrap.addrs", proc, timeout=60)
 

@@ -28,8 +28,12 @@ class JsonlSink:
 
 
 def read_jsonl(path: Path) -> list[dict]:
+    return parse_jsonl(Path(path).read_text().splitlines())
+
+
+def parse_jsonl(lines) -> list[dict]:
     records = []
-    for line in Path(path).read_text().splitlines():
+    for line in lines:
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:

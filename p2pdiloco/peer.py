@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -115,47 +117,22 @@ class Peer:
         return self.cfg.checkpoint_dir / self.cfg.swarm.run_id / self.name
 
     def _save_checkpoint(self, why: str) -> None:
-        """Only between rounds: a contribution in flight could be merged by others after we save."""
         if self.diloco.in_flight is not None:
-            return
-        trainer = self.diloco.trainer
-        tensors = {"global": self.state.params, "momentum": self.state.outer.momentum_buffer,
-                   "local": self.diloco.local_params()}
-        for i, p in enumerate(trainer.model.parameters()):
-            moments = trainer.optimizer.state.get(p, {})
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in moments:
-                    tensors[f"adam.{i}.{key}"] = moments[key].reshape(-1).float().cpu()
-        with self.state.lock:
-            meta = dict(version=self.state.version, digest=self.state.digest, history=self.state.history,
-                        last_members=self.state.last_members, unmerged_tokens=self.diloco.unmerged_tokens,
-                        unmerged_steps=self.diloco.unmerged_steps, inner_step=trainer.total_steps,
-                        stream_position=trainer.batches.position, model=self.cfg.model, n_params=self.n_params,
-                        run_id=self.cfg.swarm.run_id, why=why)
-            path = checkpoint.save(self.checkpoint_folder, meta, tensors, keep=self.cfg.keep_checkpoints)
-        self.metrics.write("checkpoint", peer=self.name, version=self.state.version, path=str(path), why=why)
+            return  # only between rounds (see DiLoCo.checkpoint_state)
+        meta, tensors = self.diloco.checkpoint_state()
+        meta.update(model=self.cfg.model, n_params=self.n_params, run_id=self.cfg.swarm.run_id, why=why)
+        path = checkpoint.save(self.checkpoint_folder, meta, tensors, keep=self.cfg.keep_checkpoints)
+        self.metrics.write("checkpoint", peer=self.name, version=meta["version"], path=str(path), why=why)
 
     def _restore_checkpoint(self) -> None:
         found = checkpoint.load_latest(self.checkpoint_folder, self.n_params, report=log.warning)
         if found is None:
             return
-        meta, tensors, trainer = found.meta, found.tensors, self.diloco.trainer
-        if meta.get("run_id") != self.cfg.swarm.run_id or meta.get("model") != self.cfg.model:
+        if found.meta.get("run_id") != self.cfg.swarm.run_id or found.meta.get("model") != self.cfg.model:
             log.warning("%s: ignoring checkpoint %s: it is of run %r, model %r", self.name, found.path,
-                        meta.get("run_id"), meta.get("model"))
+                        found.meta.get("run_id"), found.meta.get("model"))
             return
-        self.state.load(dict(version=meta["version"], digest=meta["digest"], history=meta.get("history", []),
-                             last_members=meta.get("last_members", [])), [tensors["global"], tensors["momentum"]])
-        load_flat_params(trainer.model, tensors["local"])
-        for i, p in enumerate(trainer.model.parameters()):
-            if f"adam.{i}.exp_avg" in tensors:
-                trainer.optimizer.state[p] = dict(
-                    step=torch.tensor(float(meta["inner_step"])),
-                    exp_avg=tensors[f"adam.{i}.exp_avg"].view_as(p).to(p.device),
-                    exp_avg_sq=tensors[f"adam.{i}.exp_avg_sq"].view_as(p).to(p.device))
-        trainer.total_steps = int(meta["inner_step"])
-        trainer.batches.position = int(meta["stream_position"])
-        self.diloco.unmerged_tokens, self.diloco.unmerged_steps = meta["unmerged_tokens"], meta["unmerged_steps"]
+        self.diloco.restore_checkpoint_state(found.meta, found.tensors)
         log.info("%s: resumed from checkpoint %s (version %d)", self.name, found.path, self.state.version)
         self.metrics.write("restore", peer=self.name, version=self.state.version, digest=self.state.digest,
                            path=str(found.path))
@@ -310,9 +287,17 @@ def run_peer(cfg: PeerConfig) -> dict:
     return peer.run()
 
 
+def _is_stderr(path: Path) -> bool:
+    try:
+        a, b = os.fstat(sys.stderr.fileno()), os.stat(path)
+    except (OSError, ValueError, AttributeError):
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
 def configure_logging(log_file: Path | None = None) -> None:
     handlers: list[logging.Handler] = [logging.StreamHandler()]
-    if log_file is not None:
+    if log_file is not None and not _is_stderr(log_file):  # a launcher may already send stderr there
         log_file.parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(log_file))
     formatter = logging.Formatter("%(asctime)s %(levelname)s %(message)s")

@@ -7,6 +7,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from p2pdiloco import swarmreport
 from p2pdiloco.launcher import peer_command, start_bootstrap, start_process, stop_tree
 from p2pdiloco.lifeline import descendants
 from p2pdiloco.metrics import read_jsonl
@@ -91,32 +92,13 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def islands_disagreeing(swarm: LocalSwarm, names) -> dict[str, set[tuple[int, str]]]:
-    """Islands whose members ended a merged round with different states: a mixed or partial round.
-
-    Two islands that merged apart from one version may legitimately hold different states at the same version
-    (a fork, resolved later); members of one island never may. A member that adopted a newer state in the same
-    round (a stale contributor) is left out: it holds the island's result or something newer."""
-    by_island: dict[str, set[tuple[int, str]]] = {}
-    for name in names:
-        for r in swarm.records(name, "round"):
-            if r["applied"] and r["group_id"] and not r["adopted"]:
-                by_island.setdefault(r["group_id"], set()).add((r["version"], r["digest"]))
-    return {group: states for group, states in by_island.items() if len(states) > 1}
+def islands_disagreeing(swarm: LocalSwarm, names) -> dict:
+    return swarmreport.islands_disagreeing(r for name in names for r in swarm.records(name, "round"))
 
 
-def unresolved_forks(swarm: LocalSwarm, names, within_rounds: int, from_version: int = 0) -> list[tuple[str, int]]:
-    """(peer, round) where this peer saw live peers disagree at one version (fork_distance > 0) and still saw a
-    disagreement `within_rounds` of its own rounds later (rounds near the end of a log are not judged, nor
-    rounds that ended below `from_version`)."""
-    stuck = []
-    for name in names:
-        rounds = swarm.records(name, "round")
-        for i, r in enumerate(rounds[:len(rounds) - within_rounds]):
-            later = rounds[i + 1:i + 1 + within_rounds]
-            if r["version"] >= from_version and r["fork_distance"] > 0 and all(x["fork_distance"] > 0 for x in later):
-                stuck.append((name, r["round"]))
-    return stuck
+def unresolved_forks(swarm: LocalSwarm, names, within_rounds: int, from_version: int = 0) -> list:
+    rounds = {name: swarm.records(name, "round") for name in names}
+    return swarmreport.unresolved_forks(rounds, within_rounds, from_version)
 
 
 def digests_by_version(swarm: LocalSwarm, names) -> dict[int, set[str]]:

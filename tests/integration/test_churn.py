@@ -89,3 +89,38 @@ def test_joiner_gets_the_state_when_its_donor_dies_mid_transfer(tmp_path):
             swarm.procs[name].send_signal(signal.SIGTERM)
         swarm.wait(["other", "joiner"], timeout=30)
         assert not islands_disagreeing(swarm, ["other", "joiner", "donor"])
+
+
+def test_whole_swarm_restarted_from_checkpoints_continues_where_it_stopped(tmp_path):
+    names = ["a", "b"]
+    with local_swarm(tmp_path, "restart") as swarm:
+        for name in names:
+            swarm.start_peer(name, *ARGS)
+        swarm.wait_for(lambda: min(swarm.version(n) for n in names) >= 3, 150, "three merges")
+        for name in names:
+            swarm.procs[name].send_signal(signal.SIGTERM)
+        swarm.wait(names, timeout=30)
+        saved = {n: [r for r in swarm.records(n, "checkpoint") if r["why"] == "leaving"][-1] for n in names}
+        rounds_before = {n: len(swarm.records(n, "round")) for n in names}
+
+        # everything goes down, the meeting point too; the swarm comes back from its peers' disks alone
+        swarm.procs["bootstrap"].kill()
+        swarm.procs["bootstrap"].wait()
+        swarm.start_bootstrap()
+        for name in names:
+            swarm.start_peer(name, *ARGS)
+        swarm.wait_for(lambda: all(swarm.records(n, "restore") for n in names), 90, "both peers to restore")
+        for name in names:
+            assert swarm.records(name, "restore")[0]["version"] == saved[name]["version"]
+        stopped_at = max(s["version"] for s in saved.values())
+        swarm.wait_for(lambda: any(r["applied"] and len(r["members"]) == 2
+                                   for r in swarm.records("a", "round")[rounds_before["a"]:]), 120,
+                       "the restarted swarm to merge")
+        after = [r for r in swarm.records("a", "round")[rounds_before["a"]:] if r["applied"]]
+        assert after[0]["version"] > min(s["version"] for s in saved.values()), after  # on from there, not 0
+        together = next(r for r in after if len(r["members"]) == 2)
+        assert together["version"] >= stopped_at + 1, together
+        for name in names:
+            swarm.procs[name].send_signal(signal.SIGTERM)
+        swarm.wait(names, timeout=30)
+        assert not islands_disagreeing(swarm, names)

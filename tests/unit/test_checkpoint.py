@@ -65,3 +65,52 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path):
     path = checkpoint.save(tmp_path, *state(1))
     with pytest.raises(checkpoint.CheckpointError, match="does not match this model"):
         checkpoint.load_one(path, N + 1)
+
+
+def test_a_peer_restored_from_disk_goes_on_exactly_where_it_stopped(tmp_path):
+    """Θ, momentum, version, θ, the AdamW moments and step, the data stream's position and the unmerged
+    counters all survive the disk: the restored peer's next inner steps are bit-identical to the original's."""
+    from p2pdiloco.config import InnerConfig, model_config
+    from p2pdiloco.data import BatchStream
+    from p2pdiloco.diloco import DiLoCo, SoloMerger
+    from p2pdiloco.inner import InnerTrainer, flat_params
+    from p2pdiloco.model import build_model
+    from p2pdiloco.state import GlobalState
+
+    text = torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+
+    def peer(stream_seed):
+        model = build_model(model_config("tiny"), seed=0)
+        cfg = InnerConfig(steps=3, batch_size=4, seq_len=16, warmup_steps=5)
+        trainer = InnerTrainer(model, BatchStream(text, 4, 16, seed=stream_seed), cfg, torch.device("cpu"))
+        return DiLoCo(trainer, GlobalState(flat_params(model), lr=0.7, momentum=0.9), SoloMerger(), "p", "p")
+
+    original = peer(stream_seed=7)
+    for _ in range(2):  # two merged rounds (momentum is non-zero), then two unmerged steps
+        for _ in range(3):
+            original.inner_step()
+        original.contribute()
+        original.wait(10)
+    original.inner_step()
+    original.inner_step()
+    meta, tensors = original.checkpoint_state()
+    meta.update(model="tiny", n_params=original.state.params.numel())
+    checkpoint.save(tmp_path, meta, tensors)
+
+    restored = peer(stream_seed=7)
+    found = checkpoint.load_latest(tmp_path, original.state.params.numel())
+    restored.restore_checkpoint_state(found.meta, found.tensors)
+    assert restored.state.key == original.state.key and restored.state.version == 2
+    assert torch.equal(restored.state.outer.momentum_buffer, original.state.outer.momentum_buffer)
+    assert (restored.unmerged_steps, restored.unmerged_tokens) == (2, original.unmerged_tokens)
+    for _ in range(3):  # same batches, same AdamW moments and bias correction, same warm-up lr
+        assert restored.inner_step()[0] == original.inner_step()[0]
+    assert torch.equal(restored.local_params(), original.local_params())
+    restored.contribute()
+    original.contribute()
+    assert torch.equal(restored.in_flight.contribution.delta, original.in_flight.contribution.delta)
+    assert restored.in_flight.contribution.steps == 5
+    for d in (original, restored):
+        d.wait(10)
+        d.close()
+    assert restored.state.key == original.state.key

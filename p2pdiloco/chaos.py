@@ -1,0 +1,262 @@
+"""Chaos over a local swarm: SIGKILL peers at chosen phases of a round, freeze others with SIGSTOP, restart
+the killed ones, add newcomers; bounded in time and in count, and every process stopped by PID tree.
+
+Phases are read from each peer's own JSONL: `joining` (spawned, not training yet: downloading state),
+`in_round` (a contribution handed over and not settled: island forming or all-reduce) and `training`.
+Every action is logged to LOG_DIR/chaos-events.jsonl; `swarmreport` turns the logs into goodput, uptime,
+stalls and agreement figures. Restarted peers and newcomers join through a random live peer, never
+necessarily the bootstrap node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from p2pdiloco.launcher import peer_command, start_bootstrap, start_process, stop_tree
+from p2pdiloco.lifeline import descendants
+from p2pdiloco.metrics import parse_jsonl, read_jsonl
+from p2pdiloco.swarmreport import Life, split_lives, summarize
+
+PHASES = ("training", "in_round", "joining")
+STEP_WINDOW = 10  # inner steps per `window` record (peer.WINDOW, kept here to avoid importing torch)
+
+
+@dataclass(frozen=True)
+class ChaosPlan:
+    peers: int = 5
+    seconds: float = 600.0
+    kill_every: float = 30.0  # mean seconds between SIGKILLs (each gap uniform in [0.5, 1.5]×); 0: never
+    freeze_every: float = 90.0  # SIGSTOP a whole peer tree for `freeze_seconds`; 0: never
+    freeze_seconds: tuple[float, float] = (5.0, 20.0)
+    restart_after: tuple[float, float] = (2.0, 10.0)  # a killed peer comes back (same name, own checkpoint)
+    add_every: float = 150.0  # a newcomer joins; 0: never
+    max_peers: int = 6  # slots, newcomers included
+    min_alive: int = 2  # never kill or freeze below this many running, unfrozen peers
+    quiet_tail: float = 0.0  # the last seconds without faults, for the swarm to settle
+    phase_wait: float = 8.0  # how long a kill may wait for a peer in the phase it drew
+    seed: int = 0
+
+    @property
+    def failure_free(self) -> "ChaosPlan":
+        return ChaosPlan(peers=self.peers, seconds=self.seconds, kill_every=0, freeze_every=0, add_every=0,
+                         max_peers=self.peers, seed=self.seed)
+
+
+class Slot:
+    def __init__(self, name: str):
+        self.name = name
+        self.proc: Optional[subprocess.Popen] = None
+        self.spawns: list[float] = []
+        self.deaths: list[Optional[float]] = []
+        self.frozen: list[tuple[float, float]] = []
+        self.frozen_since: Optional[float] = None
+        self.freeze_for = 0.0
+        self.frozen_tree: dict[int, int] = {}
+        self.restart_at: Optional[float] = None
+        self.started = False  # this life has begun training (seen its `start` record)
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def available(self) -> bool:  # running and not frozen: can be killed, frozen, or joined through
+        return self.running and self.frozen_since is None
+
+
+class Chaos:
+    def __init__(self, plan: ChaosPlan, log_dir: Path, join_args: list[str], run_id: str = "chaos"):
+        self.plan, self.log_dir, self.run_id = plan, log_dir, run_id
+        self.join_args = join_args
+        self.rng = random.Random(plan.seed)
+        self.slots: dict[str, Slot] = {}
+        self.bootstrap: Optional[subprocess.Popen] = None
+        self.address = ""
+        self.events_path = log_dir / "chaos-events.jsonl"
+
+    # ---- the run ---------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for stale in (*self.log_dir.glob("*.jsonl"), *self.log_dir.glob("*.addrs")):
+            stale.unlink()
+        try:
+            self.bootstrap, self.address = start_bootstrap(self.log_dir, ["--run-id", self.run_id])
+            self.start = time.time()
+            for i in range(self.plan.peers):
+                self._spawn(f"peer{i}")
+            self._loop()
+            self.end = time.time()
+        finally:
+            self._stop_everything()
+        return self.report()
+
+    def _loop(self) -> None:
+        p, now = self.plan, time.time()
+        faults_until = self.start + p.seconds - p.quiet_tail
+        next_kill = self._next(now, p.kill_every)
+        next_freeze = self._next(now, p.freeze_every)
+        next_add = self._next(now, p.add_every)
+        while (now := time.time()) < self.start + p.seconds:
+            for slot in self.slots.values():
+                if slot.frozen_since is not None and now >= slot.frozen_since + slot.freeze_for:
+                    self._thaw(slot)
+                if slot.restart_at is not None and now >= slot.restart_at:
+                    self._spawn(slot.name)
+            if now < faults_until:
+                if now >= next_kill:
+                    self._kill_in_phase(now)
+                    next_kill = self._next(now, p.kill_every)
+                if now >= next_freeze:
+                    self._freeze()
+                    next_freeze = self._next(now, p.freeze_every)
+                if now >= next_add:
+                    if len(self.slots) < p.max_peers:
+                        self._spawn(f"new{len(self.slots) - p.peers}")
+                    next_add = self._next(now, p.add_every)
+            time.sleep(0.2)
+
+    def _next(self, now: float, every: float) -> float:
+        return now + every * self.rng.uniform(0.5, 1.5) if every > 0 else float("inf")
+
+    # ---- actions ---------------------------------------------------------------------------------------
+    def _spawn(self, name: str) -> None:
+        slot = self.slots.setdefault(name, Slot(name))
+        via = self._live_address(exclude=name)
+        cmd = peer_command("join", "--initial-peers", via, "--run-id", self.run_id, "--log-dir", str(self.log_dir),
+                           "--checkpoint-dir", str(self.log_dir / "checkpoints"), "--name", name,
+                           "--max-time", str(self.plan.seconds + 300), *self.join_args)
+        slot.proc = start_process(cmd, self.log_dir / f"{name}.log")
+        slot.spawns.append(time.time())
+        slot.deaths.append(None)
+        slot.restart_at, slot.started = None, False
+        self._event("spawn", name, via="bootstrap" if via == self.address else "peer")
+
+    def _live_address(self, exclude: str) -> str:
+        """A random live peer's address, falling back on the bootstrap node: bootstrap independence."""
+        live = []
+        for slot in self.slots.values():
+            addrs = self.log_dir / f"{slot.name}.addrs"
+            if slot.name != exclude and slot.available and addrs.exists() and slot.spawns \
+                    and addrs.stat().st_mtime >= slot.spawns[-1] and addrs.read_text().strip():
+                live.append(addrs.read_text().split()[0])
+        return self.rng.choice(live) if live else self.address
+
+    def _kill_in_phase(self, now: float) -> None:
+        """Draw a phase, wait a little for a peer in it, kill one (any, if none came): never a trainer if
+        that would leave fewer than `min_alive` of them."""
+        want = self.rng.choice(PHASES)
+        deadline = now + self.plan.phase_wait
+        while not (in_phase := [s for s in self._candidates() if self.phase(s) == want]):
+            if time.time() >= deadline:
+                break
+            time.sleep(0.5)
+        trainers = [s for s in self._candidates() if self.phase(s) != "joining"]
+        pool = [s for s in (in_phase or self._candidates())
+                if self.phase(s) == "joining" or len(trainers) > self.plan.min_alive]
+        if pool:
+            victim = self.rng.choice(pool)
+            self._kill(victim, self.phase(victim), wanted=want)
+
+    def _candidates(self) -> list[Slot]:
+        return [s for s in self.slots.values() if s.available]
+
+    def _kill(self, slot: Slot, phase: str, wanted: str) -> None:
+        tree = {slot.proc.pid: 0, **descendants(slot.proc.pid)}
+        for pid in tree:
+            _signal(pid, signal.SIGKILL)
+        slot.proc.wait()
+        slot.deaths[-1] = time.time()
+        slot.restart_at = time.time() + self.rng.uniform(*self.plan.restart_after)
+        self._event("kill", slot.name, phase=phase, wanted=wanted)
+
+    def _freeze(self) -> None:
+        candidates = [s for s in self._candidates() if self.phase(s) != "joining"]
+        if len(candidates) <= self.plan.min_alive:
+            return
+        slot = self.rng.choice(candidates)
+        slot.freeze_for = self.rng.uniform(*self.plan.freeze_seconds)
+        slot.frozen_since = time.time()
+        slot.frozen_tree = {slot.proc.pid: 0, **descendants(slot.proc.pid)}
+        for pid in slot.frozen_tree:
+            _signal(pid, signal.SIGSTOP)
+        self._event("freeze", slot.name, phase=self.phase(slot), seconds=round(slot.freeze_for, 1))
+
+    def _thaw(self, slot: Slot) -> None:
+        for pid in slot.frozen_tree:
+            _signal(pid, signal.SIGCONT)
+        slot.frozen.append((slot.frozen_since, time.time()))
+        slot.frozen_since = None
+        self._event("thaw", slot.name)
+
+    def _stop_everything(self) -> None:
+        for slot in self.slots.values():
+            if slot.frozen_since is not None:
+                self._thaw(slot)
+        running = [s for s in self.slots.values() if s.running]
+        for slot in running:
+            slot.proc.send_signal(signal.SIGTERM)  # all leave at once: each saves and reports
+        for slot in running:
+            stop_tree(slot.proc, grace=30)
+        if self.bootstrap is not None:
+            stop_tree(self.bootstrap)
+
+    # ---- observation -----------------------------------------------------------------------------------
+    def phase(self, slot: Slot) -> str:
+        records = [r for r in _tail_records(self.log_dir / f"{slot.name}.jsonl") if r["time"] >= slot.spawns[-1]]
+        slot.started = slot.started or any(r["kind"] == "start" for r in records)
+        if not slot.started:
+            return "joining"
+        last_contribute = max((r["time"] for r in records if r["kind"] == "contribute"), default=-1.0)
+        last_round = max((r["time"] for r in records if r["kind"] == "round"), default=-1.0)
+        return "in_round" if last_contribute > last_round else "training"
+
+    def _event(self, event: str, peer: str, **fields) -> None:
+        with self.events_path.open("a") as f:
+            f.write(json.dumps(dict(time=round(time.time(), 3), event=event, peer=peer, **fields)) + "\n")
+
+    # ---- report ----------------------------------------------------------------------------------------
+    def lives(self) -> list[Life]:
+        lives = []
+        for slot in self.slots.values():
+            path = self.log_dir / f"{slot.name}.jsonl"
+            records = read_jsonl(path) if path.exists() else []
+            lives += split_lives(slot.name, records, slot.spawns, slot.deaths, self.end, slot.frozen)
+        return lives
+
+    def report(self) -> dict:
+        events = read_jsonl(self.events_path) if self.events_path.exists() else []
+        kills = [e for e in events if e["event"] == "kill"]
+        return dict(
+            seconds=round(self.end - self.start, 1), slots=len(self.slots),
+            kills=len(kills), kills_by_phase={p: sum(e["phase"] == p for e in kills) for p in PHASES},
+            freezes=sum(e["event"] == "freeze" for e in events),
+            restarts=sum(e["event"] == "spawn" for e in events) - len(self.slots),
+            newcomers=len(self.slots) - self.plan.peers,
+            **summarize(self.lives(), self.start, self.end, STEP_WINDOW),
+        )
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _tail_records(path: Path, size: int = 1 << 15) -> list[dict]:
+    """The records in the last `size` bytes of a JSONL file (cheap enough to poll several times a second)."""
+    if not path.exists():
+        return []
+    with path.open("rb") as f:
+        offset = max(0, path.stat().st_size - size)
+        f.seek(offset)
+        lines = f.read().decode(errors="replace").splitlines()
+    return parse_jsonl(lines[1:] if offset else lines)  # from mid-file, the first line is cut

@@ -1,0 +1,68 @@
+"""Chaos run vs failure-free run of the same length, side by side in one invocation.
+
+SIGKILLs peers at drawn phases of a round (joining / in a round / training) about every --kill-every
+seconds, freezes whole peer trees with SIGSTOP/SIGCONT, restarts the killed peers (they resume from their
+checkpoints and catch up), adds newcomers, all through random live peers rather than the bootstrap node.
+Reports goodput, uptime, the longest stall of any live peer, agreement (forks, split islands) and the final
+validation loss of the global model. Run it inside a loopback-only namespace:
+
+    unshare -n bash -c 'ip link set lo up && .venv/bin/python scripts/chaos.py --seconds 600'
+
+Usage: python scripts/chaos.py [--peers 5] [--seconds 600] [--kill-every 30] [--no-baseline] [-- join flags]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from p2pdiloco.chaos import Chaos, ChaosPlan
+
+DEFAULT_JOIN = ["--model", "tiny", "--threads", "1", "-H", "20", "--eval-every", "0", "--checkpoint-every", "2"]
+SHOWN = ["seconds", "slots", "kills", "kills_by_phase", "freezes", "restarts", "newcomers", "goodput",
+         "goodput_of_alive_time", "utilization", "uptime", "uptime_window_seconds", "versions",
+         "longest_stall_seconds", "longest_without_merge_seconds", "join_seconds_median", "join_seconds_max",
+         "rounds", "rounds_merged", "rounds_with_fork", "max_fork_distance", "final_fork_distance", "split_islands",
+         "final_val_median", "final_val"]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--peers", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=600)
+    parser.add_argument("--kill-every", type=float, default=30)
+    parser.add_argument("--freeze-every", type=float, default=90)
+    parser.add_argument("--add-every", type=float, default=150)
+    parser.add_argument("--max-peers", type=int, default=6)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-baseline", action="store_true", help="skip the failure-free run")
+    parser.add_argument("--log-dir", type=Path, default=Path("runs/chaos"))
+    parser.add_argument("join", nargs="*", help="`p2pdiloco join` flags for every peer (after --)")
+    a = parser.parse_args()
+    join = a.join or DEFAULT_JOIN
+    plan = ChaosPlan(peers=a.peers, seconds=a.seconds, kill_every=a.kill_every, freeze_every=a.freeze_every,
+                     add_every=a.add_every, max_peers=a.max_peers, seed=a.seed)
+    results = {}
+    if not a.no_baseline:
+        results["failure-free"] = Chaos(plan.failure_free, a.log_dir / "failure-free", join).run()
+    results["chaos"] = Chaos(plan, a.log_dir / "chaos", join).run()
+    (a.log_dir / "report.json").write_text(json.dumps(results, indent=1))
+    print(f"\n{'':<32}" + "".join(f"{name:>22}" for name in results))
+    for key in SHOWN:
+        print(f"{key:<32}" + "".join(f"{_fmt(r.get(key)):>22}" for r in results.values()))
+    print(f"\nfull report: {a.log_dir / 'report.json'}")
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, dict):
+        return ",".join(f"{k[:5]}={v}" for k, v in value.items())
+    if isinstance(value, list):
+        return ",".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in value)[:21]
+    return str(value)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""A short, bounded chaos run in the default suite: kills at drawn phases, a freeze, restarts, a newcomer."""
+
+import pytest
+
+from p2pdiloco import swarmreport
+from p2pdiloco.chaos import Chaos, ChaosPlan
+from tests.harness.swarm import TINY, alive
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
+
+PLAN = ChaosPlan(peers=4, seconds=120, kill_every=20, freeze_every=45, freeze_seconds=(4, 8),
+                 restart_after=(1, 4), add_every=50, max_peers=5, min_alive=2, quiet_tail=35, seed=3)
+
+
+def test_chaos_never_stops_training_never_mixes_a_round_and_forks_heal(tmp_path):
+    chaos = Chaos(PLAN, tmp_path, [*TINY, "-H", "10", "--eval-every", "0", "--checkpoint-every", "2"])
+    report = chaos.run()
+    assert report["kills"] >= 3 and report["freezes"] >= 1 and report["restarts"] >= 1, report
+    for slot in chaos.slots.values():  # every process the run started is gone
+        assert not slot.running and not alive(slot.proc.pid)
+    lives = chaos.lives()
+
+    # training never stops: the global model advanced in every 30 s slice of the run
+    times = swarmreport.advances(lives)
+    assert swarmreport.uptime(times, chaos.start, chaos.end, window=30.0) == 1.0, (times, report)
+    assert report["versions"] >= 8
+
+    # no live peer ever applied a mixed or partial round: every island's members ended it with one state
+    assert report["split_islands"] == 0, report
+
+    # consensus distance returns to 0: no fork outlives two of its peer's rounds, and once faults stop every
+    # peer still training reports zero disagreement at its version
+    rounds = {f"{life.slot}@{life.spawned}": life.of_kind("round") for life in lives}
+    assert not swarmreport.unresolved_forks(rounds, within_rounds=2), report
+    quiet_from = chaos.start + PLAN.seconds - PLAN.quiet_tail
+    for life in lives:
+        tail = [r for r in life.of_kind("round") if r["time"] >= quiet_from]
+        if life.ended >= chaos.end - 1e-6 and tail:
+            assert any(r["fork_distance"] == 0.0 for r in tail), (life.slot, tail)
+    assert report["goodput"] > 0.5, report

@@ -1,0 +1,75 @@
+"""The chaos/benchmark figures, computed by hand on small synthetic logs."""
+
+import pytest
+
+from p2pdiloco.swarmreport import (advances, goodput, islands_disagreeing, longest_stalls, split_lives,
+                                   unresolved_forks, uptime)
+
+
+def rec(kind, t, **fields):
+    return dict(kind=kind, time=t, **fields)
+
+
+def window(t, compute, merged, step_seconds=1.0):
+    return rec("window", t, compute_seconds=compute, merged_seconds=merged, step_seconds=step_seconds)
+
+
+def round_(t, version, applied=True, group="g", digest="d", adopted=False, fork=0.0, n=0):
+    return rec("round", t, version=version, applied=applied, group_id=group, digest=digest, adopted=adopted,
+               fork_distance=fork, round=n)
+
+
+def test_lives_are_cut_at_spawns_and_end_at_a_kill_or_the_run_end():
+    records = [rec("start", 5), window(20, 10, 8), rec("start", 65), window(90, 20, 15)]
+    first, second = split_lives("a", records, spawns=[0, 60], deaths=[50, None], end=100)
+    assert (first.spawned, first.ended, len(first.records)) == (0, 50, 2)
+    assert (second.spawned, second.ended, len(second.records)) == (60, 100, 2)
+    assert first.training_from == 5 and second.training_from == 65
+
+
+def test_goodput_counts_dead_time_as_allocated_and_only_merged_step_time_as_useful():
+    a = split_lives("a", [rec("start", 5), window(45, 40, 30), rec("start", 65), window(95, 33, 30)],
+                    spawns=[0, 60], deaths=[50, None], end=100)
+    b = split_lives("b", [rec("start", 3), window(95, 95, 90)], spawns=[0], deaths=[None], end=100,
+                    frozen=[(20, 30)])
+    g = goodput(a + b, start=0, end=100)
+    assert g["allocated_seconds"] == 200  # both slots from their first spawn to the end, deaths included
+    assert g["merged_seconds"] == 150 and g["goodput"] == pytest.approx(0.75)
+    assert g["alive_seconds"] == 50 + 40 + 90  # b's 10 frozen seconds are not alive time
+    assert g["utilization"] == pytest.approx((40 + 33 + 95) / 180)
+
+
+def test_uptime_is_the_share_of_windows_in_which_the_global_model_advanced():
+    lives = split_lives("a", [round_(t, v) for t, v in [(5, 1), (15, 2), (16, 2), (25, 3), (65, 4), (75, 5)]]
+                        + [round_(80, 5, applied=False)], spawns=[0], deaths=[None], end=100)
+    times = advances(lives)
+    assert times == [5, 15, 25, 65, 75]  # a second merge at one version is no advance
+    assert uptime(times, start=0, end=100, window=10) == pytest.approx(0.5)
+
+
+def test_stalls_exclude_frozen_time_and_count_time_without_a_merge():
+    records = [rec("start", 0), window(10, 10, 0), window(40, 20, 0), round_(41, 1), window(50, 30, 10),
+               round_(90, 2)]
+    lives = split_lives("a", records, spawns=[0], deaths=[None], end=100, frozen=[(15, 30)])
+    stalls = longest_stalls(lives, step_window=10)
+    # 10→40 is 30 s for 10 one-second steps, 15 of them frozen: a 5 s stall
+    assert stalls["longest_stall_seconds"] == pytest.approx(5.0)
+    assert stalls["longest_without_merge_seconds"] == pytest.approx(49.0)  # 41 → 90
+
+
+def test_an_island_whose_members_disagree_is_flagged_but_two_islands_forking_is_not():
+    fork = [round_(1, 3, group="g1", digest="x"), round_(1, 3, group="g1", digest="x"),
+            round_(1, 3, group="g2", digest="y")]
+    assert islands_disagreeing(fork) == {}
+    mixed = fork + [round_(2, 4, group="g3", digest="p"), round_(2, 4, group="g3", digest="q")]
+    assert islands_disagreeing(mixed) == {"g3": {(4, "p"), (4, "q")}}
+    stale = fork + [round_(2, 5, group="g1", digest="z", adopted=True)]  # downloaded something newer
+    assert islands_disagreeing(stale) == {}
+
+
+def test_a_fork_that_outlives_its_bound_is_reported():
+    resolved = [round_(t, t, fork=f, n=t) for t, f in enumerate([0, 2.0, 2.0, 0, 0, 0])]
+    stuck = [round_(t, t, fork=f, n=t) for t, f in enumerate([0, 2.0, 2.0, 2.0, 0, 0])]
+    assert unresolved_forks({"a": resolved}, within_rounds=2) == []
+    assert unresolved_forks({"a": stuck}, within_rounds=2) == [("a", 1)]
+    assert unresolved_forks({"a": stuck}, within_rounds=2, from_version=2) == []
