@@ -55,8 +55,6 @@ class Slot:
         self.name = name
         self.proc: Optional[subprocess.Popen] = None
         self.spawns: list[float] = []
-        self.deaths: list[Optional[float]] = []
-        self.frozen: list[tuple[float, float]] = []
         self.frozen_since: Optional[float] = None
         self.freeze_for = 0.0
         self.frozen_tree: dict[int, int] = {}
@@ -90,10 +88,12 @@ class Chaos:
         try:
             self.bootstrap, self.address = start_bootstrap(self.log_dir, ["--run-id", self.run_id])
             self.start = time.time()
+            self._event("begin", None)
             for i in range(self.plan.peers):
                 self._spawn(f"peer{i}")
             self._loop()
             self.end = time.time()
+            self._event("end", None)
         finally:
             self._stop_everything()
         return self.report()
@@ -135,7 +135,6 @@ class Chaos:
                            "--max-time", str(self.plan.seconds + 300), *self.join_args)
         slot.proc = start_process(cmd, self.log_dir / f"{name}.log")
         slot.spawns.append(time.time())
-        slot.deaths.append(None)
         slot.restart_at, slot.started = None, False
         self._event("spawn", name, via="bootstrap" if via == self.address else "peer")
 
@@ -173,7 +172,6 @@ class Chaos:
         for pid in tree:
             _signal(pid, signal.SIGKILL)
         slot.proc.wait()
-        slot.deaths[-1] = time.time()
         slot.restart_at = time.time() + self.rng.uniform(*self.plan.restart_after)
         self._event("kill", slot.name, phase=phase, wanted=wanted)
 
@@ -192,7 +190,6 @@ class Chaos:
     def _thaw(self, slot: Slot) -> None:
         for pid in slot.frozen_tree:
             _signal(pid, signal.SIGCONT)
-        slot.frozen.append((slot.frozen_since, time.time()))
         slot.frozen_since = None
         self._event("thaw", slot.name)
 
@@ -224,24 +221,53 @@ class Chaos:
 
     # ---- report ----------------------------------------------------------------------------------------
     def lives(self) -> list[Life]:
-        lives = []
-        for slot in self.slots.values():
-            path = self.log_dir / f"{slot.name}.jsonl"
-            records = read_jsonl(path) if path.exists() else []
-            lives += split_lives(slot.name, records, slot.spawns, slot.deaths, self.end, slot.frozen)
-        return lives
+        return lives_from_logs(self.log_dir)
 
     def report(self) -> dict:
-        events = read_jsonl(self.events_path) if self.events_path.exists() else []
-        kills = [e for e in events if e["event"] == "kill"]
-        return dict(
-            seconds=round(self.end - self.start, 1), slots=len(self.slots),
-            kills=len(kills), kills_by_phase={p: sum(e["phase"] == p for e in kills) for p in PHASES},
-            freezes=sum(e["event"] == "freeze" for e in events),
-            restarts=sum(e["event"] == "spawn" for e in events) - len(self.slots),
-            newcomers=len(self.slots) - self.plan.peers,
-            **summarize(self.lives(), self.start, self.end, STEP_WINDOW),
-        )
+        return report_from_logs(self.log_dir, self.plan.peers)
+
+
+def lives_from_logs(log_dir: Path) -> list[Life]:
+    """Every process life of a finished (or still running) chaos run, rebuilt from its event log."""
+    events = read_jsonl(log_dir / "chaos-events.jsonl")
+    end = next((e["time"] for e in events if e["event"] == "end"), time.time())
+    spawns: dict[str, list[float]] = {}
+    deaths: dict[str, list[Optional[float]]] = {}
+    frozen: dict[str, list[tuple[float, float]]] = {}
+    since: dict[str, float] = {}
+    for e in events:
+        name = e.get("peer")
+        if e["event"] == "spawn":
+            spawns.setdefault(name, []).append(e["time"])
+            deaths.setdefault(name, []).append(None)
+        elif e["event"] == "kill":
+            deaths[name][-1] = e["time"]
+        elif e["event"] == "freeze":
+            since[name] = e["time"]
+        elif e["event"] == "thaw" and name in since:
+            frozen.setdefault(name, []).append((since.pop(name), e["time"]))
+    lives = []
+    for name in spawns:
+        path = log_dir / f"{name}.jsonl"
+        records = read_jsonl(path) if path.exists() else []
+        lives += split_lives(name, records, spawns[name], deaths[name], end, frozen.get(name, []))
+    return lives
+
+
+def report_from_logs(log_dir: Path, planned_peers: int) -> dict:
+    events = read_jsonl(log_dir / "chaos-events.jsonl")
+    start = next(e["time"] for e in events if e["event"] == "begin")
+    end = next((e["time"] for e in events if e["event"] == "end"), time.time())
+    kills = [e for e in events if e["event"] == "kill"]
+    slots = {e["peer"] for e in events if e["event"] == "spawn"}
+    return dict(
+        seconds=round(end - start, 1), slots=len(slots),
+        kills=len(kills), kills_by_phase={p: sum(e["phase"] == p for e in kills) for p in PHASES},
+        freezes=sum(e["event"] == "freeze" for e in events),
+        restarts=sum(e["event"] == "spawn" for e in events) - len(slots),
+        newcomers=len(slots) - planned_peers,
+        **summarize(lives_from_logs(log_dir), start, end, STEP_WINDOW),
+    )
 
 
 def _signal(pid: int, sig: int) -> None:

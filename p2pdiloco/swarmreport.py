@@ -66,9 +66,16 @@ def goodput(lives: list[Life], start: float, end: float) -> dict:
     alive = sum(life.ended - life.spawned - _overlap((life.spawned, life.ended), life.frozen) for life in lives)
     merged = sum((life.last_with("merged_seconds") or {}).get("merged_seconds", 0.0) for life in lives)
     compute = sum((life.last_with("compute_seconds") or {}).get("compute_seconds", 0.0) for life in lives)
+    joining = sum(min(life.training_from or life.ended, life.ended) - life.spawned for life in lives)
+    frozen = sum(_overlap((life.spawned, life.ended), life.frozen) for life in lives)
     return dict(goodput=merged / max(allocated, 1e-9), goodput_of_alive_time=merged / max(alive, 1e-9),
                 utilization=compute / max(alive, 1e-9), merged_seconds=merged, compute_seconds=compute,
-                allocated_seconds=allocated, alive_seconds=alive)
+                allocated_seconds=allocated, alive_seconds=alive,
+                # where allocated time went that did not reach Θ (shares of allocated time)
+                lost_unmerged_compute=(compute - merged) / max(allocated, 1e-9),
+                lost_joining=joining / max(allocated, 1e-9), lost_frozen=frozen / max(allocated, 1e-9),
+                lost_dead=(allocated - alive - frozen) / max(allocated, 1e-9),
+                lost_other=(alive - joining - compute) / max(allocated, 1e-9))
 
 
 def advances(lives: list[Life]) -> list[float]:

@@ -1,11 +1,12 @@
 """Synchronous vs decoupled rounds, 4 peers of which one is 3× slower, run back to back in one invocation.
 
 (a) sync: every round waits for every live peer at a barrier, and training stops while it runs;
-(b) decoupled: no barrier, rounds run in the background while inner steps go on.
+(b) decoupled: no barrier, rounds run in the background while inner steps go on;
+(c) rda: decoupled, merging with radial-directional averaging (norms and directions averaged apart).
 Same wall-clock budget, same model and settings, every peer `--threads 1`. Reports each fast peer's compute
 utilization (time in inner steps / wall time), tokens merged per round, consensus distance over time and
 validation loss of the global model at the end (equal wall-clock).
-Usage: python scripts/bench_decoupled.py [--seconds 150] [--slow-factor 3] [--model tiny] [-H 20] [-- --rda]
+Usage: python scripts/bench_decoupled.py [--seconds 150] [--modes sync,decoupled,rda] [-H 20] [-- join flags]
 """
 
 from __future__ import annotations
@@ -22,9 +23,13 @@ N_PEERS = 4
 SLOW = N_PEERS - 1  # the last peer is the slow one
 
 
+MODES = {"sync": ["--mode", "sync"], "decoupled": ["--mode", "decoupled"],
+         "rda": ["--mode", "decoupled", "--rda"]}  # rda: decoupled rounds with radial-directional averaging
+
+
 def run(mode: str, a, log_dir: Path) -> list[list[dict]]:
     args = ["--model", a.model, "--threads", "1", "-H", str(a.inner_steps), "--max-time", str(a.seconds),
-            "--eval-every", "0", "--mode", mode, "--run-id", f"bench-{mode}", "--sync-wait", "600", *a.extra]
+            "--eval-every", "0", *MODES[mode], "--run-id", f"bench-{mode}", "--sync-wait", "600", *a.extra]
     run_local_swarm(N_PEERS, log_dir, args, stagger=0.2, per_peer_args={SLOW: ["--throttle", str(a.slow_factor)]})
     return [read_jsonl(log_dir / f"peer{i}.jsonl") for i in range(N_PEERS)]
 
@@ -61,23 +66,21 @@ def main():
     parser.add_argument("--slow-factor", type=float, default=3.0)
     parser.add_argument("--model", default="tiny")
     parser.add_argument("-H", "--inner-steps", type=int, default=20)
-    parser.add_argument("--modes", default="sync,decoupled")
+    parser.add_argument("--modes", default="sync,decoupled,rda", help=f"some of {','.join(MODES)}")
     parser.add_argument("--log-dir", type=Path, default=Path("runs/bench-decoupled"))
     parser.add_argument("extra", nargs="*", help="more `p2pdiloco join` flags for every peer (after --)")
     a = parser.parse_args()
     results = {}
     for mode in a.modes.split(","):
         results[mode] = report(run(mode, a, a.log_dir / mode))
-    if set(results) != {"sync", "decoupled"}:
-        print(json.dumps(results, indent=1))
-        return
-    sync, dec = results["sync"], results["decoupled"]
-    results["ratios"] = dict(
-        fast_utilization_decoupled_over_sync=round(
-            statistics.mean(dec["fast_peer_utilization"]) / statistics.mean(sync["fast_peer_utilization"]), 2),
-        val_loss_decoupled_over_sync=round(statistics.mean(dec["val_loss"]) / statistics.mean(sync["val_loss"]), 3),
-        tokens_trained_decoupled_over_sync=round(dec["tokens_trained"] / sync["tokens_trained"], 2),
-    )
+    if "sync" in results:
+        sync = results["sync"]
+        results["ratios_to_sync"] = {mode: dict(
+            fast_utilization=round(statistics.mean(r["fast_peer_utilization"])
+                                   / statistics.mean(sync["fast_peer_utilization"]), 2),
+            val_loss=round(statistics.mean(r["val_loss"]) / statistics.mean(sync["val_loss"]), 3),
+            tokens_trained=round(r["tokens_trained"] / sync["tokens_trained"], 2),
+        ) for mode, r in results.items() if mode != "sync"}
     results["settings"] = dict(seconds=a.seconds, peers=N_PEERS, slow_factor=a.slow_factor, model=a.model,
                                inner_steps=a.inner_steps, threads_per_peer=1)
     print(json.dumps(results, indent=1))

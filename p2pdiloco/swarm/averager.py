@@ -25,6 +25,7 @@ from hivemind.utils.logging import get_logger
 
 from p2pdiloco import exact, faults
 from p2pdiloco.outer import merge_weights
+from p2pdiloco.swarm.statefetch import PartServer
 from p2pdiloco.timing import agreed_deadline, allreduce_wire_bytes
 
 logger = get_logger(__name__)
@@ -116,16 +117,30 @@ class ExactAverager(DecentralizedAverager):
 
     async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
                                  context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
-        """hivemind's state stream, unchanged unless a fault plan makes this donor die halfway through it."""
-        die_from = faults.version_of("die_while_sharing")
+        """hivemind's one-donor state stream, unchanged unless a fault plan makes this donor die in it."""
         async for i, message in _enumerate(super().rpc_download_state(request, context)):
             yield message
-            if die_from is not None and i == 0 and message.metadata:
-                if self.serializer.loads(message.metadata).get("version", -1) >= die_from:
-                    await asyncio.sleep(0.2)  # the first part is on its way: the joiner is mid-transfer
-                    logger.warning("fault plan: dying while sharing state")
-                    os.kill(os.getppid(), signal.SIGKILL)
-                    os.kill(os.getpid(), signal.SIGKILL)
+            await self._maybe_die_while_sharing(i, message)
+
+    async def rpc_state_part(self, request: averaging_pb2.DownloadData,
+                             context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """One part of our global state for a joiner fetching from several donors (swarm.statefetch)."""
+        if getattr(self, "_part_server", None) is None:
+            # hivemind==1.1.12's own channel from the averager process to the host's get_current_state
+            self._part_server = PartServer(self._get_current_state_from_host_process)
+        async for i, message in _enumerate(self._part_server.serve_part(request)):
+            yield message
+            await self._maybe_die_while_sharing(i, message)
+
+    async def _maybe_die_while_sharing(self, index: int, message) -> None:
+        die_from = faults.version_of("die_while_sharing")
+        if die_from is None or index != 0 or not message.metadata:
+            return
+        if self.serializer.loads(message.metadata).get("version", -1) >= die_from:
+            await asyncio.sleep(0.2)  # the first part is on its way: the joiner is mid-transfer
+            logger.warning("fault plan: dying while sharing state")
+            os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def get_current_state(self):
         """Runs in the host process when a peer downloads our state (late join, resync)."""

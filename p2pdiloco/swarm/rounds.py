@@ -32,7 +32,9 @@ from p2pdiloco.outer import Segment, rda_combine, rda_directions
 from p2pdiloco.roundtypes import Contribution, MergeOutcome, newest_member
 from p2pdiloco.state import sharing_priority, validate_state
 from p2pdiloco.swarm.averager import ExactAverager, averager_limits, gather_record
+from p2pdiloco.swarm.statefetch import StateFetcher
 from p2pdiloco.swarm.records import Heartbeat, PeerRecord, fetch_records, wait_for_quorum, wait_for_round
+from p2pdiloco.transfer import MAX_PART
 from p2pdiloco.timing import GracePolicy, RoundClock, allreduce_wire_bytes
 
 logger = get_logger(__name__)
@@ -58,6 +60,9 @@ class SwarmMerger:
             allow_state_sharing=True, initial_group_bits=self._group_bits(0),
         )
         self.peer = dht.peer_id.to_base58()
+        part_timeout = 5.0 + 4 * 4 * MAX_PART / self.limits.initial_bytes_per_s  # 4× the declared link's time
+        self.fetcher = StateFetcher(dht, lambda p2p, peer: self.averager.get_stub(
+            p2p, peer, namespace=self.averager.prefix), part_timeout)
 
     # ---- the round ----------------------------------------------------------------------------------------
     def merge(self, c: Contribution) -> MergeOutcome:
@@ -162,7 +167,9 @@ class SwarmMerger:
         sends garbage is retried, next time from the best donor then, until the deadline."""
         deadline = time.monotonic() + (timeout or max(10.0, self.limits.allreduce_cap))
         while True:
-            loaded = self.load_state(timeout=max(1.0, deadline - time.monotonic()))
+            loaded = self._from_donors(min_version, deadline)
+            if loaded is None:  # one donor at a time, hivemind's way
+                loaded = self.load_state(timeout=max(1.0, deadline - time.monotonic()))
             problem = "no peer shared its state" if loaded is None else validate_state(*loaded, self.n, min_version)
             if not problem:
                 return loaded
@@ -170,6 +177,23 @@ class SwarmMerger:
                 logger.info(f"state download ({why}) failed: {problem}")
                 return None
             time.sleep(0.5)
+
+    def _from_donors(self, min_version: int, deadline: float) -> Optional[StateTuple]:
+        """In parts from every live peer announcing the best state key, resuming past donors that fail."""
+        records = [r for r in self.live_others() if r.version >= min_version]
+        if not records:
+            return None
+        best = max(r.key for r in records)
+        donors = [r.peer for r in records if r.key == best]
+        try:
+            t = self.fetcher.fetch(donors, best, 2 * self.n, timeout=max(1.0, deadline - time.monotonic()))
+        except Exception as e:  # every donor failed, or time ran out: the caller falls back
+            logger.info(f"state from {len(donors)} donor(s) failed: {type(e).__name__}: {e}")
+            return None
+        failed = f"; {t.requeued_parts} part(s) re-fetched after {sorted(t.failed_donors)} failed" \
+            if t.failed_donors else ""
+        logger.info(f"state v{best[0]} from {len(donors)} donor(s), parts {dict(t.parts_by_donor)}{failed}")
+        return t.metadata, [t.flat[: self.n], t.flat[self.n:]]
 
     def load_state(self, timeout: float) -> Optional[StateTuple]:
         try:
@@ -186,5 +210,6 @@ class SwarmMerger:
         self.heartbeat.update(version=version, digest=state_digest, sketch=sketch)
 
     def shutdown(self) -> None:
+        self.fetcher.close()
         if self.averager.is_alive():
             self.averager.shutdown()

@@ -1,0 +1,123 @@
+"""State transfer in parts from several donors at once (the scheduling lives in p2pdiloco.transfer).
+
+Donor side: `serve_part` answers the `rpc_state_part` RPC of our averager with one slice of its global
+state Θ ⊕ momentum, only if it still holds the state key the joiner asked for (a donor that moved on, or is
+mid-round and changed its state, refuses instead of serving something else). Joiner side: `StateFetcher`
+calls that RPC on every donor holding the best key, through a replica of the DHT's libp2p daemon (the same
+public seam hivemind's MoE client uses: `DHT.replicate_p2p` + `ServicerBase.get_stub`).
+
+Requests and answers reuse hivemind's `averaging_pb2.DownloadData` (bytes metadata + tensor part): the
+request carries {version, digest, start, length} as msgpack. Anything malformed gets an error answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import AsyncIterator, Callable, Optional
+
+import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+
+from p2pdiloco.transfer import MAX_PART, Transfer, TransferError, fetch_parts
+
+SNAPSHOT_SECONDS = 5.0  # a donor reuses one snapshot of its state for the parts of one transfer
+serializer = MSGPackSerializer
+
+
+def parse_part_request(blob: bytes) -> tuple[int, str, int, int]:
+    try:
+        request = serializer.loads(blob)
+        version, digest = request["version"], request["digest"]
+        start, length = request["start"], request["length"]
+    except Exception as e:
+        raise ValueError(f"malformed part request ({type(e).__name__})") from None
+    if not (isinstance(version, int) and isinstance(digest, str) and isinstance(start, int)
+            and isinstance(length, int) and start >= 0 and 0 < length <= MAX_PART):
+        raise ValueError("part request out of bounds")
+    return version, digest, start, length
+
+
+def _error(message: str) -> averaging_pb2.DownloadData:
+    return averaging_pb2.DownloadData(metadata=serializer.dumps(dict(error=message)))
+
+
+class PartServer:
+    """Donor side, inside the averager process; `get_state` fetches the host's current state."""
+
+    def __init__(self, get_state: Callable):
+        self.get_state = get_state
+        self._snapshot: Optional[tuple[float, dict, torch.Tensor]] = None
+
+    async def _state(self, version: int, digest: str) -> tuple[dict, torch.Tensor]:
+        fresh = self._snapshot is not None and time.monotonic() - self._snapshot[0] < SNAPSHOT_SECONDS
+        if not fresh or (self._snapshot[1]["version"], self._snapshot[1]["digest"]) != (version, digest):
+            blob, tensors, _ = await self.get_state()  # hivemind hands the metadata over serialized
+            metadata = serializer.loads(blob) if isinstance(blob, bytes) else blob
+            self._snapshot = (time.monotonic(), metadata, torch.cat([t.reshape(-1).float() for t in tensors]))
+        return self._snapshot[1], self._snapshot[2]
+
+    async def serve_part(self, request: averaging_pb2.DownloadData) -> AsyncIterator[averaging_pb2.DownloadData]:
+        try:
+            version, digest, start, length = parse_part_request(request.metadata)
+        except ValueError as e:
+            yield _error(str(e))
+            return
+        metadata, flat = await self._state(version, digest)
+        if (metadata["version"], metadata["digest"]) != (version, digest):
+            yield _error(f"moved on: holds version {metadata['version']}")
+            return
+        if start + length > flat.numel():
+            yield _error("part request beyond the state")
+            return
+        parts = split_for_streaming(serialize_torch_tensor(flat[start:start + length].clone()))
+        for i, part in enumerate(parts):
+            yield averaging_pb2.DownloadData(tensor_part=part, metadata=serializer.dumps(metadata) if i == 0 else b"")
+
+
+class StateFetcher:
+    """Joiner side: one background event loop for the libp2p replica, used from the merger's thread."""
+
+    def __init__(self, dht, get_stub: Callable, part_timeout: float):
+        self.dht, self.get_stub, self.part_timeout = dht, get_stub, part_timeout
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+
+    def fetch(self, donors: list[str], key: tuple[int, str], total: int, timeout: float) -> Transfer:
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(target=self._loop.run_forever, name="state-fetch", daemon=True).start()
+        future = asyncio.run_coroutine_threadsafe(self._fetch(donors, key, total), self._loop)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise TransferError(f"no complete state within {timeout:.0f} s") from None
+
+    async def _fetch(self, donors: list[str], key: tuple[int, str], total: int) -> Transfer:
+        p2p = await self.dht.replicate_p2p()
+
+        async def fetch_part(donor: str, start: int, length: int) -> tuple[dict, torch.Tensor]:
+            stub = self.get_stub(p2p, PeerID.from_base58(donor))
+            request = dict(version=key[0], digest=key[1], start=start, length=length)
+            stream = await stub.rpc_state_part(averaging_pb2.DownloadData(metadata=serializer.dumps(request)))
+            metadata, parts = None, []
+            async for message in stream:
+                if message.metadata:
+                    metadata = serializer.loads(message.metadata)
+                    if not isinstance(metadata, dict) or "error" in metadata:
+                        raise TransferError(f"donor refused: {metadata}")
+                parts.append(message.tensor_part)
+            if metadata is None or not parts:
+                raise TransferError("donor sent nothing")
+            return metadata, deserialize_torch_tensor(combine_from_streaming(parts))
+
+        return await fetch_parts(donors, key, total, fetch_part, self.part_timeout)
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)

@@ -1,0 +1,105 @@
+"""Multi-donor, resumable state transfer, with fake donors (no network)."""
+
+import asyncio
+
+import pytest
+import torch
+
+from p2pdiloco.transfer import TransferError, fetch_parts, part_size
+
+TOTAL = 10_000
+STATE = torch.arange(TOTAL, dtype=torch.float32)
+META = dict(version=7, digest="abc")
+
+
+def donor_pool(dies_after=None, hangs=(), lies=(), log=None):
+    """fetch_part for donors that serve STATE; `dies_after[d] = k`: donor d fails from its (k+1)-th part on."""
+    served = {}
+
+    async def fetch_part(donor, start, length):
+        served[donor] = served.get(donor, 0) + 1
+        if log is not None:
+            log.append((donor, start))
+        await asyncio.sleep(0.001)
+        if dies_after and donor in dies_after and served[donor] > dies_after[donor]:
+            raise ConnectionResetError("donor died mid-transfer")
+        if donor in hangs:
+            await asyncio.sleep(60)
+        if donor in lies:
+            return dict(version=8, digest="zzz"), torch.zeros(length)
+        return dict(META), STATE[start:start + length].clone()
+
+    return fetch_part
+
+
+def run(donors, fetch_part, size=1000, timeout=5.0):
+    return asyncio.run(fetch_parts(donors, (7, "abc"), TOTAL, fetch_part, part_timeout=timeout, size=size))
+
+
+def test_parts_come_from_every_donor_and_assemble_exactly():
+    t = run(["a", "b", "c"], donor_pool())
+    assert torch.equal(t.flat, STATE) and t.metadata == META
+    assert set(t.parts_by_donor) == {"a", "b", "c"} and sum(t.parts_by_donor.values()) == 10
+
+
+def test_a_donor_dying_mid_transfer_costs_only_its_part_in_flight():
+    log = []
+    t = run(["a", "b"], donor_pool(dies_after={"a": 2}, log=log))
+    assert torch.equal(t.flat, STATE)
+    assert t.parts_by_donor["a"] == 2 and t.parts_by_donor["b"] == 8 and "a" in t.failed_donors
+    starts = [s for _, s in log]
+    assert len(starts) == 11 and len(set(starts)) == 10  # one part fetched twice, the rest kept (resumed)
+
+
+def test_a_frozen_donor_times_out_and_its_part_is_served_by_another():
+    t = run(["frozen", "b"], donor_pool(hangs={"frozen"}), timeout=0.5)
+    assert torch.equal(t.flat, STATE) and t.parts_by_donor["b"] == 10 and t.requeued_parts == 1
+
+
+def test_a_donor_serving_another_state_is_dropped_not_mixed_in():
+    t = run(["liar", "b"], donor_pool(lies={"liar"}), size=5000)
+    assert torch.equal(t.flat, STATE) and t.metadata == META
+    assert "liar" in t.failed_donors and "liar" not in t.parts_by_donor
+
+
+def test_all_donors_failing_is_a_clear_error():
+    with pytest.raises(TransferError, match="every donor failed"):
+        run(["a", "b"], donor_pool(dies_after={"a": 0, "b": 1}))
+
+
+def test_part_size_gives_each_donor_a_few_parts_within_bounds():
+    assert part_size(1_900_000, 2) == 237_500
+    assert part_size(1000, 4) == 1 << 16 and part_size(10**10, 1) == 1 << 22
+
+
+def test_a_donor_serves_exactly_the_slice_asked_for_and_refuses_anything_else():
+    from hivemind.compression import deserialize_torch_tensor
+    from hivemind.proto import averaging_pb2
+    from hivemind.utils.streaming import combine_from_streaming
+
+    from p2pdiloco.swarm.statefetch import PartServer, serializer
+
+    params, momentum = torch.randn(3000), torch.randn(3000)
+
+    async def get_state():
+        return serializer.dumps(META), [params, momentum], None  # serialized, as hivemind's host channel does
+
+    def ask(request) -> tuple[dict, torch.Tensor | None]:
+        blob = request if isinstance(request, bytes) else serializer.dumps(request)
+
+        async def collect():
+            return [m async for m in PartServer(get_state).serve_part(averaging_pb2.DownloadData(metadata=blob))]
+
+        messages = asyncio.run(collect())
+        meta = serializer.loads(messages[0].metadata)
+        parts = [m.tensor_part for m in messages if m.tensor_part.buffer]
+        return meta, deserialize_torch_tensor(combine_from_streaming(parts)) if parts else None
+
+    meta, chunk = ask(dict(version=7, digest="abc", start=2500, length=1000))  # across Θ and momentum
+    assert meta["version"] == 7 and torch.equal(chunk, torch.cat([params, momentum])[2500:3500])
+    assert "moved on" in ask(dict(version=6, digest="abc", start=0, length=10))[0]["error"]
+    assert "beyond" in ask(dict(version=7, digest="abc", start=5990, length=100))[0]["error"]
+    for hostile in (b"\xff\x00garbage", dict(version=7, digest="abc", start=-1, length=5),
+                    dict(version=7, digest="abc", start=0, length=1 << 40), dict(version="7", start=0)):
+        meta, chunk = ask(hostile)
+        assert "error" in meta and chunk is None
