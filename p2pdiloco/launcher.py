@@ -147,6 +147,7 @@ def print_summary(summaries: dict) -> None:
         if s is None:
             print(f"{name:<9} (no summary: see its log)")
         else:
-            print(f"{name:<9} {s['rounds']:>6}  {s['version']:>7}  {s['initial_val']:>8.4f} -> {s['final_val']:.4f}"
+            before = "-" if s["initial_val"] is None else f"{s['initial_val']:.4f}"
+            print(f"{name:<9} {s['rounds']:>6}  {s['version']:>7}  {before:>8} -> {s['final_val']:.4f}"
                   f"     {100 * s['utilization']:>10.0f}%  {s['digest']}")
     print(json.dumps({k: (v or {}).get("final_val") for k, v in summaries.items()}))

@@ -32,6 +32,10 @@ LEAVE_ROUND_WAIT = 4.0  # on SIGTERM/Ctrl-C: how long the round in flight may fi
 FINISH_ROUND_WAIT = 120.0  # at max rounds/time: let the last round finish
 
 
+def _fmt_loss(value) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -151,7 +155,8 @@ class Peer:
     def _train(self) -> dict:
         cfg = self.cfg
         self.started = time.monotonic()
-        initial_val = self._evaluate_global()
+        # with evaluations off (chaos runs, benchmarks) a (re)starting peer goes straight to training
+        initial_val = self._evaluate_global() if cfg.eval_every else None
         self.metrics.write("start", peer=self.name, peer_id=self.peer_id, n_params=self.n_params,
                            val_loss=initial_val, version=self.state.version, corpus=self.corpus.description,
                            mode=cfg.swarm.mode)
@@ -176,8 +181,9 @@ class Peer:
                        utilization=self.compute_seconds / max(wall, 1e-9),
                        tokens=self.diloco.trainer.total_steps * self.diloco.trainer.tokens_per_step)
         self.metrics.write("summary", **summary)
-        log.info("%s: done after %d rounds (version %d): val loss %.4f -> %.4f, compute %.0f%% of wall time",
-                 self.name, self.rounds, self.state.version, initial_val, final_val, 100 * summary["utilization"])
+        log.info("%s: done after %d rounds (version %d): val loss %s -> %.4f, compute %.0f%% of wall time",
+                 self.name, self.rounds, self.state.version, _fmt_loss(initial_val), final_val,
+                 100 * summary["utilization"])
         return summary
 
     def _should_leave(self) -> bool:

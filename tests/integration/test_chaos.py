@@ -13,7 +13,7 @@ PLAN = ChaosPlan(peers=4, seconds=120, kill_every=20, freeze_every=45, freeze_se
 
 
 def test_chaos_never_stops_training_never_mixes_a_round_and_forks_heal(tmp_path):
-    chaos = Chaos(PLAN, tmp_path, [*TINY, "-H", "10", "--eval-every", "0", "--checkpoint-every", "2"])
+    chaos = Chaos(PLAN, tmp_path, [*TINY, "-H", "10", "--eval-every", "0", "--checkpoint-every", "1"])
     report = chaos.run()
     assert report["kills"] >= 3 and report["freezes"] >= 1 and report["restarts"] >= 1, report
     for slot in chaos.slots.values():  # every process the run started is gone
