@@ -201,7 +201,7 @@ class Chaos:
         for slot in running:
             slot.proc.send_signal(signal.SIGTERM)  # all leave at once: each saves and reports
         for slot in running:
-            stop_tree(slot.proc, grace=30)
+            stop_tree(slot.proc, grace=30, already_signalled=True)
         if self.bootstrap is not None:
             stop_tree(self.bootstrap)
 

@@ -42,12 +42,14 @@ def wait_for_file(path: Path, proc: subprocess.Popen, timeout: float) -> str:
     raise LaunchError(f"{path} did not appear within {timeout:.0f} s")
 
 
-def stop_tree(proc: subprocess.Popen, grace: float = 15.0) -> None:
-    """SIGTERM the process (it leaves gracefully), then SIGKILL whatever of its tree is left."""
+def stop_tree(proc: subprocess.Popen, grace: float = 15.0, already_signalled: bool = False) -> None:
+    """SIGTERM the process (it leaves gracefully), then SIGKILL whatever of its tree is left.
+    `already_signalled`: the caller sent SIGTERM itself (a second one makes a peer leave at once)."""
     if proc.poll() is not None:
         return
     tree = descendants(proc.pid)
-    proc.send_signal(signal.SIGTERM)
+    if not already_signalled:
+        proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(grace)
     except subprocess.TimeoutExpired:

@@ -26,3 +26,38 @@ def test_sigterm_to_the_launcher_stops_every_process_it_started(tmp_path):
     finally:
         if launcher.poll() is None:
             launcher.kill()
+
+
+def test_stop_tree_does_not_signal_twice_a_process_already_asked_to_leave(tmp_path):
+    """A second SIGTERM makes a peer leave at once (no checkpoint, no summary): callers that already sent
+    one must be able to wait for the graceful exit instead."""
+    import signal
+    import subprocess
+    import sys
+
+    from p2pdiloco.launcher import stop_tree
+
+    script = (
+        "import signal, sys, time\n"
+        "seen = []\n"
+        "def on_term(*_):\n"
+        "    seen.append(1)\n"
+        "    open(sys.argv[1] + '.seen', 'w').write('1')\n"
+        "    if len(seen) > 1:\n"
+        "        open(sys.argv[1], 'w').write('abrupt'); sys.exit(1)\n"
+        "signal.signal(signal.SIGTERM, on_term)\n"
+        "open(sys.argv[1] + '.ready', 'w').write('1')\n"
+        "while not seen: time.sleep(0.01)\n"
+        "time.sleep(0.5)\n"
+        "open(sys.argv[1], 'w').write('graceful')\n"
+    )
+    for flag, expected in ((True, "graceful"), (False, "abrupt")):
+        out = tmp_path / f"out-{flag}"
+        proc = subprocess.Popen([sys.executable, "-c", script, str(out)])
+        while not (tmp_path / f"out-{flag}.ready").exists():
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        while not (tmp_path / f"out-{flag}.seen").exists():  # two signals at once would merge into one
+            time.sleep(0.01)
+        stop_tree(proc, grace=10, already_signalled=flag)
+        assert out.read_text() == expected
