@@ -142,7 +142,8 @@ class Peer:
                            path=str(found.path))
 
     def _publish_state(self) -> None:
-        self.merger.publish_state(self.state.version, self.state.digest, sketch(self.state.params))
+        self.own_sketch = sketch(self.state.params)
+        self.merger.publish_state(self.state.version, self.state.digest, self.own_sketch)
 
     def _evaluate_global(self) -> float:
         """Validation loss of Θ, the global model every peer converges to (θ, the local one, runs ahead)."""
@@ -165,6 +166,7 @@ class Peer:
         self.rounds = self.merged_rounds = 0
         self.last_island = 1
         self.compute_seconds = 0.0
+        self.training_ended = None
         self.round_losses: list[float] = []
         self.window = dict(start=time.monotonic(), losses=[], seconds=0.0)
         train(self.diloco, cfg.inner.steps, self._should_leave, self._on_step, self._on_round,
@@ -175,10 +177,13 @@ class Peer:
             self._save_checkpoint("leaving")
         final_val = self._evaluate_global()
         wall = time.monotonic() - self.started
+        # utilization while training: leaving (the last round's wait, checkpoint, final evaluation) is not
+        # part of it; `seconds` is the whole stay
+        training = (self.training_ended or time.monotonic()) - self.started
         summary = dict(peer=self.name, rounds=self.rounds, merged_rounds=self.merged_rounds,
                        version=self.state.version, initial_val=initial_val, final_val=final_val,
-                       digest=self.state.digest, seconds=wall, compute_seconds=self.compute_seconds,
-                       utilization=self.compute_seconds / max(wall, 1e-9),
+                       digest=self.state.digest, seconds=wall, training_seconds=training,
+                       compute_seconds=self.compute_seconds, utilization=self.compute_seconds / max(training, 1e-9),
                        tokens=self.diloco.trainer.total_steps * self.diloco.trainer.tokens_per_step)
         self.metrics.write("summary", **summary)
         log.info("%s: done after %d rounds (version %d): val loss %s -> %.4f, compute %.0f%% of wall time",
@@ -188,8 +193,11 @@ class Peer:
 
     def _should_leave(self) -> bool:
         cfg = self.cfg
-        return (self.stop.is_set() or (cfg.max_rounds is not None and self.rounds >= cfg.max_rounds)
-                or (cfg.max_time is not None and time.monotonic() - self.started >= cfg.max_time))
+        leave = (self.stop.is_set() or (cfg.max_rounds is not None and self.rounds >= cfg.max_rounds)
+                 or (cfg.max_time is not None and time.monotonic() - self.started >= cfg.max_time))
+        if leave and self.training_ended is None:
+            self.training_ended = time.monotonic()
+        return leave
 
     def _on_step(self, loss: float, seconds: float) -> None:
         w = self.window
@@ -231,10 +239,11 @@ class Peer:
 
     def _record_round(self, settled: Settled, val) -> None:
         o, c = settled.outcome, settled.contribution
-        from p2pdiloco.swarm.records import fetch_records
-
-        records = fetch_records(self.dht, self.cfg.swarm.run_id)
-        states = [(r.version, r.digest, r.sketch) for r in records if r.sketch]
+        # the others as of the last heartbeat (never a DHT call on the training thread), and us as we are now
+        others = [r for r in self.heartbeat.records() if r.peer != self.peer_id]
+        states = [(r.version, r.digest, r.sketch) for r in others if r.sketch]
+        states.append((self.state.version, self.state.digest, self.own_sketch))
+        versions = [r.version for r in others] + [self.state.version]
         distance = consensus_distance(states)
         wall = time.monotonic() - self.started
         self.metrics.write(
@@ -251,8 +260,7 @@ class Peer:
             step_seconds_ema=self.diloco.clock.step.get(), bytes_sent=o.wire_bytes, bytes_received=o.wire_bytes,
             adopted=o.state is not None or o.state_before is not None, consensus_distance=distance,
             fork_distance=consensus_distance(states, same_version=True),
-            version_spread=max(r.version for r in records) - min(r.version for r in records) if records else 0,
-            live_peers=len(records), recovered_tokens=self.diloco.recovered_tokens,
+            version_spread=max(versions) - min(versions), live_peers=len(versions), recovered_tokens=self.diloco.recovered_tokens,
             **self._goodput_fields(), utilization=self.compute_seconds / max(wall, 1e-9), wall=wall,
             digest=self.state.digest)
         val_text = f" val {val:.4f}" if val is not None else ""

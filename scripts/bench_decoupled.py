@@ -4,7 +4,8 @@
 (b) decoupled: no barrier, rounds run in the background while inner steps go on;
 (c) rda: decoupled, merging with radial-directional averaging (norms and directions averaged apart).
 Same wall-clock budget, same model and settings, every peer `--threads 1`. Reports each fast peer's compute
-utilization (time in inner steps / wall time), tokens merged per round, consensus distance over time and
+utilization (time in inner steps / wall time while training; leaving at --max-time is excluded in every
+mode), tokens merged per round, consensus distance over time and
 validation loss of the global model at the end (equal wall-clock).
 Usage: python scripts/bench_decoupled.py [--seconds 150] [--modes sync,decoupled,rda] [-H 20] [-- join flags]
 """

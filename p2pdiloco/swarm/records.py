@@ -60,19 +60,25 @@ def fetch_records(dht: DHT, run_id: str) -> list[PeerRecord]:
 
 
 class Heartbeat:
-    """Keeps this peer's record fresh from a background thread; `update` publishes at once."""
+    """Keeps this peer's record fresh and a recent view of everyone's, from a background thread, so the
+    training thread never waits on the DHT: `update` returns at once and the thread publishes right away."""
 
     def __init__(self, dht: DHT, run_id: str, record: PeerRecord):
         self.dht, self.run_id, self.record = dht, run_id, record
         self._lock = threading.Lock()
-        self._stop = threading.Event()
+        self._stop, self._changed = threading.Event(), threading.Event()
+        self._records: list[PeerRecord] = []
         self._thread = threading.Thread(target=self._loop, daemon=True, name="heartbeat")
         self._thread.start()
 
     def update(self, **fields) -> None:
         with self._lock:
             self.record = dataclasses.replace(self.record, **fields)
-        self.publish()
+        self._changed.set()
+
+    def records(self) -> list[PeerRecord]:
+        """Every live peer's record as of the last beat (at most HEARTBEAT seconds old)."""
+        return list(self._records)
 
     def publish(self) -> None:
         with self._lock:
@@ -81,14 +87,18 @@ class Heartbeat:
                        expiration_time=get_dht_time() + TTL)
 
     def _loop(self) -> None:
-        while not self._stop.wait(HEARTBEAT):
+        while not self._stop.is_set():
+            self._changed.clear()
             try:
                 self.publish()
+                self._records = fetch_records(self.dht, self.run_id)
             except Exception:  # the DHT may be shutting down; the next beat retries
                 pass
+            self._changed.wait(HEARTBEAT)
 
     def stop(self) -> None:
         self._stop.set()
+        self._changed.set()
         # withdraw our record so others stop waiting for us at once
         try:
             self.dht.store(records_key(self.run_id), subkey=self.record.peer, value=None,
