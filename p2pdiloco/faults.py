@@ -3,8 +3,8 @@
 Format: comma-separated `action@version`:
 - `die_in_allreduce@2`: SIGKILL this whole peer (main process and averager) shortly after the all-reduce of
   the round at global version 2 has started sending;
-- `die_while_sharing@3`: advertise this peer as the best state donor and SIGKILL it midway through the first
-  state download it serves while holding version ≥ 3 (the donor a joiner picks first dies mid-transfer);
+- `die_while_sharing@3`: SIGKILL this peer midway through the first state part it serves to a joiner while
+  holding version ≥ 3 (a donor dies mid-transfer);
 - `partition_until@3`: until this peer holds version 3, it looks for islands under a separate group key, so
   it can only meet peers with the same fault (two islands that form apart, on one DHT).
 """

@@ -115,13 +115,6 @@ class ExactAverager(DecentralizedAverager):
         os.kill(os.getppid(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
-                                 context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
-        """hivemind's one-donor state stream, unchanged unless a fault plan makes this donor die in it."""
-        async for i, message in _enumerate(super().rpc_download_state(request, context)):
-            yield message
-            await self._maybe_die_while_sharing(i, message)
-
     async def rpc_state_part(self, request: averaging_pb2.DownloadData,
                              context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
         """One part of our global state for a joiner fetching from several donors (swarm.statefetch)."""

@@ -205,8 +205,7 @@ class SwarmMerger:
 
     def publish_state(self, version: int, state_digest: str, sketch: list[float]) -> None:
         """After every change of Θ: donors are ranked by the same order peers reconcile by."""
-        boost = 1e6 if faults.version_of("die_while_sharing") is not None else 0.0  # the fault: be picked first
-        self.averager.state_sharing_priority = sharing_priority(version, state_digest) + boost
+        self.averager.state_sharing_priority = sharing_priority(version, state_digest)
         self.heartbeat.update(version=version, digest=state_digest, sketch=sketch)
 
     def shutdown(self) -> None:

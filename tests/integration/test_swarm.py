@@ -7,7 +7,7 @@ import pytest
 
 from p2pdiloco.faults import ENV as FAULTS_ENV
 from p2pdiloco.outer import merge_weights
-from tests.harness.swarm import alive, digests_by_version, local_swarm
+from tests.harness.swarm import alive, digests_by_version, islands_disagreeing, local_swarm, unresolved_forks
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
 
@@ -61,8 +61,10 @@ def test_sigkill_during_allreduce_leaves_survivors_equal_and_training(tmp_path):
         swarm.wait(survivors, timeout=300)
         for name in survivors:
             assert swarm.procs[name].returncode == 0, swarm.log(name)[-3000:]
-        for version, digests in digests_by_version(swarm, survivors).items():
-            assert len(digests) == 1, f"survivors disagree at version {version}: {digests}"
+        # no survivor applied a mixed result: every island's members ended each round with one state (four
+        # live peers may fork into two islands before the kill; such forks heal within two rounds)
+        assert not islands_disagreeing(swarm, survivors)
+        assert not unresolved_forks(swarm, survivors, within_rounds=2)
         # the kill hit the round at version 1; the survivors still merged together afterwards
         later = [r for r in swarm.records("a", "round") if r["version"] >= 3 and r["applied"]]
         assert later and all(len(r["members"]) >= 2 for r in later), swarm.records("a", "round")

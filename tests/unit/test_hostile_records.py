@@ -32,3 +32,42 @@ def test_hostile_budgets_can_neither_hang_nor_cut_short_a_round():
     for bad in (math.nan, math.inf, -1.0, 0.0, "soon", None):
         assert agreed_deadline([5.0, bad], cap=60.0) == 60.0
     assert agreed_deadline([], cap=60.0) == 60.0
+
+
+def test_heartbeat_never_makes_the_caller_wait_on_the_dht_and_keeps_a_view_of_peer_records():
+    """The training thread calls `update` after every round: a slow DHT must not stall it."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from p2pdiloco.swarm.records import Heartbeat, PeerRecord
+
+    class SlowDHT:
+        def __init__(self):
+            self.stored, self.table, self.lock = [], {}, threading.Lock()
+
+        def store(self, key, subkey, value, expiration_time):
+            time.sleep(1.0)  # a loaded DHT
+            with self.lock:
+                self.stored.append(value)
+                self.table[subkey] = SimpleNamespace(value=value)
+
+        def get(self, key, latest=True):
+            with self.lock:
+                return SimpleNamespace(value=dict(self.table))
+
+    dht = SlowDHT()
+    beat = Heartbeat(dht, "run", PeerRecord(**GOOD))
+    try:
+        started = time.monotonic()
+        beat.update(version=9)
+        assert time.monotonic() - started < 0.2
+        deadline = time.monotonic() + 10
+        while not any(v["version"] == 9 for v in dht.stored) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert any(v["version"] == 9 for v in dht.stored)  # published soon after, off the caller's thread
+        while not beat.records() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [r.version for r in beat.records()][-1] in (3, 9)
+    finally:
+        beat.stop()
