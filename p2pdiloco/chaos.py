@@ -111,12 +111,10 @@ class Chaos:
                 if slot.restart_at is not None and now >= slot.restart_at:
                     self._spawn(slot.name)
             if now < faults_until:
-                if now >= next_kill:
-                    self._kill_in_phase(now)
-                    next_kill = self._next(now, p.kill_every)
+                if now >= next_kill:  # a fault the floor of live peers forbade now is retried shortly
+                    next_kill = self._next(now, p.kill_every) if self._kill_in_phase(now) else now + 2.0
                 if now >= next_freeze:
-                    self._freeze()
-                    next_freeze = self._next(now, p.freeze_every)
+                    next_freeze = self._next(now, p.freeze_every) if self._freeze() else now + 2.0
                 if now >= next_add:
                     if len(self.slots) < p.max_peers:
                         self._spawn(f"new{len(self.slots) - p.peers}")
@@ -148,7 +146,7 @@ class Chaos:
                 live.append(addrs.read_text().split()[0])
         return self.rng.choice(live) if live else self.address
 
-    def _kill_in_phase(self, now: float) -> None:
+    def _kill_in_phase(self, now: float) -> bool:
         """Draw a phase, wait a little for a peer in it, kill one (any, if none came): never a trainer if
         that would leave fewer than `min_alive` of them."""
         want = self.rng.choice(PHASES)
@@ -160,9 +158,11 @@ class Chaos:
         trainers = [s for s in self._candidates() if self.phase(s) != "joining"]
         pool = [s for s in (in_phase or self._candidates())
                 if self.phase(s) == "joining" or len(trainers) > self.plan.min_alive]
-        if pool:
-            victim = self.rng.choice(pool)
-            self._kill(victim, self.phase(victim), wanted=want)
+        if not pool:
+            return False
+        victim = self.rng.choice(pool)
+        self._kill(victim, self.phase(victim), wanted=want)
+        return True
 
     def _candidates(self) -> list[Slot]:
         return [s for s in self.slots.values() if s.available]
@@ -175,10 +175,10 @@ class Chaos:
         slot.restart_at = time.time() + self.rng.uniform(*self.plan.restart_after)
         self._event("kill", slot.name, phase=phase, wanted=wanted)
 
-    def _freeze(self) -> None:
+    def _freeze(self) -> bool:
         candidates = [s for s in self._candidates() if self.phase(s) != "joining"]
         if len(candidates) <= self.plan.min_alive:
-            return
+            return False
         slot = self.rng.choice(candidates)
         slot.freeze_for = self.rng.uniform(*self.plan.freeze_seconds)
         slot.frozen_since = time.time()
@@ -186,6 +186,7 @@ class Chaos:
         for pid in slot.frozen_tree:
             _signal(pid, signal.SIGSTOP)
         self._event("freeze", slot.name, phase=self.phase(slot), seconds=round(slot.freeze_for, 1))
+        return True
 
     def _thaw(self, slot: Slot) -> None:
         for pid in slot.frozen_tree:

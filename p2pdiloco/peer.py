@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import faulthandler
 import os
 import signal
 import sys
@@ -298,6 +299,7 @@ def run_peer(cfg: PeerConfig) -> dict:
     peer = Peer(cfg)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, peer.request_stop)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack to stderr
     return peer.run()
 
 

@@ -14,8 +14,9 @@ import math
 import os
 import signal
 import time
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -25,7 +26,7 @@ from hivemind.utils.logging import get_logger
 
 from p2pdiloco import exact, faults
 from p2pdiloco.outer import merge_weights
-from p2pdiloco.swarm.statefetch import PartServer
+from p2pdiloco.swarm.statefetch import PartServer, parse_part_request
 from p2pdiloco.timing import agreed_deadline, allreduce_wire_bytes
 
 logger = get_logger(__name__)
@@ -121,19 +122,27 @@ class ExactAverager(DecentralizedAverager):
         if getattr(self, "_part_server", None) is None:
             # hivemind==1.1.12's own channel from the averager process to the host's get_current_state
             self._part_server = PartServer(self._get_current_state_from_host_process)
-        async for i, message in _enumerate(self._part_server.serve_part(request)):
+            self._parts_served = Counter()  # by requester and state, for the fault plan
+        await self._maybe_die_while_sharing(request, context)
+        async for message in self._part_server.serve_part(request):
             yield message
-            await self._maybe_die_while_sharing(i, message)
+            if message.HasField("tensor_part") and faults.version_of("die_while_sharing") is not None:
+                self._parts_served[_transfer_of(request, context)] += 1
 
-    async def _maybe_die_while_sharing(self, index: int, message) -> None:
-        die_from = faults.version_of("die_while_sharing")
-        if die_from is None or index != 0 or not message.metadata:
+    async def _maybe_die_while_sharing(self, request: averaging_pb2.DownloadData, context: P2PContext) -> None:
+        """Fault plan: die with a part request in flight; aimed at peers, once one got a part of this state
+        from us (on loopback a whole part arrives in one message, so only a request we never answer reliably
+        breaks a transfer midway)."""
+        die_from, targets = faults.version_of("die_while_sharing"), faults.targets_of("die_while_sharing")
+        transfer = _transfer_of(request, context)
+        if die_from is None or transfer is None or transfer[1] < die_from:
             return
-        if self.serializer.loads(message.metadata).get("version", -1) >= die_from:
-            await asyncio.sleep(0.2)  # the first part is on its way: the joiner is mid-transfer
-            logger.warning("fault plan: dying while sharing state")
-            os.kill(os.getppid(), signal.SIGKILL)
-            os.kill(os.getpid(), signal.SIGKILL)
+        if targets and (transfer[0] not in targets or not self._parts_served[transfer]):
+            return
+        logger.warning(f"fault plan: dying while sharing state with {transfer[0]}")
+        await asyncio.sleep(0.1)
+        os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def get_current_state(self):
         """Runs in the host process when a peer downloads our state (late join, resync)."""
@@ -141,11 +150,13 @@ class ExactAverager(DecentralizedAverager):
         return metadata, list(tensors), None
 
 
-async def _enumerate(stream):
-    i = 0
-    async for item in stream:
-        yield i, item
-        i += 1
+def _transfer_of(request: averaging_pb2.DownloadData, context: P2PContext) -> Optional[tuple[str, int, str]]:
+    """(requester, version, digest) of a part request, None if malformed."""
+    try:
+        version, digest, _, _ = parse_part_request(request.metadata)
+    except ValueError:
+        return None
+    return str(context.remote_id), version, digest
 
 
 def gather_record(peer: str, name: str, version: int, tokens: int, steps: int, body: torch.Tensor,

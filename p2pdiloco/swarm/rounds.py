@@ -47,6 +47,7 @@ class SwarmMerger:
                  stop: threading.Event, clock: RoundClock, overlap_steps: int):
         self.dht, self.cfg, self.outer, self.n, self.segments = dht, cfg, outer, n_params, list(segments)
         self.heartbeat, self.stop, self.clock, self.overlap_steps = heartbeat, stop, clock, overlap_steps
+        self.closed = threading.Event()  # set on shutdown: a round still waiting gives up at once
         self.buffer_size = n_params + exact.tail_size(cfg.max_island)
         self.limits = averager_limits(self.buffer_size, cfg.max_island, cfg.bandwidth_mbps)
         self.grace_policy = GracePolicy(gamma=cfg.grace_gamma, floor=self.limits.matchmaking + 0.5)
@@ -133,7 +134,7 @@ class SwarmMerger:
         control = self.averager.step(gather=gather, weight=1.0, scheduled_time=get_dht_time() + grace,
                                      timeout=find_timeout, allow_retries=False, wait=False)
         try:
-            result = control.result(timeout=find_timeout + self.limits.allreduce_cap + 5.0)
+            result = result_unless_closed(control, find_timeout + self.limits.allreduce_cap + 5.0, self.closed)
         except Exception as e:
             control.cancel()
             return MergeOutcome.failed(f"all-reduce failed: {type(e).__name__}: {e}", start, **extra)
@@ -173,7 +174,7 @@ class SwarmMerger:
             problem = "no peer shared its state" if loaded is None else validate_state(*loaded, self.n, min_version)
             if not problem:
                 return loaded
-            if time.monotonic() >= deadline or self.stop.is_set():
+            if time.monotonic() >= deadline or self.stop.is_set() or self.closed.is_set():
                 logger.info(f"state download ({why}) failed: {problem}")
                 return None
             time.sleep(0.5)
@@ -209,6 +210,25 @@ class SwarmMerger:
         self.heartbeat.update(version=version, digest=state_digest, sketch=sketch)
 
     def shutdown(self) -> None:
+        self.closed.set()  # before the averager goes: its pending step would never resolve
         self.fetcher.close()
         if self.averager.is_alive():
             self.averager.shutdown()
+
+
+def result_unless_closed(future, timeout: float, closed: threading.Event, poll: float = 0.25):
+    """`future.result(timeout)`, but raise as soon as `closed` is set: the peer is leaving, and an outcome
+    that can no longer arrive must not keep its process alive."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if closed.is_set():
+            raise LeavingError("the peer is leaving")
+        try:
+            return future.result(timeout=max(0.0, min(poll, deadline - time.monotonic())))
+        except TimeoutError:
+            if time.monotonic() >= deadline:
+                raise
+
+
+class LeavingError(RuntimeError):
+    pass

@@ -13,6 +13,8 @@ request carries {version, digest, start, length} as msgpack. Anything malformed 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import threading
 import time
 from typing import AsyncIterator, Callable, Optional
@@ -86,20 +88,24 @@ class StateFetcher:
     def __init__(self, dht, get_stub: Callable, part_timeout: float):
         self.dht, self.get_stub, self.part_timeout = dht, get_stub, part_timeout
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._p2p = None  # the DHT's libp2p replica, made on (and bound to) our loop
+        self._pending: Optional[concurrent.futures.Future] = None
 
     def fetch(self, donors: list[str], key: tuple[int, str], total: int, timeout: float) -> Transfer:
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
             threading.Thread(target=self._loop.run_forever, name="state-fetch", daemon=True).start()
-        future = asyncio.run_coroutine_threadsafe(self._fetch(donors, key, total), self._loop)
+        future = self._pending = asyncio.run_coroutine_threadsafe(self._fetch(donors, key, total), self._loop)
         try:
             return future.result(timeout)
         except TimeoutError:
             future.cancel()
             raise TransferError(f"no complete state within {timeout:.0f} s") from None
+        except concurrent.futures.CancelledError:
+            raise TransferError("closed while fetching") from None
 
     async def _fetch(self, donors: list[str], key: tuple[int, str], total: int) -> Transfer:
-        p2p = await self.dht.replicate_p2p()
+        p2p = self._p2p = await self.dht.replicate_p2p()
 
         async def fetch_part(donor: str, start: int, length: int) -> tuple[dict, torch.Tensor]:
             stub = self.get_stub(p2p, PeerID.from_base58(donor))
@@ -119,5 +125,17 @@ class StateFetcher:
         return await fetch_parts(donors, key, total, fetch_part, self.part_timeout)
 
     def close(self) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
+        """Close the replica's connection to the daemon on its own loop first (the daemon stays: it is the
+        DHT's), so that no task of it is left pending when the loop stops."""
+        if self._loop is None:
+            return
+        if self._pending is not None:
+            self._pending.cancel()  # a fetch still waiting returns now rather than at its timeout
+        if self._p2p is not None:
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(self._released(), self._loop).result(5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+    async def _released(self) -> None:
+        await self._p2p.shutdown()
+        await asyncio.sleep(0.1)  # the cancelled reader and writer tasks finish

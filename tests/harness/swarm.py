@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import time
 from contextlib import contextmanager
@@ -41,7 +42,9 @@ class LocalSwarm:
             try:
                 self.procs[name].wait(remaining)
             except subprocess.TimeoutExpired:
-                raise AssertionError(f"{name} still running after {timeout:.0f} s; log:\n{self.log(name)[-3000:]}")
+                self.procs[name].send_signal(signal.SIGUSR1)  # a peer dumps its threads' stacks to its log
+                time.sleep(1.0)
+                raise AssertionError(f"{name} still running after {timeout:.0f} s; log:\n{self.log(name)[-6000:]}")
 
     def records(self, name: str, kind: str | None = None) -> list[dict]:
         path = self.log_dir / f"{name}.jsonl"

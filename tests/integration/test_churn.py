@@ -6,6 +6,7 @@ import subprocess
 import time
 
 import pytest
+from hivemind.p2p import P2P, PeerID
 
 from p2pdiloco import checkpoint
 from p2pdiloco.faults import ENV as FAULTS_ENV
@@ -68,26 +69,34 @@ def test_late_join_bootstrap_death_graceful_leave_and_restart(tmp_path):
 
 def test_joiner_gets_the_state_when_its_donor_dies_mid_transfer(tmp_path):
     """A joiner fetches the state in parts from every donor holding the best key at once. By fault plan,
-    `donor` SIGKILLs itself right after sending the first message of a part at version ≥ 2: that part is
-    re-fetched from `other`, the parts already received are kept, and the assembled state verifies."""
+    `donor` serves the joiner one part at version ≥ 2, then SIGKILLs itself with the joiner's next part request
+    in flight: that part is re-fetched from `other`, the part already received from `donor` is kept, and the
+    assembled state verifies."""
+    identities = [tmp_path / f"joiner{attempt}.key" for attempt in range(3)]
+    for path in identities:
+        P2P.generate_identity(str(path))
+    joiner_ids = [str(PeerID.from_identity(path.read_bytes())) for path in identities]
+    fault = ":".join(["die_while_sharing@2", *joiner_ids])  # aimed at the joiners, never at `other` catching up
     with local_swarm(tmp_path, "donor") as swarm:
-        swarm.start_peer("donor", *ARGS, env={FAULTS_ENV: "die_while_sharing@2"})
+        swarm.start_peer("donor", *ARGS, env={FAULTS_ENV: fault})
         swarm.start_peer("other", *ARGS)
         swarm.wait_for(lambda: swarm.version("other") >= 2 and swarm.version("donor") >= 2, 120, "two merges")
-        for attempt in range(3):  # a joiner arriving just as one donor applied a round sees one donor only
+        for attempt, identity in enumerate(identities):  # a joiner that sees only `other` leaves `donor` alive
             joiner = f"joiner{attempt}"
-            swarm.start_peer(joiner, *ARGS)
+            swarm.start_peer(joiner, *ARGS, "--identity", str(identity))
             try:
                 swarm.procs["donor"].wait(45)
                 break
             except subprocess.TimeoutExpired:
                 continue
         assert swarm.procs["donor"].returncode == -signal.SIGKILL
-        assert "dying while sharing state" in swarm.log("donor")
+        assert f"dying while sharing state with {joiner_ids[attempt]}" in swarm.log("donor")
         donor_id = swarm.records("donor", "start")[0]["peer_id"]
-        refetched = [line for line in swarm.log(joiner).splitlines() if "re-fetched after" in line]
-        assert refetched and donor_id in refetched[0], swarm.log(joiner)[-3000:]  # it was mid-transfer
         swarm.wait_for(lambda: swarm.records(joiner, "resync"), 60, "the joiner to get the state")
+        fetched = [line for line in swarm.log(joiner).splitlines() if "donor(s), parts" in line]
+        assert fetched, swarm.log(joiner)[-3000:]
+        assert f"'{donor_id}': 1" in fetched[0], fetched  # the part the donor served before dying is kept
+        assert f"re-fetched after ['{donor_id}']" in fetched[0], fetched  # the one it died on came from `other`
         joined = swarm.records(joiner, "resync")[0]
         assert joined["why"] == "joining" and joined["version"] >= 2
         known = {(r["version"], r["digest"]) for r in swarm.records("other", "round") + swarm.records("donor", "round")}

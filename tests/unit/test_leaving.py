@@ -1,0 +1,55 @@
+"""A leaving peer's waits end when it closes: an outcome that can no longer arrive (its averager or fetch
+loop is gone) must not hold the process past its leave bound."""
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+
+import pytest
+
+from p2pdiloco.swarm.rounds import LeavingError, result_unless_closed
+from p2pdiloco.swarm.statefetch import StateFetcher
+from p2pdiloco.transfer import TransferError
+
+
+def close_after(seconds: float, close) -> threading.Thread:
+    thread = threading.Thread(target=lambda: (time.sleep(seconds), close()))
+    thread.start()
+    return thread
+
+
+def test_a_round_waiting_on_a_step_that_never_resolves_gives_up_when_the_merger_closes():
+    never = concurrent.futures.Future()
+    closed = threading.Event()
+    closer = close_after(0.3, closed.set)
+    start = time.monotonic()
+    with pytest.raises(LeavingError):
+        result_unless_closed(never, timeout=60.0, closed=closed)
+    assert time.monotonic() - start < 2.0
+    closer.join()
+
+
+def test_result_unless_closed_returns_the_result_and_keeps_its_timeout():
+    done = concurrent.futures.Future()
+    done.set_result({"verified": True})
+    assert result_unless_closed(done, timeout=1.0, closed=threading.Event()) == {"verified": True}
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        result_unless_closed(concurrent.futures.Future(), timeout=0.5, closed=threading.Event())
+    assert 0.4 < time.monotonic() - start < 2.0
+
+
+class HangingDHT:
+    async def replicate_p2p(self):
+        await asyncio.Event().wait()  # a daemon that never answers
+
+
+def test_a_state_fetch_in_progress_ends_when_the_fetcher_closes():
+    fetcher = StateFetcher(HangingDHT(), get_stub=None, part_timeout=60.0)
+    closer = close_after(0.5, fetcher.close)
+    start = time.monotonic()
+    with pytest.raises(TransferError, match="closed"):
+        fetcher.fetch(["donor"], (3, "digest"), total=1000, timeout=60.0)
+    assert time.monotonic() - start < 3.0
+    closer.join()
