@@ -239,7 +239,8 @@ class DiLoCo:
                     tensors[f"adam.{i}.{key}"] = moments[key].reshape(-1).float().cpu()
         meta.update(unmerged_tokens=self.unmerged_tokens, unmerged_steps=self.unmerged_steps,
                     unmerged_seconds=self.unmerged_seconds, inner_step=trainer.total_steps,
-                    stream_position=getattr(trainer.batches, "position", None))
+                    stream_position=getattr(trainer.batches, "position", None),
+                    stream_seed=getattr(trainer.batches, "seed", None))
         return meta, tensors
 
     def restore_checkpoint_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
@@ -254,6 +255,8 @@ class DiLoCo:
                     exp_avg=tensors[f"adam.{i}.exp_avg"].view_as(p).to(p.device).to(p.dtype),
                     exp_avg_sq=tensors[f"adam.{i}.exp_avg_sq"].view_as(p).to(p.device).to(p.dtype))
         trainer.total_steps = int(meta["inner_step"])
+        if meta.get("stream_seed") is not None:  # our own data order, whatever our peer id is this time
+            trainer.batches.seed = int(meta["stream_seed"])
         if meta.get("stream_position") is not None:
             trainer.batches.position = int(meta["stream_position"])
         self.unmerged_tokens, self.unmerged_steps = meta["unmerged_tokens"], meta["unmerged_steps"]
@@ -272,7 +275,7 @@ def train(diloco: DiLoCo, steps_per_round: int, should_leave: Callable[[], bool]
     while not should_leave():
         due = since_steps >= steps_per_round if round_seconds is None else (
             since_steps > 0 and time.monotonic() - since_time >= round_seconds)
-        if due and diloco.in_flight is None:
+        if due and diloco.in_flight is None and diloco.merger is not None:  # None: still connecting
             diloco.contribute()
             on_contribute(diloco.in_flight.contribution)
             since_steps, since_time = 0, time.monotonic()

@@ -30,7 +30,8 @@ log = logging.getLogger("p2pdiloco")
 STATE_DOWNLOAD_TIMEOUT = 60.0
 WINDOW = 10  # inner steps per metrics record
 LEAVE_ROUND_WAIT = 4.0  # on SIGTERM/Ctrl-C: how long the round in flight may finish before we abandon it
-FINISH_ROUND_WAIT = 120.0  # at max rounds/time: let the last round finish
+FINISH_ROUND_WAIT = 120.0
+JOIN_WAIT_ON_LEAVE = 5.0  # leaving during a warm start's background connection: how long it may finish  # at max rounds/time: let the last round finish
 
 
 def _fmt_loss(value) -> str:
@@ -47,14 +48,25 @@ class Peer:
     def __init__(self, cfg: PeerConfig):
         self.cfg = cfg
         self.stop = threading.Event()
-        self.dht = self.merger = self.heartbeat = self.lifeline = None
+        self.dht = self.merger = self.heartbeat = self.lifeline = self.metrics = self.peer_id = None
+        self._join_thread: threading.Thread | None = None  # a warm start connects while training
+        self._join_done = threading.Event()
+        self._joined_state = None
+        self.join_error: BaseException | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     def run(self) -> dict:
         try:
             self._build()
-            self._join()
-            return self._train()
+            found = self._find_checkpoint() if self.cfg.name else None
+            if found is not None and "stream_seed" in found.meta and self.cfg.swarm.initial_peers:
+                self._start_warm(found)
+            else:
+                self._join(found, look_for_checkpoint=not self.cfg.name)
+            summary = self._train()
+            if self.join_error is not None:
+                raise self.join_error  # after the work of this stay was checkpointed
+            return summary
         finally:
             self.close()
 
@@ -68,8 +80,59 @@ class Peer:
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.val = validation_batches(self.corpus.val, cfg.eval_batches, cfg.inner.batch_size, cfg.inner.seq_len)
         self.state = GlobalState(flat_params(self.model), cfg.outer.lr, cfg.outer.momentum)
+        self.clock = RoundClock()
+        self.name = cfg.name
 
-    def _join(self) -> None:
+    def _join(self, found, look_for_checkpoint: bool) -> None:
+        """Cold start: connect, resume our checkpoint if any, fetch the swarm's state, then train.
+        `look_for_checkpoint`: our name (and so our checkpoint folder) was only known once connected."""
+        self._connect()
+        self._make_diloco(stream_seed(self.peer_id, self.cfg.swarm.run_id), self.merger)
+        found = self._find_checkpoint() if look_for_checkpoint else found
+        if found is not None:
+            self._restore_checkpoint(found)
+        if self.cfg.swarm.initial_peers:
+            self._resync("joining")
+        self._publish_state()
+
+    def _start_warm(self, found) -> None:
+        """A restarted peer trains from its checkpoint at once; connecting to the swarm and fetching its state
+        (seconds: imports, the DHT, the averager, the transfer) run meanwhile, and the steps taken by then are
+        rebased onto the swarm's state and go into our first contribution, so they are not lost."""
+        self._make_diloco(0, merger=None)  # the checkpoint restores the stream's seed and position
+        self._restore_checkpoint(found)
+        self._join_thread = threading.Thread(target=self._connect_in_background, name="join", daemon=False)
+        self._join_thread.start()
+
+    def _connect_in_background(self) -> None:
+        try:
+            self._connect()
+            if not self.stop.is_set() and self.merger.live_others():
+                self._joined_state = self.merger.download(self.state.version, "joining",
+                                                          timeout=STATE_DOWNLOAD_TIMEOUT)
+        except BaseException as e:  # reported by the training thread, which leaves in order
+            self.join_error = e
+        finally:
+            self._join_done.set()
+
+    def _finish_warm_join(self) -> None:
+        """Training thread, between inner steps (no round in flight yet: we could not contribute)."""
+        self._join_thread = None
+        if self.join_error is not None:
+            log.error("%s: could not join the swarm: %s; saving and leaving", self.name, self.join_error)
+            self.stop.set()
+            return
+        self.diloco.merger, self.diloco.peer = self.merger, self.peer_id
+        self.metrics.write("joined", peer=self.name, peer_id=self.peer_id, inner_step=self.diloco.trainer.total_steps,
+                           unmerged_steps=self.diloco.unmerged_steps, seconds=time.monotonic() - self.started)
+        loaded, self._joined_state = self._joined_state, None
+        if loaded is not None:
+            self._adopt(loaded, "joining")
+        else:
+            log.warning("%s: no state from the swarm; going on from version %d", self.name, self.state.version)
+        self._publish_state()
+
+    def _connect(self) -> None:
         from p2pdiloco.swarm import node
         from p2pdiloco.swarm.records import Heartbeat, PeerRecord
         from p2pdiloco.swarm.rounds import SwarmMerger
@@ -78,7 +141,8 @@ class Peer:
         self.dht = node.start_dht(cfg.swarm)
         self.lifeline = start_lifeline()  # after the DHT: its processes are now ours to take down with us
         self.peer_id = node.peer_id(self.dht)
-        self.name = cfg.name or self.peer_id[-6:]
+        self.name = self.name or self.peer_id[-6:]
+        self.metrics = self.metrics or JsonlSink(cfg.log_dir / f"{self.name}.jsonl")
         addresses = cfg.log_dir / f"{self.name}.addrs"
         node.write_addresses(self.dht, addresses)
         if not cfg.swarm.initial_peers:
@@ -86,20 +150,18 @@ class Peer:
                      "\n  ".join(f"p2pdiloco join --initial-peers {a}" for a in node.visible_addresses(self.dht)),
                      addresses)
         self.heartbeat = Heartbeat(self.dht, cfg.swarm.run_id,
-                                   PeerRecord(peer=self.peer_id, name=self.name, version=0, digest=self.state.digest))
-        clock = RoundClock()
+                                   PeerRecord(peer=self.peer_id, name=self.name, version=self.state.version,
+                                              digest=self.state.digest))
         overlap = cfg.swarm.overlap_steps or cfg.inner.steps  # the next contribution is due H steps later
         self.merger = SwarmMerger(self.dht, cfg.swarm, cfg.outer, self.n_params, rda_segments(self.model),
-                                  self.heartbeat, self.state.snapshot, self.stop, clock, overlap)
-        stream = BatchStream(self.corpus.train, cfg.inner.batch_size, cfg.inner.seq_len,
-                             stream_seed(self.peer_id, cfg.swarm.run_id))
+                                  self.heartbeat, self.state.snapshot, self.stop, self.clock, overlap)
+
+    def _make_diloco(self, seed: int, merger) -> None:
+        cfg = self.cfg
+        stream = BatchStream(self.corpus.train, cfg.inner.batch_size, cfg.inner.seq_len, seed)
         trainer = InnerTrainer(self.model, stream, cfg.inner, self.device, cfg.throttle)
-        self.diloco = DiLoCo(trainer, self.state, self.merger, self.peer_id, self.name, clock)
-        self.metrics = JsonlSink(cfg.log_dir / f"{self.name}.jsonl")
-        self._restore_checkpoint()
-        if cfg.swarm.initial_peers:
-            self._resync("joining")
-        self._publish_state()
+        self.diloco = DiLoCo(trainer, self.state, merger, self.peer_id, self.name, self.clock)
+        self.metrics = self.metrics or JsonlSink(cfg.log_dir / f"{self.name}.jsonl")
 
     def _resync(self, why: str) -> bool:
         """Download the newest global state from live peers (validated: never trust the network)."""
@@ -111,10 +173,13 @@ class Peer:
             log.warning("%s: could not download the swarm's state (%s); going on from version %d", self.name,
                         why, self.state.version)
             return False
+        self._adopt(loaded, why)
+        return True
+
+    def _adopt(self, loaded, why: str) -> None:
         self.diloco.adopt(*loaded)
         log.info("%s: resynced (%s) to version %d", self.name, why, self.state.version)
         self.metrics.write("resync", peer=self.name, why=why, version=self.state.version, digest=self.state.digest)
-        return True
 
     # ---- checkpoints -----------------------------------------------------------------------------------
     @property
@@ -129,18 +194,21 @@ class Peer:
         path = checkpoint.save(self.checkpoint_folder, meta, tensors, keep=self.cfg.keep_checkpoints)
         self.metrics.write("checkpoint", peer=self.name, version=meta["version"], path=str(path), why=why)
 
-    def _restore_checkpoint(self) -> None:
+    def _find_checkpoint(self):
         found = checkpoint.load_latest(self.checkpoint_folder, self.n_params, report=log.warning)
         if found is None:
-            return
+            return None
         if found.meta.get("run_id") != self.cfg.swarm.run_id or found.meta.get("model") != self.cfg.model:
             log.warning("%s: ignoring checkpoint %s: it is of run %r, model %r", self.name, found.path,
                         found.meta.get("run_id"), found.meta.get("model"))
-            return
+            return None
+        return found
+
+    def _restore_checkpoint(self, found) -> None:
         self.diloco.restore_checkpoint_state(found.meta, found.tensors)
         log.info("%s: resumed from checkpoint %s (version %d)", self.name, found.path, self.state.version)
         self.metrics.write("restore", peer=self.name, version=self.state.version, digest=self.state.digest,
-                           path=str(found.path))
+                           path=str(found.path), inner_step=self.diloco.trainer.total_steps)
 
     def _publish_state(self) -> None:
         self.own_sketch = sketch(self.state.params)
@@ -201,6 +269,8 @@ class Peer:
         return leave
 
     def _on_step(self, loss: float, seconds: float) -> None:
+        if self._join_thread is not None and self._join_done.is_set():
+            self._finish_warm_join()
         w = self.window
         self.compute_seconds += seconds
         w["losses"].append(loss)
@@ -212,8 +282,9 @@ class Peer:
             self.metrics.write("window", peer=self.name, step=self.diloco.trainer.total_steps,
                                loss=sum(w["losses"]) / WINDOW, tokens_per_s=rate, step_seconds=w["seconds"] / WINDOW,
                                in_flight=self.diloco.in_flight is not None, **self._goodput_fields())
-            self.heartbeat.record.inner_step = self.diloco.trainer.total_steps
-            self.heartbeat.record.tokens_per_s = rate
+            if self.heartbeat is not None:
+                self.heartbeat.record.inner_step = self.diloco.trainer.total_steps
+                self.heartbeat.record.tokens_per_s = rate
             w.update(start=time.monotonic(), losses=[], seconds=0.0)
 
     def _goodput_fields(self) -> dict:
@@ -280,6 +351,9 @@ class Peer:
 
     def close(self) -> None:
         from p2pdiloco.swarm import node
+
+        if self._join_thread is not None:  # left while connecting: let the connection finish, then undo it
+            self._join_thread.join(JOIN_WAIT_ON_LEAVE)
 
         if self.heartbeat is not None:
             self.heartbeat.stop()

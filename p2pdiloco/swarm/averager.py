@@ -116,6 +116,18 @@ class ExactAverager(DecentralizedAverager):
         os.kill(os.getppid(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
 
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        """hivemind==1.1.12 sets SIGINT to ignored in the *host* process here, before starting the child, so a
+        peer would never see Ctrl-C again; the child ignores it in `run` instead (a Ctrl-C is for the peer,
+        which leaves in order and shuts us down)."""
+        self.start()
+        if await_ready:
+            self.wait_until_ready(timeout)
+
+    def run(self) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        super().run()
+
     async def rpc_state_part(self, request: averaging_pb2.DownloadData,
                              context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
         """One part of our global state for a joiner fetching from several donors (swarm.statefetch)."""

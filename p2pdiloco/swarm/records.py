@@ -16,6 +16,8 @@ from p2pdiloco.consensus import SKETCH_DIM
 
 HEARTBEAT = 2.0  # seconds between re-publications
 TTL = 3 * HEARTBEAT  # a peer silent for this long is considered gone
+DHT_CALL_TIMEOUT = 10.0  # one get or store; the DHT answers in well under a second when alive
+WITHDRAW_TIMEOUT = 2.0  # withdrawing our record when we leave: the leave has a bound of its own
 
 
 @dataclass
@@ -38,6 +40,16 @@ def records_key(run_id: str) -> str:
     return f"{run_id}.peers"
 
 
+def bounded(future, timeout: float):
+    """A DHT call's result within `timeout`: hivemind's blocking calls wait forever once the DHT's daemon is
+    gone (a terminal's Ctrl-C reaches p2pd too), and a leaving peer must not."""
+    try:
+        return future.result(timeout=timeout)
+    except TimeoutError:
+        future.cancel()
+        raise
+
+
 def parse_record(value) -> Optional[PeerRecord]:
     """A remote peer's record, or None if anything in it is malformed: never trusted, never a crash."""
     try:
@@ -51,8 +63,8 @@ def parse_record(value) -> Optional[PeerRecord]:
     return record if fields_ok and sketch_ok else None
 
 
-def fetch_records(dht: DHT, run_id: str) -> list[PeerRecord]:
-    found = dht.get(records_key(run_id), latest=True)
+def fetch_records(dht: DHT, run_id: str, timeout: float = DHT_CALL_TIMEOUT) -> list[PeerRecord]:
+    found = bounded(dht.get(records_key(run_id), latest=True, return_future=True), timeout)
     if found is None or not isinstance(found.value, dict):
         return []
     parsed = [parse_record(getattr(item, "value", None)) for item in found.value.values()]
@@ -83,8 +95,8 @@ class Heartbeat:
     def publish(self) -> None:
         with self._lock:
             value = dataclasses.asdict(self.record)
-        self.dht.store(records_key(self.run_id), subkey=value["peer"], value=value,
-                       expiration_time=get_dht_time() + TTL)
+        bounded(self.dht.store(records_key(self.run_id), subkey=value["peer"], value=value,
+                               expiration_time=get_dht_time() + TTL, return_future=True), DHT_CALL_TIMEOUT)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -101,9 +113,9 @@ class Heartbeat:
         self._changed.set()
         # withdraw our record so others stop waiting for us at once
         try:
-            self.dht.store(records_key(self.run_id), subkey=self.record.peer, value=None,
-                           expiration_time=get_dht_time() + TTL)
-        except Exception:
+            bounded(self.dht.store(records_key(self.run_id), subkey=self.record.peer, value=None,
+                                   expiration_time=get_dht_time() + TTL, return_future=True), WITHDRAW_TIMEOUT)
+        except Exception:  # the DHT is gone (e.g. its daemon took the Ctrl-C too): our record expires by itself
             pass
 
 

@@ -1,6 +1,7 @@
 """Churn: a late joiner, the bootstrap node's death, a newcomer through a live peer, SIGTERM with a
 checkpoint, and a restart that resumes from it, all in one swarm to keep the suite short."""
 
+import os
 import signal
 import subprocess
 import time
@@ -49,13 +50,21 @@ def test_late_join_bootstrap_death_graceful_leave_and_restart(tmp_path):
         newest = checkpoint.list_checkpoints(tmp_path / "checkpoints" / "churn" / "a")[0]
         assert str(newest) == ckpt[-1]["path"]
 
-        # restart: a resumes the version it saved, then catches up with the swarm and merges again
+        # restart: a resumes the version it saved and trains from it at once, while it connects and fetches
+        # the swarm's state; the steps taken meanwhile are rebased onto that state and merged, not lost
         swarm.start_peer("a", *ARGS, via=swarm.address_of("b"))
         swarm.wait_for(lambda: len(swarm.records("a", "restore")) == 1, 60, "a to restore its checkpoint")
-        assert swarm.records("a", "restore")[0]["version"] == ckpt[-1]["version"]
+        restored = swarm.records("a", "restore")[0]
+        assert restored["version"] == ckpt[-1]["version"]
         before = len(swarm.records("a", "round"))
         swarm.wait_for(lambda: any(r["applied"] and len(r["members"]) > 1
                                    for r in swarm.records("a", "round")[before:]), 150, "a to merge after restart")
+        joined = swarm.records("a", "joined")[-1]
+        assert joined["inner_step"] > restored["inner_step"], (restored, joined)  # trained while connecting
+        resync = swarm.records("a", "resync")[-1]
+        assert resync["why"] == "joining" and resync["version"] >= restored["version"]
+        first = [r for r in swarm.records("a", "contribute") if r["time"] > joined["time"]][0]
+        assert first["steps"] >= joined["unmerged_steps"]  # those steps are in its first contribution
 
         names = ["a", "b", "late", "newcomer"]
         for name in names:
@@ -116,9 +125,11 @@ def test_whole_swarm_restarted_from_checkpoints_continues_where_it_stopped(tmp_p
         for name in names:
             swarm.start_peer(name, *ARGS)
         swarm.wait_for(lambda: min(swarm.version(n) for n in names) >= 3, 150, "three merges")
-        for name in names:
-            swarm.procs[name].send_signal(signal.SIGTERM)
+        swarm.procs["a"].send_signal(signal.SIGTERM)
+        for pid in swarm.tree("b"):  # Ctrl-C in b's terminal: its whole process group gets SIGINT
+            os.kill(pid, signal.SIGINT)
         swarm.wait(names, timeout=30)
+        assert swarm.procs["b"].returncode == 0, swarm.log("b")[-3000:]
         saved = {n: [r for r in swarm.records(n, "checkpoint") if r["why"] == "leaving"][-1] for n in names}
         rounds_before = {n: len(swarm.records(n, "round")) for n in names}
 

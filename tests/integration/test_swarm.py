@@ -65,7 +65,8 @@ def test_sigkill_during_allreduce_leaves_survivors_equal_and_training(tmp_path):
         # live peers may fork into two islands before the kill; such forks heal within two rounds)
         assert not islands_disagreeing(swarm, survivors)
         assert not unresolved_forks(swarm, survivors, within_rounds=2)
-        # the kill hit the round at version 1; the survivors still merged together afterwards
+        # the kill hit the round at version 1; the survivors still merged together afterwards (with K=1 a
+        # survivor that finds nobody ready within its grace window may also apply a round alone)
         later = [r for r in swarm.records("a", "round") if r["version"] >= 3 and r["applied"]]
-        assert later and all(len(r["members"]) >= 2 for r in later), swarm.records("a", "round")
-        assert "victim" not in later[-1]["members"]
+        assert any(len(r["members"]) >= 2 for r in later), swarm.records("a", "round")
+        assert not any("victim" in r["members"] for r in later)

@@ -1,5 +1,6 @@
 """What remote peers publish or gather is never trusted: malformed values are dropped, never a crash."""
 
+import concurrent.futures
 import math
 
 import pytest
@@ -46,15 +47,16 @@ def test_heartbeat_never_makes_the_caller_wait_on_the_dht_and_keeps_a_view_of_pe
         def __init__(self):
             self.stored, self.table, self.lock = [], {}, threading.Lock()
 
-        def store(self, key, subkey, value, expiration_time):
+        def store(self, key, subkey, value, expiration_time, return_future):
             time.sleep(1.0)  # a loaded DHT
             with self.lock:
                 self.stored.append(value)
                 self.table[subkey] = SimpleNamespace(value=value)
+            return done(True)
 
-        def get(self, key, latest=True):
+        def get(self, key, latest=True, return_future=False):
             with self.lock:
-                return SimpleNamespace(value=dict(self.table))
+                return done(SimpleNamespace(value=dict(self.table)))
 
     dht = SlowDHT()
     beat = Heartbeat(dht, "run", PeerRecord(**GOOD))
@@ -71,3 +73,33 @@ def test_heartbeat_never_makes_the_caller_wait_on_the_dht_and_keeps_a_view_of_pe
         assert [r.version for r in beat.records()][-1] in (3, 9)
     finally:
         beat.stop()
+
+
+def done(value):
+    future = concurrent.futures.Future()
+    future.set_result(value)
+    return future
+
+
+def test_a_dead_dht_never_holds_a_leaving_peer():
+    """A terminal's Ctrl-C reaches the DHT's daemon too: hivemind's calls then never answer. Withdrawing our
+    record and reading others' must still end in bounded time."""
+    import time
+
+    from p2pdiloco.swarm import records
+
+    class DeadDHT:
+        def store(self, *args, return_future, **kwargs):
+            return concurrent.futures.Future()  # never resolves
+
+        def get(self, *args, return_future, **kwargs):
+            return concurrent.futures.Future()
+
+    beat = records.Heartbeat(DeadDHT(), "run", records.PeerRecord(**GOOD))
+    started = time.monotonic()
+    beat.stop()
+    assert time.monotonic() - started < records.WITHDRAW_TIMEOUT + 1.0
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        records.fetch_records(DeadDHT(), "run", timeout=0.5)
+    assert time.monotonic() - started < 2.0
