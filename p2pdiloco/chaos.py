@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from p2pdiloco.launcher import peer_command, start_bootstrap, start_process, stop_tree
+from p2pdiloco.launcher import join_command, start_bootstrap, start_process, stop_tree
 from p2pdiloco.lifeline import descendants
 from p2pdiloco.metrics import parse_jsonl, read_jsonl
 from p2pdiloco.swarmreport import Life, split_lives, summarize
@@ -128,9 +128,8 @@ class Chaos:
     def _spawn(self, name: str) -> None:
         slot = self.slots.setdefault(name, Slot(name))
         via = self._live_address(exclude=name)
-        cmd = peer_command("join", "--initial-peers", via, "--run-id", self.run_id, "--log-dir", str(self.log_dir),
-                           "--checkpoint-dir", str(self.log_dir / "checkpoints"), "--name", name,
-                           "--max-time", str(self.plan.seconds + 300), *self.join_args)
+        cmd = join_command(via, name, self.log_dir, "--max-time", str(self.plan.seconds + 300), *self.join_args,
+                           run_id=self.run_id, checkpoint_dir=self.log_dir / "checkpoints")
         slot.proc = start_process(cmd, self.log_dir / f"{name}.log")
         slot.spawns.append(time.time())
         slot.restart_at, slot.started = None, False

@@ -24,6 +24,15 @@ def peer_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "p2pdiloco.cli", *args]
 
 
+def join_command(via: str, name: str, log_dir: Path, *args: str, run_id: Optional[str] = None,
+                 checkpoint_dir: Optional[Path] = None) -> list[str]:
+    """`p2pdiloco join` for one local peer: through `via`, its log, metrics and address files in `log_dir`."""
+    run = ["--run-id", run_id] if run_id else []
+    checkpoints = ["--checkpoint-dir", str(checkpoint_dir)] if checkpoint_dir else []
+    return peer_command("join", "--initial-peers", via, *run, "--log-dir", str(log_dir), *checkpoints,
+                        "--name", name, *args)
+
+
 def start_process(args: list[str], log_file: Path, env: Optional[dict] = None) -> subprocess.Popen:
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with log_file.open("ab") as out:
@@ -85,9 +94,8 @@ def run_local_swarm(n_peers: int, log_dir: Path, join_args: list[str], stagger: 
         print(f"bootstrap node at {address}  (logs: {log_dir})", flush=True)
         for i in range(n_peers):
             name = f"peer{i}"
-            procs[name] = start_process(peer_command("join", "--initial-peers", address, "--log-dir", str(log_dir),
-                                                     "--name", name, *join_args, *(per_peer_args or {}).get(i, [])),
-                                        log_dir / f"{name}.log")
+            procs[name] = start_process(join_command(address, name, log_dir, *join_args,
+                                                     *(per_peer_args or {}).get(i, [])), log_dir / f"{name}.log")
             print(f"started {name} (pid {procs[name].pid}), log {log_dir / (name + '.log')}", flush=True)
             time.sleep(stagger)
         _follow(procs, log_dir, n_peers)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import signal
 from pathlib import Path
 from typing import Optional
 
@@ -36,7 +37,8 @@ def start_dht(cfg: SwarmConfig) -> DHT:
     kwargs = dht_kwargs(cfg)
     initial = list(cfg.initial_peers) or None
     pool = concurrent.futures.ThreadPoolExecutor(1)
-    future = pool.submit(DHT, initial_peers=initial, start=True, startup_timeout=cfg.connect_timeout, **kwargs)
+    future = pool.submit(_without_sigint, DHT, initial_peers=initial, start=True,
+                         startup_timeout=cfg.connect_timeout, **kwargs)
     try:
         dht = future.result(timeout=cfg.connect_timeout + 5)
     except concurrent.futures.TimeoutError:
@@ -49,6 +51,16 @@ def start_dht(cfg: SwarmConfig) -> DHT:
         dht.shutdown()
         raise SwarmConnectError(_unreachable(cfg, "no initial peer answered"))
     return dht
+
+
+def _without_sigint(make, *args, **kwargs):
+    """Run `make` in this (helper) thread with SIGINT blocked: the processes it spawns inherit the mask
+    through fork and exec. That keeps a terminal's Ctrl-C, sent to the whole process group, away from the
+    DHT's process, its p2pd and torch's shared-memory manager (started with the first shared tensor, here):
+    had the manager died with it, the peer would abort at exit. The peer itself takes the Ctrl-C and shuts
+    them down in order."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    return make(*args, **kwargs)
 
 
 async def _count_neighbours(_dht, node) -> int:  # runs inside the DHT process (must be picklable)

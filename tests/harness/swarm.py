@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from p2pdiloco import swarmreport
-from p2pdiloco.launcher import peer_command, start_bootstrap, start_process, stop_tree
+from p2pdiloco.launcher import join_command, start_bootstrap, start_process, stop_tree
 from p2pdiloco.lifeline import descendants
 from p2pdiloco.metrics import read_jsonl
 
@@ -29,9 +29,8 @@ class LocalSwarm:
 
     def start_peer(self, name: str, *args: str, env: dict | None = None, via: str | None = None) -> subprocess.Popen:
         """`via`: join through this address instead of the bootstrap node's."""
-        cmd = peer_command("join", "--initial-peers", via or self.address, "--run-id", self.run_id, "--log-dir",
-                           str(self.log_dir), "--checkpoint-dir", str(self.log_dir / "checkpoints"), "--name", name,
-                           *TINY, *args)
+        cmd = join_command(via or self.address, name, self.log_dir, *TINY, *args, run_id=self.run_id,
+                           checkpoint_dir=self.log_dir / "checkpoints")
         self.procs[name] = start_process(cmd, self.log_dir / f"{name}.log", env=env)
         return self.procs[name]
 

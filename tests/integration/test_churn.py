@@ -130,6 +130,7 @@ def test_whole_swarm_restarted_from_checkpoints_continues_where_it_stopped(tmp_p
             os.kill(pid, signal.SIGINT)
         swarm.wait(names, timeout=30)
         assert swarm.procs["b"].returncode == 0, swarm.log("b")[-3000:]
+        assert "terminate called" not in swarm.log("b")  # no helper of b died of the Ctrl-C and took it down
         saved = {n: [r for r in swarm.records(n, "checkpoint") if r["why"] == "leaving"][-1] for n in names}
         rounds_before = {n: len(swarm.records(n, "round")) for n in names}
 
