@@ -6,7 +6,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from p2pdiloco import checkpoint
 from p2pdiloco.cli import build_config, cli, swarm_options, train_options
+from p2pdiloco.config import model_config
+from p2pdiloco.model import build_model
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILES = sorted((ROOT / "peers").glob("*.toml"))
@@ -47,6 +50,27 @@ def test_unreachable_initial_peer_fails_fast_and_clearly(tmp_path):
     assert "could not join the swarm through" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert time.monotonic() - start < 60
+
+
+def test_a_restarted_peer_that_cannot_reach_the_swarm_keeps_what_it_trained_meanwhile(tmp_path):
+    """A restart trains from its checkpoint while it connects; if the connection fails, the steps taken
+    meanwhile are checkpointed before the clear error, not lost."""
+    common = ["--model", "tiny", "--name", "x", "--log-dir", str(tmp_path), "--checkpoint-dir", str(tmp_path / "ck"),
+              "--threads", "1", "--batch-size", "4", "--seq-len", "32", "--eval-every", "0"]
+    first = subprocess.run([sys.executable, "-m", "p2pdiloco.cli", "join", *common, "-H", "3", "--max-rounds", "1"],
+                           capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr[-2000:]
+    folder = tmp_path / "ck" / "p2pdiloco" / "x"
+    n_params = sum(p.numel() for p in build_model(model_config("tiny"), 0).parameters())
+    saved = checkpoint.load_latest(folder, n_params)
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWEBtXfqkCqYAic37BdvrUHGodu4Frq12EFaYar8u1Kp2d"
+    again = subprocess.run([sys.executable, "-m", "p2pdiloco.cli", "join", *common, "--initial-peers", dead,
+                            "--connect-timeout", "5"], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 1, again.stderr[-2000:]
+    assert "could not join the swarm through" in again.stderr and "Traceback" not in again.stderr
+    newest = checkpoint.load_latest(folder, n_params)
+    assert newest.meta["inner_step"] > saved.meta["inner_step"]  # it trained while connecting, and kept it
+    assert newest.meta["version"] == saved.meta["version"]
 
 
 @pytest.mark.parametrize("profile", PROFILES, ids=[p.stem for p in PROFILES])
