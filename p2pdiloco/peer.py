@@ -30,8 +30,8 @@ log = logging.getLogger("p2pdiloco")
 STATE_DOWNLOAD_TIMEOUT = 60.0
 WINDOW = 10  # inner steps per metrics record
 LEAVE_ROUND_WAIT = 4.0  # on SIGTERM/Ctrl-C: how long the round in flight may finish before we abandon it
-FINISH_ROUND_WAIT = 120.0
-JOIN_WAIT_ON_LEAVE = 5.0  # leaving during a warm start's background connection: how long it may finish  # at max rounds/time: let the last round finish
+FINISH_ROUND_WAIT = 120.0  # at max rounds/time: let the last round finish
+JOIN_WAIT_ON_LEAVE = 3.0  # leaving during a warm start's background connection: how long it may finish
 
 
 def _fmt_loss(value) -> str:
@@ -107,8 +107,8 @@ class Peer:
     def _connect_in_background(self) -> None:
         try:
             self._connect()
-            if not self.stop.is_set() and self.merger.live_others():
-                self._joined_state = self.merger.download(self.state.version, "joining",
+            if not self.stop.is_set() and self._swarm_is_ahead():
+                self._joined_state = self.merger.download(self.state.version + 1, "joining",
                                                           timeout=STATE_DOWNLOAD_TIMEOUT)
         except BaseException as e:  # reported by the training thread, which leaves in order
             self.join_error = e
@@ -128,8 +128,8 @@ class Peer:
         loaded, self._joined_state = self._joined_state, None
         if loaded is not None:
             self._adopt(loaded, "joining")
-        else:
-            log.warning("%s: no state from the swarm; going on from version %d", self.name, self.state.version)
+        else:  # nobody ahead of us, or no state came: a fork at our version is settled at our first round
+            log.info("%s: going on from version %d", self.name, self.state.version)
         self._publish_state()
 
     def _connect(self) -> None:
@@ -165,16 +165,22 @@ class Peer:
 
     def _resync(self, why: str) -> bool:
         """Download the newest global state from live peers (validated: never trust the network)."""
-        if not self.merger.live_others():
-            log.info("%s: no other training peer yet: starting from version %d", self.name, self.state.version)
+        if not self._swarm_is_ahead():
+            log.info("%s: no live peer is ahead of version %d: starting from it", self.name, self.state.version)
             return False
-        loaded = self.merger.download(self.state.version, why, timeout=STATE_DOWNLOAD_TIMEOUT)
+        loaded = self.merger.download(self.state.version + 1, why, timeout=STATE_DOWNLOAD_TIMEOUT)
         if loaded is None:
             log.warning("%s: could not download the swarm's state (%s); going on from version %d", self.name,
                         why, self.state.version)
             return False
         self._adopt(loaded, why)
         return True
+
+    def _swarm_is_ahead(self) -> bool:
+        """Only a newer version is worth fetching: a peer restored ahead of the others (they restarted from
+        older checkpoints) would otherwise wait out the download deadline for a state nobody has, and one
+        at our version with another digest (a fork) is settled by the first round's catch-up rule."""
+        return any(r.version > self.state.version for r in self.merger.live_others())
 
     def _adopt(self, loaded, why: str) -> None:
         self.diloco.adopt(*loaded)
@@ -354,18 +360,18 @@ class Peer:
 
         if self._join_thread is not None:  # left while connecting: let the connection finish, then undo it
             self._join_thread.join(JOIN_WAIT_ON_LEAVE)
-
-        if self.heartbeat is not None:
-            self.heartbeat.stop()
-        if getattr(self, "diloco", None) is not None:
-            self.diloco.close()
-        if self.merger is not None:
-            self.merger.shutdown()
-        node_dht, self.dht = self.dht, None
-        node.shutdown(node_dht)
-        if self.lifeline is not None:
-            self.lifeline.terminate()
-        if getattr(self, "metrics", None) is not None:
+        diloco = getattr(self, "diloco", None)
+        steps = [("heartbeat", self.heartbeat and self.heartbeat.stop), ("rounds", diloco and diloco.close),
+                 ("averager", self.merger and self.merger.shutdown), ("dht", self.dht and (lambda: node.shutdown(self.dht))),
+                 ("lifeline", self.lifeline and self.lifeline.terminate)]
+        for what, stop in steps:
+            if stop:
+                started = time.monotonic()
+                stop()
+                if time.monotonic() - started > 1.0:  # the leave has a 10 s bound: say what ate into it
+                    log.info("%s: stopping the %s took %.1f s", self.name, what, time.monotonic() - started)
+        self.dht = None
+        if self.metrics is not None:
             self.metrics.close()
 
 

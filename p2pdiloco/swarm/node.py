@@ -12,6 +12,10 @@ from hivemind import DHT
 from p2pdiloco.config import SwarmConfig
 
 
+STOP_WAIT = 2.0  # seconds the DHT and averager processes get to stop before they are terminated: a leave
+# has 10 s in all, 4 of which the round in flight may take
+
+
 class SwarmConnectError(RuntimeError):
     """Could not join the swarm; the message says which peers were tried."""
 
@@ -38,7 +42,7 @@ def start_dht(cfg: SwarmConfig) -> DHT:
     initial = list(cfg.initial_peers) or None
     pool = concurrent.futures.ThreadPoolExecutor(1)
     future = pool.submit(_without_sigint, DHT, initial_peers=initial, start=True,
-                         startup_timeout=cfg.connect_timeout, **kwargs)
+                         startup_timeout=cfg.connect_timeout, shutdown_timeout=STOP_WAIT, **kwargs)
     try:
         dht = future.result(timeout=cfg.connect_timeout + 5)
     except concurrent.futures.TimeoutError:

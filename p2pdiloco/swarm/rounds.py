@@ -32,6 +32,7 @@ from p2pdiloco.outer import Segment, rda_combine, rda_directions
 from p2pdiloco.roundtypes import Contribution, MergeOutcome, newest_member
 from p2pdiloco.state import sharing_priority, validate_state
 from p2pdiloco.swarm.averager import ExactAverager, averager_limits, gather_record
+from p2pdiloco.swarm.node import STOP_WAIT
 from p2pdiloco.swarm.statefetch import StateFetcher
 from p2pdiloco.swarm.records import Heartbeat, PeerRecord, fetch_records, wait_for_quorum, wait_for_round
 from p2pdiloco.transfer import MAX_PART
@@ -58,7 +59,7 @@ class SwarmMerger:
             min_group_size=max(2, cfg.quorum),  # hivemind would "form" a group of 1 at once; K=1 is ours
             min_matchmaking_time=self.limits.matchmaking, request_timeout=self.limits.request,
             allreduce_timeout=self.limits.allreduce_cap, next_chunk_timeout=self.limits.next_chunk,
-            allow_state_sharing=True, initial_group_bits=self._group_bits(0),
+            allow_state_sharing=True, initial_group_bits=self._group_bits(0), shutdown_timeout=STOP_WAIT,
         )
         self.peer = dht.peer_id.to_base58()
         part_timeout = 5.0 + 4 * 4 * MAX_PART / self.limits.initial_bytes_per_s  # 4× the declared link's time

@@ -143,6 +143,11 @@ def test_whole_swarm_restarted_from_checkpoints_continues_where_it_stopped(tmp_p
         swarm.wait_for(lambda: all(swarm.records(n, "restore") for n in names), 90, "both peers to restore")
         for name in names:
             assert swarm.records(name, "restore")[0]["version"] == saved[name]["version"]
+        # each trains from its checkpoint while it connects; the one that saved the newer version finds nobody
+        # ahead and does not wait out the download deadline for a state nobody has
+        swarm.wait_for(lambda: all(swarm.records(n, "joined") for n in names), 60, "both peers to connect")
+        for name in names:
+            assert swarm.records(name, "joined")[0]["seconds"] < 30, swarm.records(name, "joined")
         stopped_at = max(s["version"] for s in saved.values())
         swarm.wait_for(lambda: any(r["applied"] and len(r["members"]) == 2
                                    for r in swarm.records("a", "round")[rounds_before["a"]:]), 120,
