@@ -51,6 +51,16 @@ def kill_snapshot(snapshot: dict[int, int]) -> None:
                 pass
 
 
+def refresh(snapshot: dict[int, int], found: dict[int, int]) -> dict[int, int]:
+    """The helpers to take down: those just `found` plus every earlier one still alive (same start time).
+
+    A scan never replaces what earlier scans saw: the moment the peer dies, the kernel reparents its
+    children to init, so a scan that runs during the peer's exit finds no descendants at all. Had that empty
+    scan replaced the snapshot, the helpers would outlive their peer."""
+    kept = {pid: start for pid, start in snapshot.items() if (st := _stat(pid)) is not None and st[1] == start}
+    return {**kept, **found}
+
+
 def watch(parent: int, period: float = 0.25) -> None:
     parent_start = _stat(parent)
     if parent_start is None:
@@ -60,7 +70,8 @@ def watch(parent: int, period: float = 0.25) -> None:
     while (st := _stat(parent)) is not None and st[1] == parent_start[1] and st[0] != 0:
         if os.getppid() != parent:  # we were reparented: the parent is gone even if its PID lingers
             break
-        snapshot = {pid: start for pid, start in descendants(parent).items() if pid != me}
+        snapshot = refresh(snapshot, descendants(parent))
+        snapshot.pop(me, None)
         time.sleep(period)
     snapshot.update({pid: start for root in list(snapshot) for pid, start in descendants(root).items()})
     snapshot.pop(me, None)

@@ -1,0 +1,60 @@
+"""The lifeline takes a dead peer's helpers down with it, even when they were reparented before it looked."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from p2pdiloco.lifeline import _stat, descendants, refresh
+from tests.harness.swarm import alive
+
+
+def sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def test_a_helper_missing_from_a_later_scan_is_still_taken_down_but_a_dead_one_is_dropped():
+    helper, gone = sleeper(), sleeper()
+    try:
+        seen = {p.pid: _stat(p.pid)[1] for p in (helper, gone)}
+        snapshot = refresh({}, seen)
+        gone.kill()
+        gone.wait()
+        # the peer died mid-scan: its children were already reparented to init, so the scan found nothing
+        snapshot = refresh(snapshot, {})
+        assert snapshot == {helper.pid: seen[helper.pid]}
+        # a reused pid (another start time) is never mistaken for the helper
+        assert refresh({helper.pid: seen[helper.pid] + 1}, {}) == {}
+    finally:
+        helper.kill()
+        helper.wait()
+
+
+PEER = """
+import subprocess, sys, time
+helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+from p2pdiloco.lifeline import start_lifeline
+start_lifeline()
+print(helper.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_helpers_of_a_sigkilled_process_die_within_a_second():
+    peer = subprocess.Popen([sys.executable, "-c", PEER], stdout=subprocess.PIPE, text=True)
+    try:
+        helper = int(peer.stdout.readline())
+        time.sleep(1.0)  # the lifeline has scanned at least once
+        tree = descendants(peer.pid)
+        assert helper in tree and len(tree) == 2  # the helper and the lifeline
+        peer.send_signal(signal.SIGKILL)
+        peer.wait()
+        deadline = time.monotonic() + 5
+        while any(alive(pid) for pid in tree) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [pid for pid in tree if alive(pid)], "the helper (or the lifeline) outlived its peer"
+    finally:
+        for pid in descendants(peer.pid):
+            os.kill(pid, signal.SIGKILL)
+        peer.kill()
