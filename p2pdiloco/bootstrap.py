@@ -23,7 +23,7 @@ def run_bootstrap(cfg: SwarmConfig, log_dir: Path, name: str) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     dht = node.start_dht(cfg)
-    lifeline = start_lifeline()
+    start_lifeline()  # left running: once we exit it kills whatever of the DHT did not stop in time
     try:
         path = log_dir / f"{name}.addrs"
         node.write_addresses(dht, path)
@@ -32,5 +32,3 @@ def run_bootstrap(cfg: SwarmConfig, log_dir: Path, name: str) -> None:
         stop.wait()
     finally:
         node.shutdown(dht)
-        if lifeline is not None:
-            lifeline.terminate()

@@ -20,6 +20,7 @@ or lost. `merged_seconds` is the inner-step time that reached the global model (
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -126,9 +127,12 @@ class DiLoCo:
         return self._settle()
 
     def wait(self, timeout: Optional[float] = None) -> Optional[Settled]:
+        """Block until the round in flight settles, then apply it; TimeoutError if it does not in time."""
         if self.in_flight is None:
             return None
-        self.in_flight.future.result(timeout=timeout)
+        done, _ = concurrent.futures.wait([self.in_flight.future], timeout)
+        if not done:
+            raise TimeoutError(f"the round in flight did not settle within {timeout} s")
         return self._settle()
 
     def _settle(self) -> Settled:

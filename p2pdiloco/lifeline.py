@@ -3,7 +3,8 @@
 hivemind's DHT and averager are forked children and p2pd is their grandchild; none of them notices the main
 process dying, and a dead trainer's averager keeps joining rounds. This tiny process (started by the peer,
 outside its process tree's fate) snapshots the peer's descendants every `period` seconds and, once the peer
-is gone, kills exactly those PIDs (checking their start times, so a reused PID is never hit). Linux only.
+is gone, kills exactly those PIDs (checking their start times, so a reused PID is never hit). It does the same
+after a normal exit, so a helper that did not stop within the peer's leave bound goes too. Linux only.
 """
 
 from __future__ import annotations

@@ -29,7 +29,10 @@ from p2pdiloco.timing import RoundClock
 log = logging.getLogger("p2pdiloco")
 STATE_DOWNLOAD_TIMEOUT = 60.0
 WINDOW = 10  # inner steps per metrics record
-LEAVE_ROUND_WAIT = 4.0  # on SIGTERM/Ctrl-C: how long the round in flight may finish before we abandon it
+# Leaving on SIGTERM/Ctrl-C has a 10 s bound in all: the round in flight, a checkpoint, the final
+# evaluation and stopping the helpers must fit, also on a slow, loaded machine.
+LEAVE_ROUND_WAIT = 4.0  # a round already exchanging tensors may finish (one still matchmaking is cancelled)
+LEAVE_STOP_WAIT = 2.5  # the averager leaving its groups, side by side with withdrawing our record
 FINISH_ROUND_WAIT = 120.0  # at max rounds/time: let the last round finish
 JOIN_WAIT_ON_LEAVE = 3.0  # leaving during a warm start's background connection: how long it may finish
 
@@ -246,7 +249,7 @@ class Peer:
         self.window = dict(start=time.monotonic(), losses=[], seconds=0.0)
         train(self.diloco, cfg.inner.steps, self._should_leave, self._on_step, self._on_round,
               synchronous=cfg.swarm.mode == "sync", round_seconds=cfg.inner.round_seconds,
-              final_wait=lambda: LEAVE_ROUND_WAIT if self.stop.is_set() else FINISH_ROUND_WAIT,
+              final_wait=self._round_wait_on_leaving,
               on_contribute=self._on_contribute)
         if cfg.checkpoint_every:
             self._save_checkpoint("leaving")
@@ -265,6 +268,16 @@ class Peer:
                  self.name, self.rounds, self.state.version, _fmt_loss(initial_val), final_val,
                  100 * summary["utilization"])
         return summary
+
+    def _round_wait_on_leaving(self) -> float:
+        """How long the round in flight may still take once training ends. At max rounds/time it may finish.
+        Leaving on a signal, a round still looking for an island is cancelled now (its outcome, a rollback,
+        comes back at once) and one already exchanging tensors gets LEAVE_ROUND_WAIT."""
+        if not self.stop.is_set():
+            return FINISH_ROUND_WAIT
+        if self.merger is not None and self.merger.leave_round():
+            log.info("%s: leaving: the round still looking for an island is cancelled", self.name)
+        return LEAVE_ROUND_WAIT
 
     def _should_leave(self) -> bool:
         cfg = self.cfg
@@ -360,19 +373,32 @@ class Peer:
 
         if self._join_thread is not None:  # left while connecting: let the connection finish, then undo it
             self._join_thread.join(JOIN_WAIT_ON_LEAVE)
-        diloco = getattr(self, "diloco", None)
-        steps = [("heartbeat", self.heartbeat and self.heartbeat.stop), ("rounds", diloco and diloco.close),
-                 ("averager", self.merger and self.merger.shutdown), ("dht", self.dht and (lambda: node.shutdown(self.dht))),
-                 ("lifeline", self.lifeline and self.lifeline.terminate)]
-        for what, stop in steps:
-            if stop:
-                started = time.monotonic()
-                stop()
-                if time.monotonic() - started > 1.0:  # the leave has a 10 s bound: say what ate into it
-                    log.info("%s: stopping the %s took %.1f s", self.name, what, time.monotonic() - started)
+        if getattr(self, "diloco", None) is not None:
+            self.diloco.close()
+        # withdrawing our record (others stop waiting for us) and the averager leaving its groups, side by side;
+        # then the DHT, which both use. The lifeline is left running: once this process exits, it kills any
+        # helper that did not stop in time.
+        self._stop_side_by_side(LEAVE_STOP_WAIT, heartbeat=self.heartbeat and self.heartbeat.stop,
+                                averager=self.merger and self.merger.shutdown)
+        self._stop_side_by_side(node.STOP_WAIT + 0.5, dht=self.dht and (lambda: node.shutdown(self.dht)))
         self.dht = None
         if self.metrics is not None:
             self.metrics.close()
+
+    def _stop_side_by_side(self, budget: float, **stops) -> None:
+        """Run each stop in its own daemon thread and wait for them at most `budget` seconds in all."""
+        started = time.monotonic()
+        threads = {what: threading.Thread(target=stop, name=f"stop-{what}", daemon=True)
+                   for what, stop in stops.items() if stop}
+        for thread in threads.values():
+            thread.start()
+        for what, thread in threads.items():
+            thread.join(max(0.0, started + budget - time.monotonic()))
+            if thread.is_alive():
+                log.warning("%s: the %s did not stop within %.1f s; leaving it to the lifeline", self.name, what,
+                            budget)
+        if threads and time.monotonic() - started > 1.0:  # say what ate into the leave's bound
+            log.info("%s: stopping the %s took %.1f s", self.name, " and ".join(threads), time.monotonic() - started)
 
 
 def run_peer(cfg: PeerConfig) -> dict:

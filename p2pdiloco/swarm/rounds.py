@@ -16,9 +16,11 @@ Sync mode, the baseline: the same, after a barrier on the DHT where everyone wai
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
+from concurrent.futures import InvalidStateError
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -49,6 +51,7 @@ class SwarmMerger:
         self.dht, self.cfg, self.outer, self.n, self.segments = dht, cfg, outer, n_params, list(segments)
         self.heartbeat, self.stop, self.clock, self.overlap_steps = heartbeat, stop, clock, overlap_steps
         self.closed = threading.Event()  # set on shutdown: a round still waiting gives up at once
+        self._control = None  # the averager step of the round in flight, once it is looking for a group
         self.buffer_size = n_params + exact.tail_size(cfg.max_island)
         self.limits = averager_limits(self.buffer_size, cfg.max_island, cfg.bandwidth_mbps)
         self.grace_policy = GracePolicy(gamma=cfg.grace_gamma, floor=self.limits.matchmaking + 0.5)
@@ -81,6 +84,8 @@ class SwarmMerger:
         self.heartbeat.update(ready=c.version)
         quorum_seconds, others = self._quorum(c, start)
         extra["quorum_seconds"] = quorum_seconds
+        if self.stop.is_set():
+            return MergeOutcome.failed("leaving", start, **extra)
         if not others and self.cfg.quorum <= 1:
             return MergeOutcome.solo(c, start, **extra)  # alone in the swarm: K=1 applies its own update
         outcome = self._allreduce(c, start, self.clock.grace(self.overlap_steps, self.grace_policy), extra)
@@ -132,13 +137,18 @@ class SwarmMerger:
                                              self.limits.initial_bytes_per_s)
         gather = gather_record(self.peer, c.name, c.version, c.tokens, c.steps, body, c.digest, budget, norms)
         find_timeout = grace + 2 * self.limits.request + 2.0
-        control = self.averager.step(gather=gather, weight=1.0, scheduled_time=get_dht_time() + grace,
-                                     timeout=find_timeout, allow_retries=False, wait=False)
+        control = self._control = self.averager.step(gather=gather, weight=1.0, timeout=find_timeout,
+                                                     scheduled_time=get_dht_time() + grace, allow_retries=False,
+                                                     wait=False)
         try:
             result = result_unless_closed(control, find_timeout + self.limits.allreduce_cap + 5.0, self.closed)
-        except Exception as e:
-            control.cancel()
+        except Exception as e:  # CancelledError too: we left while looking for an island
+            cancel(control)
+            if self.stop.is_set():
+                return MergeOutcome.failed("leaving: the round was cancelled", start, **extra)
             return MergeOutcome.failed(f"all-reduce failed: {type(e).__name__}: {e}", start, **extra)
+        finally:
+            self._control = None
         if not result or not result.get("verified"):
             reason = result.get("reason", "no result") if result else "no group"
             return MergeOutcome.failed(f"round discarded: {reason}", start, **extra)
@@ -161,6 +171,16 @@ class SwarmMerger:
                             seconds=time.monotonic() - start, sync_seconds=sync_seconds, wire_bytes=wire,
                             deadline_seconds=float(result.get("deadline", 0.0)),
                             **extra)
+
+    def leave_round(self) -> bool:
+        """The peer is leaving: cancel the round in flight if it is still looking for an island (no member
+        depends on our data yet), and say so. A round already exchanging tensors is left to finish: leaving
+        it would make the whole island roll back."""
+        control = self._control
+        if control is None or control.began_allreduce:
+            return False
+        cancel(control)
+        return True
 
     # ---- global state from peers --------------------------------------------------------------------------
     def download(self, min_version: int, why: str, timeout: Optional[float] = None) -> Optional[StateTuple]:
@@ -233,3 +253,9 @@ def result_unless_closed(future, timeout: float, closed: threading.Event, poll: 
 
 class LeavingError(RuntimeError):
     pass
+
+
+def cancel(control) -> None:
+    """Cancel an averager step; a second cancel (or one after it finished) is a no-op, not an error."""
+    with contextlib.suppress(InvalidStateError):
+        control.cancel()

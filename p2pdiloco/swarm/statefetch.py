@@ -133,7 +133,7 @@ class StateFetcher:
             self._pending.cancel()  # a fetch still waiting returns now rather than at its timeout
         if self._p2p is not None:
             with contextlib.suppress(Exception):
-                asyncio.run_coroutine_threadsafe(self._released(), self._loop).result(5)
+                asyncio.run_coroutine_threadsafe(self._released(), self._loop).result(1.0)
         self._loop.call_soon_threadsafe(self._loop.stop)
 
     async def _released(self) -> None:

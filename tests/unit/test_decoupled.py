@@ -94,6 +94,27 @@ def test_rolled_back_round_changes_nothing_and_its_tokens_ride_along():
     d.close()
 
 
+def test_a_merger_that_raises_costs_one_round_never_the_peer_even_when_waited_for():
+    def broken(c):
+        raise RuntimeError("bug in the merger")
+
+    d = make_diloco(HeldMerger(outcome=broken))
+    for _ in range(4):
+        d.inner_step()
+    d.contribute()
+    d.merger.release.set()
+    theta_before = d.local_params()
+    settled = d.wait(10)  # leaving (and sync mode) wait for the round instead of polling it
+    assert not settled.applied and "bug in the merger" in settled.outcome.reason
+    assert torch.equal(d.local_params(), theta_before) and d.unmerged_steps == 4
+    with pytest.raises(TimeoutError):  # a round that never settles is reported, not waited out forever
+        d.merger.release.clear()
+        d.contribute()
+        d.wait(0.2)
+    d.merger.release.set()
+    d.close()
+
+
 def test_stale_contribution_adopts_the_groups_newer_state_and_keeps_in_flight_steps():
     donor = make_diloco(SoloMerger(), seed=1)
     for _ in range(3):
