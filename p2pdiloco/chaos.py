@@ -105,6 +105,7 @@ class Chaos:
         next_freeze = self._next(now, p.freeze_every)
         next_add = self._next(now, p.add_every)
         while (now := time.time()) < self.start + p.seconds:
+            self._restart_exited(now)
             for slot in self.slots.values():
                 if slot.frozen_since is not None and now >= slot.frozen_since + slot.freeze_for:
                     self._thaw(slot)
@@ -127,23 +128,32 @@ class Chaos:
     # ---- actions ---------------------------------------------------------------------------------------
     def _spawn(self, name: str) -> None:
         slot = self.slots.setdefault(name, Slot(name))
-        via = self._live_address(exclude=name)
+        via = self._live_addresses(exclude=name)
         cmd = join_command(via, name, self.log_dir, "--max-time", str(self.plan.seconds + 300), *self.join_args,
                            run_id=self.run_id, checkpoint_dir=self.log_dir / "checkpoints")
         slot.proc = start_process(cmd, self.log_dir / f"{name}.log")
         slot.spawns.append(time.time())
         slot.restart_at, slot.started = None, False
-        self._event("spawn", name, via="bootstrap" if via == self.address else "peer")
+        self._event("spawn", name, via="bootstrap" if via == [self.address] else "peer")
 
-    def _live_address(self, exclude: str) -> str:
-        """A random live peer's address, falling back on the bootstrap node: bootstrap independence."""
+    def _live_addresses(self, exclude: str, most: int = 3) -> list[str]:
+        """A few random live peers' addresses (bootstrap independence; a restart takes seconds, and any one of
+        them may die meanwhile), falling back on the bootstrap node."""
         live = []
         for slot in self.slots.values():
             addrs = self.log_dir / f"{slot.name}.addrs"
             if slot.name != exclude and slot.available and addrs.exists() and slot.spawns \
                     and addrs.stat().st_mtime >= slot.spawns[-1] and addrs.read_text().strip():
                 live.append(addrs.read_text().split()[0])
-        return self.rng.choice(live) if live else self.address
+        return self.rng.sample(live, min(most, len(live))) if live else [self.address]
+
+    def _restart_exited(self, now: float) -> None:
+        """A peer that exited by itself (e.g. every peer it was told to join through died before it dialed)
+        is restarted like a killed one, as a supervisor would; its exit ends that life."""
+        for slot in self.slots.values():
+            if slot.proc is not None and slot.restart_at is None and slot.frozen_since is None and not slot.running:
+                slot.restart_at = now + self.rng.uniform(*self.plan.restart_after)
+                self._event("exit", slot.name, returncode=slot.proc.returncode)
 
     def _kill_in_phase(self, now: float) -> bool:
         """Draw a phase, wait a little for a peer in it, kill one (any, if none came): never a trainer if
@@ -240,7 +250,7 @@ def lives_from_logs(log_dir: Path) -> list[Life]:
         if e["event"] == "spawn":
             spawns.setdefault(name, []).append(e["time"])
             deaths.setdefault(name, []).append(None)
-        elif e["event"] == "kill":
+        elif e["event"] in ("kill", "exit"):
             deaths[name][-1] = e["time"]
         elif e["event"] == "freeze":
             since[name] = e["time"]
@@ -265,6 +275,7 @@ def report_from_logs(log_dir: Path, planned_peers: int) -> dict:
         kills=len(kills), kills_by_phase={p: sum(e["phase"] == p for e in kills) for p in PHASES},
         freezes=sum(e["event"] == "freeze" for e in events),
         restarts=sum(e["event"] == "spawn" for e in events) - len(slots),
+        exits=sum(e["event"] == "exit" for e in events),
         newcomers=len(slots) - planned_peers,
         **summarize(lives_from_logs(log_dir), start, end, STEP_WINDOW),
     )

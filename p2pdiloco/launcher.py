@@ -24,13 +24,14 @@ def peer_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "p2pdiloco.cli", *args]
 
 
-def join_command(via: str, name: str, log_dir: Path, *args: str, run_id: Optional[str] = None,
+def join_command(via: str | list[str], name: str, log_dir: Path, *args: str, run_id: Optional[str] = None,
                  checkpoint_dir: Optional[Path] = None) -> list[str]:
-    """`p2pdiloco join` for one local peer: through `via`, its log, metrics and address files in `log_dir`."""
+    """`p2pdiloco join` for one local peer: through `via` (one address or several: any live one will do), its
+    log, metrics and address files in `log_dir`."""
+    initial = [a for address in ([via] if isinstance(via, str) else via) for a in ("--initial-peers", address)]
     run = ["--run-id", run_id] if run_id else []
     checkpoints = ["--checkpoint-dir", str(checkpoint_dir)] if checkpoint_dir else []
-    return peer_command("join", "--initial-peers", via, *run, "--log-dir", str(log_dir), *checkpoints,
-                        "--name", name, *args)
+    return peer_command("join", *initial, *run, "--log-dir", str(log_dir), *checkpoints, "--name", name, *args)
 
 
 def start_process(args: list[str], log_file: Path, env: Optional[dict] = None) -> subprocess.Popen:

@@ -20,7 +20,7 @@ from pathlib import Path
 from p2pdiloco.chaos import Chaos, ChaosPlan
 
 DEFAULT_JOIN = ["--model", "tiny", "--threads", "1", "-H", "20", "--eval-every", "0", "--checkpoint-every", "1"]
-SHOWN = ["seconds", "slots", "kills", "kills_by_phase", "freezes", "restarts", "newcomers", "goodput",
+SHOWN = ["seconds", "slots", "kills", "kills_by_phase", "freezes", "restarts", "exits", "newcomers", "goodput",
          "goodput_of_alive_time", "utilization", "uptime", "uptime_window_seconds", "versions",
          "longest_stall_seconds", "longest_without_merge_seconds", "join_seconds_median", "join_seconds_max",
          "rounds", "rounds_merged", "rounds_with_fork", "max_fork_distance", "final_fork_distance", "split_islands",
