@@ -37,6 +37,8 @@ class MergeOutcome:
     sync_seconds: float = 0.0  # group formed → all-reduce returned
     deadline_seconds: float = 0.0  # the all-reduce deadline the group agreed on (from measured link speeds)
     wire_bytes: int = 0  # sent by this peer (and as many received), from the all-reduce's layout
+    bytes_sent: Optional[int] = None  # measured: what our averager process wrote during the round (procio)
+    bytes_received: Optional[int] = None
     state_before: Optional[tuple[dict, list[torch.Tensor]]] = None
     state: Optional[tuple[dict, list[torch.Tensor]]] = None
     stale: bool = False  # we were not on the group's newest state: the merge applies to theirs, not ours

@@ -56,6 +56,11 @@ def report(records: list[list[dict]]) -> dict:
         rounds_not_merged=sum(1 for r in all_rounds if not r["applied"]),
         consensus_distance_over_time=distance,
         consensus_distance_max=max((d for _, d in distance), default=0.0),
+        # disagreement proper: live peers at the same version with different states (forks), and how far
+        # behind the most stale live peer was (the slow peer contributes from older versions, then catches up)
+        fork_distance_max=max((r["fork_distance"] for r in all_rounds), default=0.0),
+        rounds_with_fork=sum(r["fork_distance"] > 0 for r in all_rounds),
+        version_spread_max=max((r["version_spread"] for r in all_rounds), default=0),
         final_digests=len({s["digest"] for s in summaries}),
         val_loss=[round(s["final_val"], 4) for s in summaries],
     )

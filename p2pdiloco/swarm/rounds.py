@@ -31,6 +31,7 @@ from hivemind.utils.logging import get_logger
 from p2pdiloco import exact, faults
 from p2pdiloco.config import OuterConfig, SwarmConfig
 from p2pdiloco.outer import Segment, rda_combine, rda_directions
+from p2pdiloco.procio import io_counters, moved_since
 from p2pdiloco.roundtypes import Contribution, MergeOutcome, newest_member
 from p2pdiloco.state import sharing_priority, validate_state
 from p2pdiloco.swarm.averager import ExactAverager, averager_limits, gather_record
@@ -137,6 +138,7 @@ class SwarmMerger:
                                              self.limits.initial_bytes_per_s)
         gather = gather_record(self.peer, c.name, c.version, c.tokens, c.steps, body, c.digest, budget, norms)
         find_timeout = grace + 2 * self.limits.request + 2.0
+        io_before = io_counters(self.averager.pid)
         control = self._control = self.averager.step(gather=gather, weight=1.0, timeout=find_timeout,
                                                      scheduled_time=get_dht_time() + grace, allow_retries=False,
                                                      wait=False)
@@ -144,11 +146,13 @@ class SwarmMerger:
             result = result_unless_closed(control, find_timeout + self.limits.allreduce_cap + 5.0, self.closed)
         except Exception as e:  # CancelledError too: we left while looking for an island
             cancel(control)
+            extra = dict(extra, **self._traffic(io_before))
             if self.stop.is_set():
                 return MergeOutcome.failed("leaving: the round was cancelled", start, **extra)
             return MergeOutcome.failed(f"all-reduce failed: {type(e).__name__}: {e}", start, **extra)
         finally:
             self._control = None
+        extra = dict(extra, **self._traffic(io_before))
         if not result or not result.get("verified"):
             reason = result.get("reason", "no result") if result else "no group"
             return MergeOutcome.failed(f"round discarded: {reason}", start, **extra)
@@ -171,6 +175,11 @@ class SwarmMerger:
                             seconds=time.monotonic() - start, sync_seconds=sync_seconds, wire_bytes=wire,
                             deadline_seconds=float(result.get("deadline", 0.0)),
                             **extra)
+
+    def _traffic(self, before) -> dict:
+        """What this round really moved (failed rounds too), measured on our averager process."""
+        moved = moved_since(self.averager.pid, before)
+        return {} if moved is None else dict(bytes_sent=moved.written, bytes_received=moved.read)
 
     def leave_round(self) -> bool:
         """The peer is leaving: cancel the round in flight if it is still looking for an island (no member

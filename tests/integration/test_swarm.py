@@ -26,6 +26,10 @@ def test_three_peers_stay_bitwise_equal_and_learn(tmp_path):
         assert len(merged_in_group) >= 6, rounds
         for r in merged_in_group:  # every member applied tokens²/steps weights, from the gathered records
             assert r["weights"] == pytest.approx(merge_weights(r["member_tokens"], r["member_steps"], "tokens2"))
+        # traffic is measured on each peer's averager process: a round moves what the butterfly layout predicts
+        # (more when the peer also serves its state to one catching up, never less)
+        ratios = sorted(r["bytes_sent"] / r["allreduce_bytes_model"] for r in merged_in_group)
+        assert ratios[0] > 0.8 and 0.8 < ratios[len(ratios) // 2] < 1.25, ratios
         # after every committed round, all peers at that version hold bit-identical global parameters
         for version, digests in digests_by_version(swarm, names).items():
             assert len(digests) == 1, f"peers disagree at version {version}: {digests}"
