@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from p2pdiloco.config import (MODEL_SIZES, MODES, WEIGHTINGS, ConfigError, InnerConfig, OuterConfig, PeerConfig,
-                              SwarmConfig)
+from p2pdiloco.config import (APPLICATIONS, MODEL_SIZES, MODES, WEIGHTINGS, ConfigError, InnerConfig, OuterConfig,
+                              PeerConfig, SwarmConfig)
 
 CONTEXT = dict(help_option_names=["-h", "--help"], auto_envvar_prefix="P2PDILOCO", max_content_width=110)
 
@@ -70,6 +70,9 @@ def train_options(f):
                      help="Merge weights: tokens²/steps (Decoupled DiLoCo), tokens, or uniform."),
         click.option("--rda/--no-rda", default=False, show_default=True,
                      help="Radial-directional averaging of non-embedding tensors."),
+        click.option("--application", type=click.Choice(APPLICATIONS), default="delayed", show_default=True,
+                     help="While a round is in flight, train on from the local model and rebase onto the merge when "
+                          "it lands (delayed), or from an estimate of the next global model (eager)."),
         click.option("--round-seconds", type=float,
                      help="Time-budgeted H: contribute every this many seconds instead of every H steps."),
         click.option("--mode", type=click.Choice(MODES), default="decoupled", show_default=True,
@@ -117,7 +120,8 @@ def build_config(o: dict) -> PeerConfig:
                         bandwidth_mbps=o["bandwidth_mbps"], connect_timeout=o["connect_timeout"])
     inner = InnerConfig(steps=o["inner_steps"], lr=o["inner_lr"], batch_size=o["batch_size"], seq_len=o["seq_len"],
                         round_seconds=o["round_seconds"])
-    outer = OuterConfig(lr=o["outer_lr"], momentum=o["outer_momentum"], weighting=o["weighting"], rda=o["rda"])
+    outer = OuterConfig(lr=o["outer_lr"], momentum=o["outer_momentum"], weighting=o["weighting"], rda=o["rda"],
+                        application=o["application"])
     return PeerConfig(model=o["model"], data=o["data"], seed=o["seed"], inner=inner, outer=outer, swarm=swarm,
                       max_rounds=o["max_rounds"], max_time=o["max_time"], throttle=o["throttle"],
                       eval_every=o["eval_every"],

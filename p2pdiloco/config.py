@@ -13,6 +13,7 @@ from typing import Optional
 
 
 WEIGHTINGS = ("tokens2", "tokens", "uniform")  # p2pdiloco.outer.merge_weights implements them
+APPLICATIONS = ("delayed", "eager")  # how a peer trains while its round is in flight (p2pdiloco.diloco)
 MODES = ("decoupled", "sync")
 
 
@@ -80,9 +81,12 @@ class OuterConfig:
     momentum: float = 0.9
     weighting: str = "tokens2"  # merge weights: tokens²/steps (Decoupled DiLoCo), tokens, or uniform
     rda: bool = False  # radial-directional averaging of non-embedding tensors
+    application: str = "delayed"  # while a round is in flight: go on from θ (delayed) or from an estimate of Θ'
 
     def __post_init__(self):
         _positive_float(self, "lr")
+        if self.application not in APPLICATIONS:
+            raise ConfigError(f"application must be one of {', '.join(APPLICATIONS)}, got {self.application!r}")
         if self.weighting not in WEIGHTINGS:
             raise ConfigError(f"weighting must be one of {', '.join(WEIGHTINGS)}, got {self.weighting!r}")
         if not 0.0 <= self.momentum < 1.0:

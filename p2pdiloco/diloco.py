@@ -9,6 +9,10 @@ arrives it is applied between two inner steps ("delayed application"):
   taken while the round was in flight are kept, rebased onto the new global state;
 - rolled back: nothing changes; the tokens stay unmerged and ride along with the next contribution.
 
+With eager application (`eager=True`) the in-flight steps start instead from an estimate of the next global
+model, Θ̂ = outer(Θ, w·Δ + (1−w)·Δ_last); the same rules then apply with Θ̂ in place of θ_S, and a rollback
+moves θ back onto our own local progress, so nothing is lost either way.
+
 At most one round is in flight: if a round outlasts H steps, training goes on and the next contribution,
 sent once the round settles, carries the extra steps. Synchronous mode runs the same code but waits for each
 round before training on (the baseline the benchmark compares against).
@@ -51,9 +55,23 @@ class InFlight:
     future: Future
     contribution: Contribution
     local_at_snapshot: torch.Tensor  # θ_S
-    global_at_snapshot: torch.Tensor  # Θ when Δ was taken (our base if the round is rolled back)
+    global_at_snapshot: torch.Tensor  # Θ when Δ was taken
     started: float
     steps_at_snapshot: int
+    origin: Optional[torch.Tensor] = None  # eager: the estimate of Θ' the in-flight steps start from
+
+    @property
+    def resumed_from(self) -> torch.Tensor:
+        """Where the inner steps taken while the round is in flight started."""
+        return self.local_at_snapshot if self.origin is None else self.origin
+
+    @property
+    def unmerged_base(self) -> torch.Tensor:
+        """θ ← Θ + (θ − this) keeps all our local progress when our Δ did not reach Θ: the in-flight steps
+        plus θ_S − Θ_S (for delayed application that is simply θ − Θ_S)."""
+        if self.origin is None:
+            return self.global_at_snapshot
+        return self.origin - self.local_at_snapshot + self.global_at_snapshot
 
 
 @dataclass
@@ -83,9 +101,12 @@ class DiLoCo:
     """Owns θ (the trainer's model), Θ (GlobalState) and the bookkeeping between rounds."""
 
     def __init__(self, trainer: InnerTrainer, state: GlobalState, merger: Merger, peer: str, name: str,
-                 clock: Optional[RoundClock] = None):
+                 clock: Optional[RoundClock] = None, eager: bool = False):
         self.trainer, self.state, self.merger, self.peer, self.name = trainer, state, merger, peer, name
         self.clock = clock or RoundClock()
+        self.eager = eager
+        self.last_merged: Optional[torch.Tensor] = None  # the latest merged update we applied (eager estimates)
+        self.last_weight = 1.0  # our share of it
         self.unmerged_tokens = 0  # since the last contribution that reached the global state
         self.unmerged_steps = 0
         self.unmerged_seconds = 0.0
@@ -117,8 +138,22 @@ class DiLoCo:
             c = Contribution(delta=pseudo_gradient(global_params, local), tokens=self.unmerged_tokens,
                              steps=self.unmerged_steps, version=self.state.version, peer=self.peer,
                              name=self.name, digest=self.state.digest, seconds=self.unmerged_seconds)
+            origin = self._eager_estimate(c.delta) if self.eager else None
         future = self._executor.submit(self.merger.merge, c)
-        self.in_flight = InFlight(future, c, local, global_params, time.monotonic(), self.trainer.total_steps)
+        if origin is not None:
+            load_flat_params(self.trainer.model, origin)
+        self.in_flight = InFlight(future, c, local, global_params, time.monotonic(), self.trainer.total_steps,
+                                  origin)
+
+    def _eager_estimate(self, delta: torch.Tensor) -> torch.Tensor:
+        """Eager updates (Kale et al. 2025, arXiv 2502.12996): instead of training on from θ_S while the round
+        is in flight, go on from an estimate of the next global model: the outer step of our fresh Δ, weighted
+        by our share of the last round, plus the last merged update standing in for the others' part."""
+        if self.last_merged is None:
+            estimate = delta
+        else:
+            estimate = delta * self.last_weight + self.last_merged * (1.0 - self.last_weight)
+        return self.state.outer.lookahead(estimate)
 
     def poll(self) -> Optional[Settled]:
         """Apply the outcome of the round in flight if it has arrived; never blocks."""
@@ -164,12 +199,13 @@ class DiLoCo:
                 stale_only = outcome.stale and outcome.state is None
                 self.last_merge = None if stale_only else LastMerge(self.state.key, c.delta, c.tokens, c.steps,
                                                                      c.seconds)
-                base = flight.local_at_snapshot  # progress up to θ_S is now in Θ
+                self.last_merged, self.last_weight = outcome.merged, own_weight(outcome, self.peer)
+                base = flight.resumed_from  # progress up to θ_S is now in Θ
             elif outcome.state is not None:
                 restored = self._add(restored, self._load_foreign(*outcome.state))
-                base = flight.global_at_snapshot
-            elif outcome.state_before is not None:
-                base = flight.global_at_snapshot
+                base = flight.unmerged_base
+            elif outcome.state_before is not None or flight.origin is not None:
+                base = flight.unmerged_base  # eager: from the estimate back to our own local progress
             else:
                 return False  # rolled back and nothing adopted: θ and Θ stay exactly as they are
             self._rebase(base, restored)
@@ -216,10 +252,13 @@ class DiLoCo:
             self._rebase(base, restored)
 
     def abandon(self) -> None:
-        """Leave without the round in flight's outcome: Θ and θ are untouched and its tokens stay unmerged.
-        (Should the island still merge it, it is counted twice at our next start: the rare price of leaving
-        within a bound.)"""
-        self.in_flight = None
+        """Leave without the round in flight's outcome: Θ is untouched and its tokens stay unmerged, with θ
+        holding all our local progress, as after a rollback. (Should the island still merge it, it is counted
+        twice at our next start: the rare price of leaving within a bound.)"""
+        flight, self.in_flight = self.in_flight, None
+        if flight is not None and flight.origin is not None:
+            with self.state.lock:
+                self._rebase(flight.unmerged_base)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -265,6 +304,14 @@ class DiLoCo:
             trainer.batches.position = int(meta["stream_position"])
         self.unmerged_tokens, self.unmerged_steps = meta["unmerged_tokens"], meta["unmerged_steps"]
         self.unmerged_seconds = float(meta.get("unmerged_seconds", 0.0))
+
+
+def own_weight(outcome: MergeOutcome, peer: str) -> float:
+    """Our share of a merged round (equal shares if the records do not say)."""
+    for member, weight in zip(outcome.members, outcome.weights):
+        if member.get("peer") == peer:
+            return float(weight)
+    return 1.0 / max(1, len(outcome.members))
 
 
 def train(diloco: DiLoCo, steps_per_round: int, should_leave: Callable[[], bool],

@@ -119,6 +119,14 @@ class OuterOptimizer:
         update = torch.mul(self.momentum_buffer, mu).add_(merged_delta)
         self.params.sub_(update.mul_(lr))
 
+    @torch.no_grad()
+    def lookahead(self, delta: torch.Tensor) -> torch.Tensor:
+        """The Θ that `step(delta)` would produce, leaving Θ and the momentum untouched (eager updates)."""
+        mu = torch.tensor(self.momentum, dtype=torch.float32)
+        lr = torch.tensor(self.lr, dtype=torch.float32)
+        buffer = torch.mul(self.momentum_buffer, mu).add_(delta)
+        return self.params - torch.mul(buffer, mu).add_(delta).mul_(lr)
+
     def state_tensors(self) -> list[torch.Tensor]:
         return [self.params, self.momentum_buffer]
 

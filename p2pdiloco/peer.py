@@ -163,7 +163,8 @@ class Peer:
         cfg = self.cfg
         stream = BatchStream(self.corpus.train, cfg.inner.batch_size, cfg.inner.seq_len, seed)
         trainer = InnerTrainer(self.model, stream, cfg.inner, self.device, cfg.throttle)
-        self.diloco = DiLoCo(trainer, self.state, merger, self.peer_id, self.name, self.clock)
+        self.diloco = DiLoCo(trainer, self.state, merger, self.peer_id, self.name, self.clock,
+                             eager=cfg.outer.application == "eager")
         self.metrics = self.metrics or JsonlSink(cfg.log_dir / f"{self.name}.jsonl")
 
     def _resync(self, why: str) -> bool:

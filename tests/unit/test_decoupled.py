@@ -115,6 +115,80 @@ def test_a_merger_that_raises_costs_one_round_never_the_peer_even_when_waited_fo
     d.close()
 
 
+def test_eager_in_flight_steps_start_from_the_estimated_next_global_model_and_keep_their_progress():
+    merger = HeldMerger()
+    d = make_diloco(merger)
+    d.eager = True
+    for _ in range(4):
+        d.inner_step()
+    d.contribute()
+    delta = d.in_flight.contribution.delta.clone()
+    # no merge seen yet: the estimate is our own Δ, which is exactly what a round of one applies
+    assert torch.equal(d.local_params(), d.state.outer.lookahead(delta))
+    theta0 = d.state.params.clone()
+    assert torch.equal(d.state.params, theta0)  # the estimate never touches Θ or the momentum
+    for _ in range(2):
+        d.inner_step()
+    in_flight_progress = d.local_params() - d.in_flight.origin
+    merger.release.set()
+    assert d.wait(10).applied
+    assert torch.allclose(d.local_params(), d.state.params + in_flight_progress, atol=1e-6)
+    assert d.last_merged is not None and d.last_weight == 1.0
+
+    # after a merge of two with shares 1/4 (ours) and 3/4, the estimate mixes our fresh Δ with that merge
+    merged = torch.full_like(theta0, 1e-3)
+    merger.outcome = lambda c: MergeOutcome(merged=merged, weights=[0.25, 0.75], members=[
+        dict(peer="me", version=1, digest="a", tokens=c.tokens, steps=c.steps),
+        dict(peer="other", version=1, digest="a", tokens=3 * c.tokens, steps=c.steps)])
+    d.contribute()
+    d.wait(10)
+    assert d.last_merged is merged and d.last_weight == 0.25
+    merger.release.clear()
+    d.inner_step()
+    d.contribute()
+    fresh = d.in_flight.contribution.delta
+    assert torch.equal(d.local_params(), d.state.outer.lookahead(fresh * 0.25 + merged * 0.75))
+    merger.release.set()
+    d.wait(10)
+    d.close()
+
+
+def test_an_eager_peer_whose_round_is_rolled_back_or_abandoned_keeps_all_its_local_progress():
+    for outcome_of_round in ("rolled back", "abandoned"):
+        merger = HeldMerger(outcome=lambda c: MergeOutcome.failed("no island", 0.0))
+        d = make_diloco(merger)
+        d.eager = True
+        theta0 = d.state.params.clone()
+        for _ in range(4):
+            d.inner_step()
+        snapshot = d.local_params()
+        d.contribute()
+        d.inner_step()
+        in_flight_progress = d.local_params() - d.in_flight.origin
+        if outcome_of_round == "rolled back":
+            merger.release.set()
+            assert not d.wait(10).applied
+        else:
+            d.abandon()
+            merger.release.set()
+        assert torch.equal(d.state.params, theta0)
+        assert torch.allclose(d.local_params(), snapshot + in_flight_progress, atol=1e-6)
+        assert d.unmerged_steps == 5  # the next contribution carries all five steps from the unchanged Θ
+        d.close()
+
+
+def test_outer_lookahead_is_the_step_without_taking_it():
+    g = torch.Generator().manual_seed(1)
+    params, delta = torch.randn(1000, generator=g), torch.randn(1000, generator=g) * 1e-2
+    opt = OuterOptimizer(params.clone(), 0.7, 0.9)
+    opt.step(torch.randn(1000, generator=g) * 1e-2)  # some momentum
+    before = [t.clone() for t in opt.state_tensors()]
+    ahead = opt.lookahead(delta)
+    assert all(torch.equal(a, b) for a, b in zip(before, opt.state_tensors()))
+    opt.step(delta)
+    assert torch.equal(ahead, opt.params)  # bit for bit: the same ops in the same order
+
+
 def test_stale_contribution_adopts_the_groups_newer_state_and_keeps_in_flight_steps():
     donor = make_diloco(SoloMerger(), seed=1)
     for _ in range(3):
