@@ -2,12 +2,13 @@
 
 (a) sync: every round waits for every live peer at a barrier, and training stops while it runs;
 (b) decoupled: no barrier, rounds run in the background while inner steps go on;
-(c) rda: decoupled, merging with radial-directional averaging (norms and directions averaged apart).
+(c) rda: decoupled, merging with radial-directional averaging (norms and directions averaged apart);
+(d) eager: decoupled, training on from an estimate of the next global model while a round is in flight.
 Same wall-clock budget, same model and settings, every peer `--threads 1`. Reports each fast peer's compute
 utilization (time in inner steps / wall time while training; leaving at --max-time is excluded in every
 mode), tokens merged per round, consensus distance over time and
 validation loss of the global model at the end (equal wall-clock).
-Usage: python scripts/bench_decoupled.py [--seconds 150] [--modes sync,decoupled,rda] [-H 20] [-- join flags]
+Usage: python scripts/bench_decoupled.py [--seconds 150] [--modes sync,decoupled,rda,eager] [-H 20] [-- join flags]
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ SLOW = N_PEERS - 1  # the last peer is the slow one
 
 
 MODES = {"sync": ["--mode", "sync"], "decoupled": ["--mode", "decoupled"],
-         "rda": ["--mode", "decoupled", "--rda"]}  # rda: decoupled rounds with radial-directional averaging
+         "rda": ["--mode", "decoupled", "--rda"],  # rda: decoupled rounds with radial-directional averaging
+         "eager": ["--mode", "decoupled", "--application", "eager"]}  # in-flight steps from an estimate of Θ'
 
 
 def run(mode: str, a, log_dir: Path) -> list[list[dict]]:
