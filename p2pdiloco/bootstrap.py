@@ -22,8 +22,8 @@ def run_bootstrap(cfg: SwarmConfig, log_dir: Path, name: str) -> None:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    start_lifeline()  # first, and left running: once we exit it kills whatever of the DHT did not stop in time
     dht = node.start_dht(cfg)
-    start_lifeline()  # left running: once we exit it kills whatever of the DHT did not stop in time
     try:
         path = log_dir / f"{name}.addrs"
         node.write_addresses(dht, path)

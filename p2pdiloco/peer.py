@@ -104,7 +104,8 @@ class Peer:
         rebased onto the swarm's state and go into our first contribution, so they are not lost."""
         self._make_diloco(0, merger=None)  # the checkpoint restores the stream's seed and position
         self._restore_checkpoint(found)
-        self._join_thread = threading.Thread(target=self._connect_in_background, name="join", daemon=False)
+        # a daemon: leaving must not wait for a connection still under way (the lifeline takes its helpers down)
+        self._join_thread = threading.Thread(target=self._connect_in_background, name="join", daemon=True)
         self._join_thread.start()
 
     def _connect_in_background(self) -> None:
@@ -141,8 +142,9 @@ class Peer:
         from p2pdiloco.swarm.rounds import SwarmMerger
 
         cfg = self.cfg
+        # before the DHT: whatever it spawns is taken down with us, even if we die (or leave) while it starts
+        self.lifeline = start_lifeline()
         self.dht = node.start_dht(cfg.swarm)
-        self.lifeline = start_lifeline()  # after the DHT: its processes are now ours to take down with us
         self.peer_id = node.peer_id(self.dht)
         self.name = self.name or self.peer_id[-6:]
         self.metrics = self.metrics or JsonlSink(cfg.log_dir / f"{self.name}.jsonl")
@@ -375,6 +377,8 @@ class Peer:
 
         if self._join_thread is not None:  # left while connecting: let the connection finish, then undo it
             self._join_thread.join(JOIN_WAIT_ON_LEAVE)
+            if self._join_thread.is_alive():
+                log.warning("%s: still connecting; leaving it to the lifeline", self.name)
         if getattr(self, "diloco", None) is not None:
             self.diloco.close()
         # withdrawing our record (others stop waiting for us) and the averager leaving its groups, side by side;

@@ -1,5 +1,8 @@
+import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -52,25 +55,61 @@ def test_unreachable_initial_peer_fails_fast_and_clearly(tmp_path):
     assert time.monotonic() - start < 60
 
 
-def test_a_restarted_peer_that_cannot_reach_the_swarm_keeps_what_it_trained_meanwhile(tmp_path):
-    """A restart trains from its checkpoint while it connects; if the connection fails, the steps taken
-    meanwhile are checkpointed before the clear error, not lost."""
+def restartable_peer(tmp_path):
+    """A peer `x` that ran one round alone and checkpointed: its command-line arguments, checkpoint folder and
+    that first checkpoint."""
     common = ["--model", "tiny", "--name", "x", "--log-dir", str(tmp_path), "--checkpoint-dir", str(tmp_path / "ck"),
               "--threads", "1", "--batch-size", "4", "--seq-len", "32", "--eval-every", "0"]
     first = subprocess.run([sys.executable, "-m", "p2pdiloco.cli", "join", *common, "-H", "3", "--max-rounds", "1"],
                            capture_output=True, text=True, timeout=120)
     assert first.returncode == 0, first.stderr[-2000:]
     folder = tmp_path / "ck" / "p2pdiloco" / "x"
-    n_params = sum(p.numel() for p in build_model(model_config("tiny"), 0).parameters())
-    saved = checkpoint.load_latest(folder, n_params)
-    dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWEBtXfqkCqYAic37BdvrUHGodu4Frq12EFaYar8u1Kp2d"
+    return common, folder, checkpoint.load_latest(folder, TINY_PARAMS)
+
+
+TINY_PARAMS = sum(p.numel() for p in build_model(model_config("tiny"), 0).parameters())
+PEER_ID = "12D3KooWEBtXfqkCqYAic37BdvrUHGodu4Frq12EFaYar8u1Kp2d"
+
+
+def test_a_restarted_peer_that_cannot_reach_the_swarm_keeps_what_it_trained_meanwhile(tmp_path):
+    """A restart trains from its checkpoint while it connects; if the connection fails, the steps taken
+    meanwhile are checkpointed before the clear error, not lost."""
+    common, folder, saved = restartable_peer(tmp_path)
+    dead = f"/ip4/127.0.0.1/tcp/9/p2p/{PEER_ID}"
     again = subprocess.run([sys.executable, "-m", "p2pdiloco.cli", "join", *common, "--initial-peers", dead,
                             "--connect-timeout", "5"], capture_output=True, text=True, timeout=120)
     assert again.returncode == 1, again.stderr[-2000:]
     assert "could not join the swarm through" in again.stderr and "Traceback" not in again.stderr
-    newest = checkpoint.load_latest(folder, n_params)
+    newest = checkpoint.load_latest(folder, TINY_PARAMS)
     assert newest.meta["inner_step"] > saved.meta["inner_step"]  # it trained while connecting, and kept it
     assert newest.meta["version"] == saved.meta["version"]
+
+
+def test_sigterm_while_a_restarted_peer_is_still_connecting_leaves_within_the_bound(tmp_path):
+    """The initial peer accepts TCP and never answers, so connecting would take the whole --connect-timeout;
+    a SIGTERM meanwhile still leaves within 10 s, with the steps trained meanwhile checkpointed."""
+    common, folder, saved = restartable_peer(tmp_path)
+    hole, held = socket.create_server(("127.0.0.1", 0)), []
+    threading.Thread(target=lambda: held.extend(hole.accept() for _ in range(20)), daemon=True).start()
+    address = f"/ip4/127.0.0.1/tcp/{hole.getsockname()[1]}/p2p/{PEER_ID}"
+    log = tmp_path / "restart.log"
+    with log.open("w") as out:
+        peer = subprocess.Popen([sys.executable, "-m", "p2pdiloco.cli", "join", *common, "--initial-peers", address,
+                                 "--connect-timeout", "60"], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while "resumed from checkpoint" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(3.0)  # training from the checkpoint, still connecting
+        start = time.monotonic()
+        peer.send_signal(signal.SIGTERM)
+        peer.wait(60)
+        assert time.monotonic() - start < 10.0, log.read_text()[-3000:]
+    finally:
+        peer.kill()
+        hole.close()
+    newest = checkpoint.load_latest(folder, TINY_PARAMS)
+    assert newest.meta["inner_step"] > saved.meta["inner_step"], log.read_text()[-3000:]
 
 
 @pytest.mark.parametrize("profile", PROFILES, ids=[p.stem for p in PROFILES])
