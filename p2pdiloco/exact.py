@@ -6,10 +6,13 @@ are exact in fp32, so each member sends its token-weighted pseudo-gradient as in
 the group agrees on (from gathered block maxima). The all-reduce mean of integers, times the group size and
 rounded, is the exact integer sum on every member, bit for bit.
 
-Verification: the buffer ends with a tail of `limbs` slots per member. Member i writes its checksum
-⟨ρ, q_i⟩ (ρ: random int8 vector seeded by the group id) into its own slots and zeros elsewhere, so after the
-all-reduce every member holds every checksum exactly and checks ⟨ρ, Σq⟩ = Σ⟨ρ, q_i⟩. A part that a dead
-reducer never returned, or a part averaged without a dropped sender, breaks that equality.
+Verification: the buffer ends with a tail of SLOT floats per member. Member i writes its checksum ⟨ρ, q_i⟩
+(ρ: random int8 vector seeded by the group id) in limbs into its own slot, and a presence marker 1, with zeros
+elsewhere. After the all-reduce every member checks that each member's marker is exactly 1 (the tail was
+reduced over exactly the whole group), then ⟨ρ, Σq⟩ = Σ⟨ρ, q_i⟩. A part that a dead reducer never returned,
+or a part averaged without a dropped sender, breaks that equality. The markers close the one gap a linear
+check has: a member that got nothing back from anyone keeps its own buffer everywhere, N copies of which look
+like a consistent sum (seen in a chaos run; hivemind reported "received 44.9% results" and success).
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import torch
 
 BLOCK = 1 << 14  # elements per quantization block (one scale each)
 LIMB_BITS = 12  # small limbs keep the tail's recovery exact for groups of up to 64
-LIMBS = 6  # checksum slots per member: 72 bits
+LIMBS = 6  # checksum limbs per member: 72 bits
+SLOT = LIMBS + 1  # per member: its checksum limbs, then its presence marker
 CHECKSUM_OFFSET = 1 << 62  # checksums are shifted to be non-negative before splitting into limbs
 _CHUNK = 1 << 22  # elements per chunk of int64 arithmetic (bounds temporary memory)
 
@@ -37,7 +41,7 @@ def levels(group_size: int) -> int:
 
 
 def tail_size(max_group: int) -> int:
-    return max_group * LIMBS
+    return max_group * SLOT
 
 
 def n_blocks(n: int) -> int:
@@ -122,7 +126,8 @@ def encode(delta: torch.Tensor, weight: float, maxabs: Sequence[torch.Tensor], m
     q = quantize(delta, weight, scales)
     seed = rho_seed(group_id)
     tail = torch.zeros(tail_len)
-    tail[my_index * LIMBS : (my_index + 1) * LIMBS] = encode_checksum(checksum(q, seed))
+    tail[my_index * SLOT : my_index * SLOT + LIMBS] = encode_checksum(checksum(q, seed))
+    tail[my_index * SLOT + LIMBS] = 1.0  # present: after the sum, exactly one copy of each member's slot
     return Encoded(buffer=torch.cat([q, tail]), scales=scales, seed=seed)
 
 
@@ -135,11 +140,15 @@ class Decoded:
 
 def decode(reduced: torch.Tensor, n: int, group_size: int, enc: Encoded) -> Decoded:
     total, body_err = recover_sum(reduced[:n], group_size)
-    tail, tail_err = recover_sum(reduced[n : n + group_size * LIMBS], group_size)
-    expected = sum(decode_checksum(tail[i * LIMBS : (i + 1) * LIMBS]) for i in range(group_size))
+    tail, tail_err = recover_sum(reduced[n:], group_size)
+    slots = tail[: group_size * SLOT].view(group_size, SLOT)
     merged = dequantize(total, enc.scales)
     if max(body_err, tail_err) > 0.25:
         return Decoded(merged, False, f"result is not an exact sum (off-integer by {max(body_err, tail_err):.3f})")
+    presence = slots[:, LIMBS].tolist()
+    if presence != [1.0] * group_size or bool(tail[group_size * SLOT:].any()):
+        return Decoded(merged, False, f"members' shares missing or counted twice (presence {presence})")
+    expected = sum(decode_checksum(slot[:LIMBS]) for slot in slots)
     if checksum(total, enc.seed) != expected:
         return Decoded(merged, False, "checksum mismatch: some parts missed a contribution or a reducer")
     return Decoded(merged, True, "ok")

@@ -68,6 +68,31 @@ def test_part_averaged_without_a_dropped_sender_fails_verification():
     assert not decoded.verified
 
 
+def test_a_member_that_received_nothing_from_the_others_fails_verification():
+    """Seen in a chaos run: both members of an island of two got back only their own reducer's part, that
+    part reduced over themselves alone, and kept their own values everywhere else. Such a result is N copies
+    of the member's own buffer: every element is an integer and the checksum tail is consistent with it, so
+    only the members' presence markers show that the others' shares are missing."""
+    deltas, tokens = make_deltas(2), [1, 1]
+    encoded = encode_group(deltas, tokens)
+    for member, enc in enumerate(encoded):
+        kept_local = enc.buffer.clone()  # hivemind's "received 44.9% results": nothing of the other arrived
+        decoded = exact.decode(kept_local, deltas[0].numel(), 2, enc)
+        assert not decoded.verified and "missing" in decoded.reason, decoded.reason
+
+
+def test_a_tail_reduced_without_a_member_fails_verification():
+    deltas, tokens = make_deltas(3), [1, 2, 3]
+    encoded = encode_group(deltas, tokens)
+    results = hivemind_like_allreduce([e.buffer for e in encoded])
+    n = deltas[0].numel()
+    # the part holding the tail was reduced over members 0 and 1 only (member 2 dropped as a sender)
+    partial = (encoded[0].buffer[n:] + encoded[1].buffer[n:]) / 2
+    results[0][n:] = encoded[0].buffer[n:] + (partial - encoded[0].buffer[n:])
+    decoded = exact.decode(results[0], n, 3, encoded[0])
+    assert not decoded.verified
+
+
 def test_group_of_one_returns_its_own_delta():
     delta = make_deltas(1)[0]
     (enc,) = encode_group([delta], [7])
