@@ -181,7 +181,9 @@ class DiLoCo:
                        self.trainer.total_steps - flight.steps_at_snapshot, self.unmerged_tokens)
 
     def apply(self, outcome: MergeOutcome, flight: InFlight) -> bool:
+        """Apply a round's outcome; True if the global state we now hold contains our contribution."""
         c = flight.contribution
+        held = False
         with self.state.lock:
             restored = None
             if outcome.state_before is not None:
@@ -197,8 +199,8 @@ class DiLoCo:
                 self.merged_seconds += c.seconds
                 # stale and no download: our Δ lives in the group's state, not in ours; we catch up later
                 stale_only = outcome.stale and outcome.state is None
-                self.last_merge = None if stale_only else LastMerge(self.state.key, c.delta, c.tokens, c.steps,
-                                                                     c.seconds)
+                held = not stale_only
+                self.last_merge = LastMerge(self.state.key, c.delta, c.tokens, c.steps, c.seconds) if held else None
                 self.last_merged, self.last_weight = outcome.merged, own_weight(outcome, self.peer)
                 base = flight.resumed_from  # progress up to θ_S is now in Θ
             elif outcome.state is not None:
@@ -212,7 +214,7 @@ class DiLoCo:
         if outcome.sync_seconds:
             self.clock.sync.update(outcome.sync_seconds)
         self.clock.quorum.update(outcome.quorum_seconds)
-        return outcome.committed
+        return held
 
     def _load_foreign(self, metadata: dict, tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
         """Load a peer's global state. If it does not contain our latest merge (our island lost a fork),

@@ -213,6 +213,25 @@ def test_stale_contribution_adopts_the_groups_newer_state_and_keeps_in_flight_st
     assert d.unmerged_steps == 1
 
 
+def test_a_stale_member_that_could_not_fetch_the_groups_result_does_not_claim_to_hold_it():
+    """Its Δ was merged into the group's newer state, so its tokens are no longer unmerged; but its own copy
+    of Θ is unchanged until it catches up, so the round must not be reported as applied."""
+    merger = HeldMerger(outcome=lambda c: MergeOutcome(merged=c.delta, stale=True, members=[
+        dict(peer="me", version=0, digest="a", tokens=c.tokens, steps=c.steps),
+        dict(peer="newer", version=3, digest="b", tokens=1, steps=1)], weights=[0.5, 0.5]))
+    d = make_diloco(merger)
+    for _ in range(3):
+        d.inner_step()
+    d.contribute()
+    global_before = d.state.params.clone()
+    merger.release.set()
+    settled = d.wait(10)
+    assert not settled.applied and settled.outcome.committed
+    assert torch.equal(d.state.params, global_before) and d.state.version == 0
+    assert d.unmerged_steps == 0 and d.last_merge is None  # counted as merged (it is, elsewhere), once
+    d.close()
+
+
 def test_train_loop_with_one_peer_never_blocks_and_applies_its_own_updates():
     d = make_diloco(SoloMerger())
     rounds, step_seconds, contributed = [], [], []
