@@ -352,7 +352,7 @@ class Peer:
             sync_seconds=o.sync_seconds, deadline_seconds=o.deadline_seconds, grace_seconds=self.diloco.clock.grace(self.merger.overlap_steps,
                                                                                self.merger.grace_policy),
             step_seconds_ema=self.diloco.clock.step.get(), bytes_sent=o.bytes_sent, bytes_received=o.bytes_received,
-            allreduce_bytes_model=o.wire_bytes,
+            allreduce_bytes_model=o.allreduce_bytes_model,
             adopted=o.state is not None or o.state_before is not None, consensus_distance=distance,
             fork_distance=consensus_distance(states, same_version=True),
             version_spread=max(versions) - min(versions), live_peers=len(versions), recovered_tokens=self.diloco.recovered_tokens,

@@ -36,7 +36,7 @@ class MergeOutcome:
     quorum_seconds: float = 0.0  # ready → K−1 others ready
     sync_seconds: float = 0.0  # group formed → all-reduce returned
     deadline_seconds: float = 0.0  # the all-reduce deadline the group agreed on (from measured link speeds)
-    wire_bytes: int = 0  # sent by this peer (and as many received), from the all-reduce's layout
+    allreduce_bytes_model: int = 0  # what the all-reduce layout says this peer sends (and receives)
     bytes_sent: Optional[int] = None  # measured: what our averager process wrote during the round (procio)
     bytes_received: Optional[int] = None
     state_before: Optional[tuple[dict, list[torch.Tensor]]] = None

@@ -172,7 +172,7 @@ class SwarmMerger:
             self.clock.throughput.update(wire / sync_seconds)
         return MergeOutcome(merged=merged, members=members, weights=result["weights"], group_id=result["group_id"],
                             reason="ok",
-                            seconds=time.monotonic() - start, sync_seconds=sync_seconds, wire_bytes=wire,
+                            seconds=time.monotonic() - start, sync_seconds=sync_seconds, allreduce_bytes_model=wire,
                             deadline_seconds=float(result.get("deadline", 0.0)),
                             **extra)
 
