@@ -149,7 +149,7 @@ def cli():
 def join(**options):
     """Join a swarm (or start one, without --initial-peers) and train."""
     cfg = config_or_usage_error(options)
-    from p2pdiloco.data import DataError
+    from p2pdiloco.training.data import DataError
     from p2pdiloco.peer import configure_logging, run_peer
     from p2pdiloco.swarm.node import SwarmConnectError
 
@@ -167,7 +167,7 @@ def join(**options):
 @click.option("--name", default="bootstrap", show_default=True, help="Label for the address file.")
 def bootstrap(**options):
     """Run a DHT-only node that others join through (trains nothing). Stop it with Ctrl-C."""
-    from p2pdiloco.bootstrap import run_bootstrap
+    from p2pdiloco.swarm.bootstrap import run_bootstrap
     from p2pdiloco.swarm.node import SwarmConnectError
 
     try:
@@ -196,7 +196,7 @@ def swarm(peers, log_dir, stagger, resume, join_args):
     Extra arguments go to every `p2pdiloco join` (e.g. --model tiny --max-rounds 5).
     Ctrl-C stops exactly the processes started here.
     """
-    from p2pdiloco.launcher import LaunchError, run_local_swarm
+    from p2pdiloco.ops.launcher import LaunchError, run_local_swarm
 
     if peers < 1:
         raise click.UsageError("--peers must be at least 1")

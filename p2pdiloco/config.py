@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Optional
 
 
-WEIGHTINGS = ("tokens2", "tokens", "uniform")  # p2pdiloco.outer.merge_weights implements them
-APPLICATIONS = ("delayed", "eager")  # how a peer trains while its round is in flight (p2pdiloco.diloco)
+WEIGHTINGS = ("tokens2", "tokens", "uniform")  # p2pdiloco.core.outer.merge_weights implements them
+APPLICATIONS = ("delayed", "eager")  # how a peer trains while its round is in flight (p2pdiloco.training.diloco)
 MODES = ("decoupled", "sync")
 
 

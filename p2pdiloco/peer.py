@@ -13,18 +13,18 @@ from pathlib import Path
 
 import torch
 
-from p2pdiloco import checkpoint
+from p2pdiloco.training import checkpoint
 from p2pdiloco.config import PeerConfig, model_config
-from p2pdiloco.data import BatchStream, load_corpus, stream_seed, validation_batches
-from p2pdiloco.consensus import consensus_distance, sketch
-from p2pdiloco.diloco import DiLoCo, Settled, train
-from p2pdiloco.roundtypes import Contribution
-from p2pdiloco.inner import InnerTrainer, evaluate, flat_params, load_flat_params
-from p2pdiloco.lifeline import start_lifeline
-from p2pdiloco.metrics import JsonlSink, Progress
-from p2pdiloco.model import build_model, rda_segments
-from p2pdiloco.state import GlobalState
-from p2pdiloco.timing import RoundClock
+from p2pdiloco.training.data import BatchStream, load_corpus, stream_seed, validation_batches
+from p2pdiloco.core.consensus import consensus_distance, sketch
+from p2pdiloco.training.diloco import DiLoCo, Settled, train
+from p2pdiloco.core.roundtypes import Contribution
+from p2pdiloco.training.inner import InnerTrainer, evaluate, flat_params, load_flat_params
+from p2pdiloco.runtime.lifeline import start_lifeline
+from p2pdiloco.runtime.metrics import JsonlSink, Progress
+from p2pdiloco.training.model import build_model, rda_segments
+from p2pdiloco.core.state import GlobalState
+from p2pdiloco.protocol.timing import RoundClock
 
 log = logging.getLogger("p2pdiloco")
 STATE_DOWNLOAD_TIMEOUT = 60.0

@@ -18,8 +18,8 @@ import json
 import statistics
 from pathlib import Path
 
-from p2pdiloco.launcher import run_local_swarm
-from p2pdiloco.metrics import read_jsonl
+from p2pdiloco.ops.launcher import run_local_swarm
+from p2pdiloco.runtime.metrics import read_jsonl
 
 N_PEERS = 4
 SLOW = N_PEERS - 1  # the last peer is the slow one

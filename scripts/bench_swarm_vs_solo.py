@@ -13,8 +13,8 @@ import json
 import tempfile
 from pathlib import Path
 
-from p2pdiloco.launcher import run_local_swarm
-from p2pdiloco.metrics import read_jsonl
+from p2pdiloco.ops.launcher import run_local_swarm
+from p2pdiloco.runtime.metrics import read_jsonl
 
 
 def run(n_peers: int, seconds: float, model: str, log_dir: Path) -> list[list[dict]]:

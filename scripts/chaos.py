@@ -17,7 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-from p2pdiloco.chaos import Chaos, ChaosPlan
+from p2pdiloco.ops.chaos import Chaos, ChaosPlan
 
 DEFAULT_JOIN = ["--model", "tiny", "--threads", "1", "-H", "20", "--eval-every", "0", "--checkpoint-every", "1"]
 SHOWN = ["seconds", "slots", "kills", "kills_by_phase", "freezes", "restarts", "exits", "newcomers", "goodput",

@@ -3,7 +3,7 @@
 Hook: `_aggregate_with_group` (hivemind==1.1.12) runs in the averager process after matchmaking, with the
 group's gathered metadata in hand and before any tensor moves. hivemind's own PowerSGD averager and its
 fault-tolerance tests override this same seam. Around the stock all-reduce we encode the pseudo-gradient as
-exact integers and decode/verify the result (see p2pdiloco.exact). tests/integration guards that the hook
+exact integers and decode/verify the result (see p2pdiloco.core.exact). tests/integration guards that the hook
 runs: every round outcome carries the verification this method adds.
 """
 
@@ -24,10 +24,11 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils.logging import get_logger
 
-from p2pdiloco import exact, faults
-from p2pdiloco.outer import merge_weights
+from p2pdiloco.core import exact
+from p2pdiloco.runtime import faults
+from p2pdiloco.core.outer import merge_weights
 from p2pdiloco.swarm.statefetch import PartServer, parse_part_request
-from p2pdiloco.timing import agreed_deadline, allreduce_wire_bytes
+from p2pdiloco.protocol.timing import agreed_deadline, allreduce_wire_bytes
 
 logger = get_logger(__name__)
 

@@ -12,7 +12,7 @@ from typing import Optional
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
-from p2pdiloco.consensus import SKETCH_DIM
+from p2pdiloco.core.consensus import SKETCH_DIM
 
 HEARTBEAT = 2.0  # seconds between re-publications
 TTL = 3 * HEARTBEAT  # a peer silent for this long is considered gone
@@ -29,7 +29,7 @@ class PeerRecord:
     ready: int = -1  # the version it contributes from while it looks for an island, or -1
     inner_step: int = 0
     tokens_per_s: float = 0.0
-    sketch: list = field(default_factory=list)  # p2pdiloco.consensus.sketch of its Θ
+    sketch: list = field(default_factory=list)  # p2pdiloco.core.consensus.sketch of its Θ
 
     @property
     def key(self) -> tuple[int, str]:

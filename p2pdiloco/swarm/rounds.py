@@ -28,18 +28,19 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 
-from p2pdiloco import exact, faults
+from p2pdiloco.core import exact
+from p2pdiloco.runtime import faults
 from p2pdiloco.config import OuterConfig, SwarmConfig
-from p2pdiloco.outer import Segment, rda_combine, rda_directions
-from p2pdiloco.procio import io_counters, moved_since
-from p2pdiloco.roundtypes import Contribution, MergeOutcome, newest_member
-from p2pdiloco.state import sharing_priority, validate_state
+from p2pdiloco.core.outer import Segment, rda_combine, rda_directions
+from p2pdiloco.runtime.procio import io_counters, moved_since
+from p2pdiloco.core.roundtypes import Contribution, MergeOutcome, newest_member
+from p2pdiloco.core.state import sharing_priority, validate_state
 from p2pdiloco.swarm.averager import ExactAverager, averager_limits, gather_record
 from p2pdiloco.swarm.node import STOP_WAIT
 from p2pdiloco.swarm.statefetch import StateFetcher
 from p2pdiloco.swarm.records import Heartbeat, PeerRecord, fetch_records, wait_for_quorum, wait_for_round
-from p2pdiloco.transfer import MAX_PART
-from p2pdiloco.timing import GracePolicy, RoundClock, allreduce_wire_bytes
+from p2pdiloco.swarm.transfer import MAX_PART
+from p2pdiloco.protocol.timing import GracePolicy, RoundClock, allreduce_wire_bytes
 
 logger = get_logger(__name__)
 StateTuple = tuple[dict, list[torch.Tensor]]

@@ -1,4 +1,4 @@
-"""State transfer in parts from several donors at once (the scheduling lives in p2pdiloco.transfer).
+"""State transfer in parts from several donors at once (the scheduling lives in p2pdiloco.swarm.transfer).
 
 Donor side: `serve_part` answers the `rpc_state_part` RPC of our averager with one slice of its global
 state Θ ⊕ momentum, only if it still holds the state key the joiner asked for (a donor that moved on, or is
@@ -26,7 +26,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
-from p2pdiloco.transfer import MAX_PART, Transfer, TransferError, fetch_parts
+from p2pdiloco.swarm.transfer import MAX_PART, Transfer, TransferError, fetch_parts
 
 SNAPSHOT_SECONDS = 5.0  # a donor reuses one snapshot of its state for the parts of one transfer
 serializer = MSGPackSerializer

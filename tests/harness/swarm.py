@@ -8,10 +8,10 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from p2pdiloco import swarmreport
-from p2pdiloco.launcher import join_command, start_bootstrap, start_process, stop_tree
-from p2pdiloco.lifeline import descendants
-from p2pdiloco.metrics import read_jsonl
+from p2pdiloco.ops import swarmreport
+from p2pdiloco.ops.launcher import join_command, start_bootstrap, start_process, stop_tree
+from p2pdiloco.runtime.lifeline import descendants
+from p2pdiloco.runtime.metrics import read_jsonl
 
 # small and fast: every swarm test peer trains the tiny model with one thread
 TINY = ["--model", "tiny", "--batch-size", "8", "--seq-len", "64", "--threads", "1", "--sync-wait", "30"]

@@ -2,8 +2,8 @@
 
 import pytest
 
-from p2pdiloco import swarmreport
-from p2pdiloco.chaos import Chaos, ChaosPlan
+from p2pdiloco.ops import swarmreport
+from p2pdiloco.ops.chaos import Chaos, ChaosPlan
 from tests.harness.swarm import TINY, alive
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]

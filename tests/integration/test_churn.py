@@ -9,8 +9,8 @@ import time
 import pytest
 from hivemind.p2p import P2P, PeerID
 
-from p2pdiloco import checkpoint
-from p2pdiloco.faults import ENV as FAULTS_ENV
+from p2pdiloco.training import checkpoint
+from p2pdiloco.runtime.faults import ENV as FAULTS_ENV
 from tests.harness.swarm import islands_disagreeing, local_swarm, unresolved_forks
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]

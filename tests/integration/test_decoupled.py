@@ -2,7 +2,7 @@
 
 import pytest
 
-from p2pdiloco.faults import ENV as FAULTS_ENV
+from p2pdiloco.runtime.faults import ENV as FAULTS_ENV
 from tests.harness.swarm import digests_by_version, islands_disagreeing, local_swarm, unresolved_forks
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from p2pdiloco.faults import ENV as FAULTS_ENV
-from p2pdiloco.outer import merge_weights
+from p2pdiloco.runtime.faults import ENV as FAULTS_ENV
+from p2pdiloco.core.outer import merge_weights
 from tests.harness.swarm import alive, digests_by_version, islands_disagreeing, local_swarm, unresolved_forks
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]

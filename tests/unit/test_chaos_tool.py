@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from p2pdiloco.chaos import Chaos, ChaosPlan, Slot, lives_from_logs
+from p2pdiloco.ops.chaos import Chaos, ChaosPlan, Slot, lives_from_logs
 
 
 def test_a_peer_that_exits_by_itself_is_restarted_and_its_exit_ends_that_life(tmp_path):

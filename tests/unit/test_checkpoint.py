@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from p2pdiloco import checkpoint
-from p2pdiloco.exact import digest
+from p2pdiloco.training import checkpoint
+from p2pdiloco.core.exact import digest
 
 N = 1000
 
@@ -71,11 +71,11 @@ def test_a_peer_restored_from_disk_goes_on_exactly_where_it_stopped(tmp_path):
     """Θ, momentum, version, θ, the AdamW moments and step, the data stream's position and the unmerged
     counters all survive the disk: the restored peer's next inner steps are bit-identical to the original's."""
     from p2pdiloco.config import InnerConfig, model_config
-    from p2pdiloco.data import BatchStream
-    from p2pdiloco.diloco import DiLoCo, SoloMerger
-    from p2pdiloco.inner import InnerTrainer, flat_params
-    from p2pdiloco.model import build_model
-    from p2pdiloco.state import GlobalState
+    from p2pdiloco.training.data import BatchStream
+    from p2pdiloco.training.diloco import DiLoCo, SoloMerger
+    from p2pdiloco.training.inner import InnerTrainer, flat_params
+    from p2pdiloco.training.model import build_model
+    from p2pdiloco.core.state import GlobalState
 
     text = torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
 

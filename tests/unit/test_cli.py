@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from p2pdiloco import checkpoint
+from p2pdiloco.training import checkpoint
 from p2pdiloco.cli import build_config, cli, swarm_options, train_options
 from p2pdiloco.config import model_config
-from p2pdiloco.model import build_model
+from p2pdiloco.training.model import build_model
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILES = sorted((ROOT / "peers").glob("*.toml"))

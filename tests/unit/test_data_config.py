@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from p2pdiloco.config import ConfigError, InnerConfig, OuterConfig, PeerConfig, SwarmConfig
-from p2pdiloco.data import BatchStream, DataError, load_corpus, split_corpus, stream_seed, validation_batches
+from p2pdiloco.training.data import BatchStream, DataError, load_corpus, split_corpus, stream_seed, validation_batches
 
 
 @pytest.fixture(scope="module")

@@ -5,15 +5,15 @@ import threading
 import pytest
 import torch
 
-from p2pdiloco import exact
+from p2pdiloco.core import exact
 from p2pdiloco.config import InnerConfig, model_config
-from p2pdiloco.diloco import DiLoCo, SoloMerger, train
-from p2pdiloco.inner import InnerTrainer, flat_params
-from p2pdiloco.model import build_model, rda_segments
-from p2pdiloco.outer import OuterOptimizer, merge_weights, rda_reference, weighted_merge
-from p2pdiloco.roundtypes import MergeOutcome
-from p2pdiloco.state import GlobalState
-from p2pdiloco.timing import GracePolicy, RoundClock
+from p2pdiloco.training.diloco import DiLoCo, SoloMerger, train
+from p2pdiloco.training.inner import InnerTrainer, flat_params
+from p2pdiloco.training.model import build_model, rda_segments
+from p2pdiloco.core.outer import OuterOptimizer, merge_weights, rda_reference, weighted_merge
+from p2pdiloco.core.roundtypes import MergeOutcome
+from p2pdiloco.core.state import GlobalState
+from p2pdiloco.protocol.timing import GracePolicy, RoundClock
 from tests.unit.test_exact import hivemind_like_allreduce
 
 

@@ -2,8 +2,8 @@
 
 import torch
 
-from p2pdiloco import exact
-from p2pdiloco.outer import merge_weights, weighted_merge
+from p2pdiloco.core import exact
+from p2pdiloco.core.outer import merge_weights, weighted_merge
 
 
 def hivemind_like_allreduce(buffers, drop_sender_from=None):

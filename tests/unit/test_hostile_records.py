@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from p2pdiloco.consensus import SKETCH_DIM, consensus_distance
+from p2pdiloco.core.consensus import SKETCH_DIM, consensus_distance
 from p2pdiloco.swarm.records import parse_record
-from p2pdiloco.timing import agreed_deadline
+from p2pdiloco.protocol.timing import agreed_deadline
 
 GOOD = dict(peer="12D3Koo", name="a", version=3, digest="abcdef0123456789", ready=-1, sketch=[0.5] * SKETCH_DIM)
 

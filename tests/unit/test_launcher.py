@@ -15,7 +15,7 @@ def test_sigterm_to_the_launcher_stops_every_process_it_started(tmp_path):
         while not (tmp_path / "peer0.addrs").exists() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert (tmp_path / "peer0.addrs").exists()
-        from p2pdiloco.lifeline import descendants
+        from p2pdiloco.runtime.lifeline import descendants
 
         tree = descendants(launcher.pid)
         assert len(tree) >= 4  # bootstrap and peer, with their helpers
@@ -35,7 +35,7 @@ def test_stop_tree_does_not_signal_twice_a_process_already_asked_to_leave(tmp_pa
     import subprocess
     import sys
 
-    from p2pdiloco.launcher import stop_tree
+    from p2pdiloco.ops.launcher import stop_tree
 
     script = (
         "import signal, sys, time\n"

@@ -10,7 +10,7 @@ import pytest
 
 from p2pdiloco.swarm.rounds import LeavingError, result_unless_closed
 from p2pdiloco.swarm.statefetch import StateFetcher
-from p2pdiloco.transfer import TransferError
+from p2pdiloco.swarm.transfer import TransferError
 
 
 def close_after(seconds: float, close) -> threading.Thread:

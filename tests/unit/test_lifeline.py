@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from p2pdiloco.lifeline import _stat, descendants, refresh
+from p2pdiloco.runtime.lifeline import _stat, descendants, refresh
 from tests.harness.swarm import alive
 
 
@@ -34,7 +34,7 @@ def test_a_helper_missing_from_a_later_scan_is_still_taken_down_but_a_dead_one_i
 PEER = """
 import subprocess, sys, time
 helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-from p2pdiloco.lifeline import start_lifeline
+from p2pdiloco.runtime.lifeline import start_lifeline
 start_lifeline()
 print(helper.pid, flush=True)
 time.sleep(60)

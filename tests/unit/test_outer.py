@@ -1,6 +1,6 @@
 import torch
 
-from p2pdiloco.outer import OuterOptimizer, merge_weights, pseudo_gradient, weighted_merge
+from p2pdiloco.core.outer import OuterOptimizer, merge_weights, pseudo_gradient, weighted_merge
 
 
 def test_pseudo_gradient_points_from_local_back_to_global():

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from p2pdiloco.procio import io_counters, moved_since
+from p2pdiloco.runtime.procio import io_counters, moved_since
 
 ECHO = "import sys, time; data = sys.stdin.buffer.read(); sys.stdout.buffer.write(data * 3); sys.stdout.flush(); time.sleep(30)"
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from p2pdiloco.swarmreport import (advances, goodput, islands_disagreeing, longest_stalls, split_lives,
+from p2pdiloco.ops.swarmreport import (advances, goodput, islands_disagreeing, longest_stalls, split_lives,
                                    unresolved_forks, uptime)
 
 

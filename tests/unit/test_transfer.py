@@ -5,7 +5,7 @@ import asyncio
 import pytest
 import torch
 
-from p2pdiloco.transfer import TransferError, fetch_parts, part_size
+from p2pdiloco.swarm.transfer import TransferError, fetch_parts, part_size
 
 TOTAL = 10_000
 STATE = torch.arange(TOTAL, dtype=torch.float32)

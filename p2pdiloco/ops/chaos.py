@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from p2pdiloco.launcher import join_command, start_bootstrap, start_process, stop_tree
-from p2pdiloco.lifeline import descendants
-from p2pdiloco.metrics import parse_jsonl, read_jsonl
-from p2pdiloco.swarmreport import Life, split_lives, summarize
+from p2pdiloco.ops.launcher import join_command, start_bootstrap, start_process, stop_tree
+from p2pdiloco.runtime.lifeline import descendants
+from p2pdiloco.runtime.metrics import parse_jsonl, read_jsonl
+from p2pdiloco.ops.swarmreport import Life, split_lives, summarize
 
 PHASES = ("training", "in_round", "joining")
 STEP_WINDOW = 10  # inner steps per `window` record (peer.WINDOW, kept here to avoid importing torch)

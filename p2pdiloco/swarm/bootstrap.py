@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 from p2pdiloco.config import SwarmConfig
-from p2pdiloco.lifeline import start_lifeline
+from p2pdiloco.runtime.lifeline import start_lifeline
 
 log = logging.getLogger("p2pdiloco")
 

@@ -83,7 +83,7 @@ def start_lifeline() -> subprocess.Popen | None:
     """Start the watchdog for the current process; returns None where /proc is missing (not Linux)."""
     if not Path("/proc/self/stat").exists():
         return None
-    return subprocess.Popen([sys.executable, "-m", "p2pdiloco.lifeline", str(os.getpid())],
+    return subprocess.Popen([sys.executable, "-m", "p2pdiloco.runtime.lifeline", str(os.getpid())],
                             stdin=subprocess.DEVNULL, start_new_session=True)
 
 

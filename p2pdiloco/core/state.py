@@ -13,8 +13,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from p2pdiloco.exact import digest
-from p2pdiloco.outer import OuterOptimizer
+from p2pdiloco.core.exact import digest
+from p2pdiloco.core.outer import OuterOptimizer
 
 
 def lineage_key(version: int, state_digest: str) -> tuple[int, str]:

@@ -61,5 +61,5 @@ class MergeOutcome:
 
 def newest_member(members: list[dict]) -> dict:
     """The member whose global state the group's merge is applied to: the highest (version, digest), the
-    same order every peer uses to reconcile forks (p2pdiloco.state.lineage_key)."""
+    same order every peer uses to reconcile forks (p2pdiloco.core.state.lineage_key)."""
     return max(members, key=lambda m: (int(m["version"]), str(m["digest"])))

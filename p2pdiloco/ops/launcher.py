@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from p2pdiloco.lifeline import descendants, kill_snapshot
-from p2pdiloco.metrics import read_jsonl
+from p2pdiloco.runtime.lifeline import descendants, kill_snapshot
+from p2pdiloco.runtime.metrics import read_jsonl
 
 
 class LaunchError(RuntimeError):

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from p2pdiloco.exact import digest
+from p2pdiloco.core.exact import digest
 
 TENSORS, META = "tensors.safetensors", "meta.json"
 FORMAT = 1

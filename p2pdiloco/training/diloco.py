@@ -32,11 +32,11 @@ from typing import Callable, Optional, Protocol
 
 import torch
 
-from p2pdiloco.inner import InnerTrainer, flat_params, load_flat_params
-from p2pdiloco.outer import pseudo_gradient
-from p2pdiloco.roundtypes import Contribution, MergeOutcome
-from p2pdiloco.state import GlobalState, contains
-from p2pdiloco.timing import RoundClock
+from p2pdiloco.training.inner import InnerTrainer, flat_params, load_flat_params
+from p2pdiloco.core.outer import pseudo_gradient
+from p2pdiloco.core.roundtypes import Contribution, MergeOutcome
+from p2pdiloco.core.state import GlobalState, contains
+from p2pdiloco.protocol.timing import RoundClock
 
 
 class Merger(Protocol):
