@@ -21,6 +21,19 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message says which and how to fix it."""
 
 
+def option(default, help: str, *, flag: Optional[str] = None, short: Optional[str] = None,
+           choices: Optional[tuple[str, ...]] = None, metavar: Optional[str] = None, group: str = "train",
+           hidden: bool = False, envvar: Optional[str] = None, factory=None):
+    """A config field that is also a command-line option: its default, type (from the annotation) and help are
+    written here once, and p2pdiloco.cli derives the click option from them. `flag` names the option where the
+    field's own name would be ambiguous on the command line (e.g. InnerConfig.lr is --inner-lr)."""
+    meta = dict(help=help, flag=flag, short=short, choices=choices, metavar=metavar, group=group, hidden=hidden,
+                envvar=envvar)
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """A decoder-only byte-level transformer; `n_params` is approximate (embeddings are tied)."""
@@ -55,14 +68,15 @@ def model_config(name: str) -> ModelConfig:
 class InnerConfig:
     """Local training between two outer rounds."""
 
-    steps: int = 50  # H: inner steps per round
-    lr: float = 1e-3  # AdamW learning rate
+    steps: int = option(50, "Inner steps per round (H).", flag="inner-steps", short="-H")
+    lr: float = option(1e-3, "AdamW learning rate of the inner steps.", flag="inner-lr")
     warmup_steps: int = 20  # linear warm-up of the inner lr, counted over the peer's whole life
     weight_decay: float = 0.1
-    batch_size: int = 16
-    seq_len: int = 128
+    batch_size: int = option(16, "Sequences per inner step.")
+    seq_len: int = option(128, "Tokens (bytes) per sequence.")
     grad_clip: float = 1.0
-    round_seconds: Optional[float] = None  # time-budgeted H: contribute every this many seconds instead
+    round_seconds: Optional[float] = option(
+        None, "Time-budgeted H: contribute every this many seconds instead of every H steps.")
 
     def __post_init__(self):
         _positive(self, "steps", "batch_size", "seq_len")
@@ -77,11 +91,14 @@ class InnerConfig:
 class OuterConfig:
     """The outer Nesterov SGD step applied identically by every member of a round."""
 
-    lr: float = 0.7
-    momentum: float = 0.9
-    weighting: str = "tokens2"  # merge weights: tokens²/steps (Decoupled DiLoCo), tokens, or uniform
-    rda: bool = False  # radial-directional averaging of non-embedding tensors
-    application: str = "delayed"  # while a round is in flight: go on from θ (delayed) or from an estimate of Θ'
+    lr: float = option(0.7, "Outer Nesterov learning rate.", flag="outer-lr")
+    momentum: float = option(0.9, "Outer Nesterov momentum.", flag="outer-momentum")
+    weighting: str = option("tokens2", "Merge weights: tokens²/steps (Decoupled DiLoCo), tokens, or uniform.",
+                            choices=WEIGHTINGS)
+    rda: bool = option(False, "Radial-directional averaging of non-embedding tensors.")
+    application: str = option(
+        "delayed", "While a round is in flight, train on from the local model and rebase onto the merge when it "
+        "lands (delayed), or from an estimate of the next global model (eager).", choices=APPLICATIONS)
 
     def __post_init__(self):
         _positive_float(self, "lr")
@@ -97,21 +114,38 @@ class OuterConfig:
 class SwarmConfig:
     """How this peer meets others. Loopback and no NAT probing unless asked for."""
 
-    run_id: str = "p2pdiloco"
-    initial_peers: tuple[str, ...] = ()
-    listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
-    announce: tuple[str, ...] = ()
-    identity: Optional[Path] = None  # private key file: a stable peer id across restarts
-    nat_traversal: bool = False  # hivemind's nat_port_map/auto_nat/use_relay; off: they probe real interfaces
-    mode: str = "decoupled"  # decoupled: rounds run in the background; sync: everyone waits for everyone
-    quorum: int = 1  # K: fewest members (this peer included) for a round to merge
-    max_island: int = 16  # largest group that one all-reduce forms
-    grace_gamma: float = 0.5  # γ of the adaptive grace window (Eq. 3), < 1
-    overlap_steps: Optional[int] = None  # τ: inner steps a round may run in flight; default H
-    max_staleness: int = 2  # contribute from up to this many versions behind; further behind: resync first
-    sync_wait: float = 60.0  # sync mode: longest wait at the round barrier for peers still training
-    bandwidth_mbps: float = 100.0  # assumed link speed until measured; sets all-reduce timeouts
-    connect_timeout: float = 20.0  # give up on unreachable initial peers after this many seconds
+    run_id: str = option("p2pdiloco", "Swarm name; peers of a run share it.", group="connect")
+    initial_peers: tuple[str, ...] = option(
+        (), "Multiaddr of any live peer; repeat for several. None: start a new swarm.", metavar="MADDR",
+        group="connect")
+    listen: tuple[str, ...] = option(
+        ("/ip4/127.0.0.1/tcp/0",), "Address to listen on; use /ip4/0.0.0.0/tcp/PORT to accept remote peers.",
+        metavar="MADDR", group="connect")
+    announce: tuple[str, ...] = option(
+        (), "Public address others should dial (explicit port), e.g. /ip4/PUBLIC_IP/tcp/PORT.", metavar="MADDR",
+        group="connect")
+    identity: Optional[Path] = option(
+        None, "Private key file: keeps this peer's id stable across restarts (created if missing).",
+        group="connect")
+    nat_traversal: bool = option(False, "hivemind NAT port mapping, autonat and relays (they probe the real "
+                                 "network).", group="connect")
+    mode: str = option("decoupled", "decoupled: rounds run in the background; sync: everyone waits for everyone.",
+                       choices=MODES)
+    quorum: int = option(1, "Fewest members for a round to merge (1: a lone peer applies its own update).")
+    max_island: int = option(16, "Largest all-reduce group.")
+    grace_gamma: float = option(0.5, "γ of the adaptive grace window: γ·(τ·step − quorum − sync), from measured "
+                                "averages.")
+    overlap_steps: Optional[int] = option(
+        None, "τ: inner steps a round may run in flight (default H: the next contribution is due then).")
+    max_staleness: int = option(2, "Contribute from up to this many versions behind; further behind, catch up "
+                                "first.")
+    sync_wait: float = option(60.0, "Sync mode: longest wait at a round for peers still training, in seconds.")
+    bandwidth_mbps: float = option(100.0, "Assumed link speed until the first round measures it (all-reduce "
+                                   "deadlines).")
+    connect_timeout: float = option(20.0, "Seconds to wait for the initial peers before giving up.",
+                                    group="connect")
+    fault_plan: str = option("", "Test-only fault plan (p2pdiloco.runtime.faults).", hidden=True,
+                             envvar="P2PDILOCO_FAULT_PLAN")
 
     def __post_init__(self):
         if not self.run_id or not all(c.isalnum() or c in "-_" for c in self.run_id):
@@ -137,24 +171,27 @@ class SwarmConfig:
 class PeerConfig:
     """Everything one peer needs; built by the CLI from flags, a profile and defaults."""
 
-    model: str = "small"
-    data: Optional[Path] = None  # a text file or a folder of them; None: the built-in corpus
-    seed: int = 0  # initial weights (identical for every peer of a run)
+    model: str = option("small", "Model size: tiny ~1M … large ~100M parameters.", choices=tuple(MODEL_SIZES))
+    data: Optional[Path] = option(None, "Text file or folder of text files. Default: the built-in Shakespeare "
+                                  "corpus.")
+    seed: int = option(0, "Initial weights (the same for every peer of a run).")
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
-    max_rounds: Optional[int] = None
-    max_time: Optional[float] = None  # seconds of training before leaving
+    max_rounds: Optional[int] = option(None, "Leave after this many rounds.")
+    max_time: Optional[float] = option(None, "Leave after this many seconds of training.")
     eval_batches: int = 8  # validation batches of the shared held-out split, per evaluation
-    eval_every: int = 1  # evaluate after every this many merged rounds; 0: only at start and end
-    throttle: float = 1.0  # >1 slows each inner step by this factor (tests of heterogeneous peers)
-    threads: int = 0  # torch intra-op threads; 0 leaves torch's default
-    device: str = "auto"
-    log_dir: Path = Path("runs/logs")
-    checkpoint_dir: Path = Path("runs/checkpoints")
-    checkpoint_every: int = 5  # merged rounds between checkpoints (one is always written on leaving); 0: never
-    keep_checkpoints: int = 3
-    name: Optional[str] = None  # label for logs and metrics; default: a short form of the peer id
+    eval_every: int = option(1, "Evaluate after every N merged rounds (0: only at start and end).")
+    throttle: float = option(1.0, "Slow each inner step by this factor (emulates a slower machine).")
+    threads: int = option(0, "torch threads (0: torch's default).")
+    device: str = option("auto", "auto, cpu, cuda or cuda:N.")
+    log_dir: Path = option(Path("runs/logs"), "Where logs, metrics (JSONL) and address files go.", group="connect")
+    checkpoint_dir: Path = option(Path("runs/checkpoints"),
+                                  "Checkpoints go to CHECKPOINT_DIR/RUN_ID/NAME; a restarted peer resumes from there.")
+    checkpoint_every: int = option(5, "Merged rounds between checkpoints (one is always written on leaving; 0: "
+                                   "never).")
+    keep_checkpoints: int = option(3, "How many checkpoints to keep.")
+    name: Optional[str] = option(None, "Label for logs and metrics (default: end of the peer id).")
 
     def __post_init__(self):
         model_config(self.model)

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import logging
 import faulthandler
-import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,8 +16,9 @@ from p2pdiloco.config import PeerConfig, model_config
 from p2pdiloco.training.data import BatchStream, load_corpus, stream_seed, validation_batches
 from p2pdiloco.core.consensus import consensus_distance, sketch
 from p2pdiloco.training.diloco import DiLoCo, Settled, train
-from p2pdiloco.core.roundtypes import Contribution
+from p2pdiloco.protocol.outcomes import Contribution
 from p2pdiloco.training.inner import InnerTrainer, evaluate, flat_params, load_flat_params
+from p2pdiloco.runtime.faults import FaultPlan
 from p2pdiloco.runtime.lifeline import start_lifeline
 from p2pdiloco.runtime.metrics import JsonlSink, Progress
 from p2pdiloco.training.model import build_model, rda_segments
@@ -159,7 +158,8 @@ class Peer:
                                               digest=self.state.digest))
         overlap = cfg.swarm.overlap_steps or cfg.inner.steps  # the next contribution is due H steps later
         self.merger = SwarmMerger(self.dht, cfg.swarm, cfg.outer, self.n_params, rda_segments(self.model),
-                                  self.heartbeat, self.state.snapshot, self.stop, self.clock, overlap)
+                                  self.heartbeat, self.state.snapshot, self.stop, self.clock, overlap,
+                                  FaultPlan.parse(cfg.swarm.fault_plan))
 
     def _make_diloco(self, seed: int, merger) -> None:
         cfg = self.cfg
@@ -345,15 +345,15 @@ class Peer:
             reason=o.reason, loss=sum(self.round_losses) / max(len(self.round_losses), 1), val_loss=val,
             tokens=c.tokens, from_version=c.version,
             unmerged_tokens=settled.unmerged_tokens, steps_in_flight=settled.steps_in_flight,
-            members=[m.get("name", m["peer"]) for m in o.members], member_tokens=[m["tokens"] for m in o.members],
-            member_versions=[m["version"] for m in o.members], member_steps=[m["steps"] for m in o.members],
-            weights=o.weights, tokens_merged=sum(m["tokens"] for m in o.members),
+            outcome=o.kind, members=[m.name or m.peer for m in o.members],
+            member_tokens=[m.tokens for m in o.members], member_versions=[m.version for m in o.members],
+            member_steps=[m.steps for m in o.members], excluded=o.excluded,
+            weights=o.weights, tokens_merged=sum(m.tokens for m in o.members),
             group_id=o.group_id, round_seconds=o.seconds, quorum_seconds=o.quorum_seconds,
-            sync_seconds=o.sync_seconds, deadline_seconds=o.deadline_seconds, grace_seconds=self.diloco.clock.grace(self.merger.overlap_steps,
-                                                                               self.merger.grace_policy),
+            sync_seconds=o.sync_seconds, deadline_seconds=o.deadline_seconds, grace_seconds=o.grace_seconds,
             step_seconds_ema=self.diloco.clock.step.get(), bytes_sent=o.bytes_sent, bytes_received=o.bytes_received,
             allreduce_bytes_model=o.allreduce_bytes_model,
-            adopted=o.state is not None or o.state_before is not None, consensus_distance=distance,
+            adopted=o.adopted, consensus_distance=distance,
             fork_distance=consensus_distance(states, same_version=True),
             version_spread=max(versions) - min(versions), live_peers=len(versions), recovered_tokens=self.diloco.recovered_tokens,
             **self._goodput_fields(), utilization=self.compute_seconds / max(wall, 1e-9), wall=wall,
@@ -413,24 +413,3 @@ def run_peer(cfg: PeerConfig) -> dict:
         signal.signal(sig, peer.request_stop)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack to stderr
     return peer.run()
-
-
-def _is_stderr(path: Path) -> bool:
-    try:
-        a, b = os.fstat(sys.stderr.fileno()), os.stat(path)
-    except (OSError, ValueError, AttributeError):
-        return False
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
-
-
-def configure_logging(log_file: Path | None = None) -> None:
-    handlers: list[logging.Handler] = [logging.StreamHandler()]
-    if log_file is not None and not _is_stderr(log_file):  # a launcher may already send stderr there
-        log_file.parent.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(log_file))
-    formatter = logging.Formatter("%(asctime)s %(levelname)s %(message)s")
-    for handler in handlers:
-        handler.setFormatter(formatter)
-        log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False  # hivemind configures the root logger too: avoid printing every line twice

@@ -1,4 +1,6 @@
-"""Declarative fault plans for tests and chaos runs, read from P2PDILOCO_FAULTS (never set in normal use).
+"""Declarative fault plans for tests and chaos runs: an object injected at construction, never read from the
+environment by the classes that act on it. A peer gets one only through `join --fault-plan` (hidden; the
+launcher's environment sets it as P2PDILOCO_FAULT_PLAN), so normal runs carry the empty plan.
 
 Format: comma-separated `action@version`, optionally `action@version:PEER_ID:PEER_ID...` to aim the fault at
 the requests of those peers only:
@@ -13,34 +15,52 @@ the requests of those peers only:
 
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass
 
-ENV = "P2PDILOCO_FAULTS"
-
-
-def planned(action: str, version: int) -> bool:
-    plan = os.environ.get(ENV, "")
-    return f"{action}@{version}" in {item.strip() for item in plan.split(",") if item.strip()}
+ACTIONS = ("die_in_allreduce", "die_while_sharing", "partition_until")
 
 
-def version_of(action: str) -> int | None:
-    """The version given for `action` in the plan, or None."""
-    for name, version, _ in _items():
-        if name == action and version.isdigit():
-            return int(version)
-    return None
+class FaultPlanError(ValueError):
+    pass
 
 
-def targets_of(action: str) -> frozenset[str]:
-    """The peer ids `action` is aimed at; empty: any peer."""
-    for name, _, targets in _items():
-        if name == action:
-            return targets
-    return frozenset()
+@dataclass(frozen=True)
+class Fault:
+    action: str
+    version: int
+    targets: frozenset[str] = frozenset()  # peer ids it is aimed at; empty: any peer
 
 
-def _items():
-    for item in os.environ.get(ENV, "").split(","):
-        name, _, rest = item.strip().partition("@")
-        version, *targets = rest.split(":")
-        yield name, version, frozenset(t for t in targets if t)
+@dataclass(frozen=True)
+class FaultPlan:
+    faults: tuple[Fault, ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> "FaultPlan":
+        faults = []
+        for item in (i.strip() for i in text.split(",")):
+            if not item:
+                continue
+            action, _, rest = item.partition("@")
+            version, *targets = rest.split(":")
+            if action not in ACTIONS or not version.isdigit():
+                raise FaultPlanError(f"bad fault {item!r}: expected ACTION@VERSION[:PEER...], ACTION one of "
+                                     f"{', '.join(ACTIONS)}")
+            faults.append(Fault(action, int(version), frozenset(t for t in targets if t)))
+        return cls(tuple(faults))
+
+    def planned(self, action: str, version: int) -> bool:
+        return any(f.action == action and f.version == version for f in self.faults)
+
+    def version_of(self, action: str) -> int | None:
+        """The version given for `action` in the plan, or None."""
+        return next((f.version for f in self.faults if f.action == action), None)
+
+    def targets_of(self, action: str) -> frozenset[str]:
+        return next((f.targets for f in self.faults if f.action == action), frozenset())
+
+    def __bool__(self) -> bool:
+        return bool(self.faults)
+
+
+NO_FAULTS = FaultPlan()

@@ -16,7 +16,7 @@ import signal
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Optional, Sequence
+from typing import AsyncIterator, Callable, Optional, Sequence
 
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -25,10 +25,13 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.logging import get_logger
 
 from p2pdiloco.core import exact
-from p2pdiloco.runtime import faults
-from p2pdiloco.core.outer import merge_weights
+from p2pdiloco.core.exact import n_blocks
+from p2pdiloco.protocol.island import plan_island
+from p2pdiloco.protocol.remote import Expect, parse_island
+from p2pdiloco.protocol.round import IslandReduced
+from p2pdiloco.runtime.faults import NO_FAULTS, FaultPlan
 from p2pdiloco.swarm.statefetch import PartServer, parse_part_request
-from p2pdiloco.protocol.timing import agreed_deadline, allreduce_wire_bytes
+from p2pdiloco.protocol.timing import allreduce_wire_bytes
 
 logger = get_logger(__name__)
 
@@ -70,35 +73,35 @@ class ExactAverager(DecentralizedAverager):
     """
 
     def __init__(self, n_elements: int, max_group: int, state_provider: StateProvider, weighting: str,
-                 allreduce_cap: float, **kwargs):
+                 allreduce_cap: float, expect: Expect, fault_plan: FaultPlan = NO_FAULTS, **kwargs):
         self.n_elements, self.max_group, self.weighting = n_elements, max_group, weighting
-        self.allreduce_cap = allreduce_cap
+        self.allreduce_cap, self.expect, self.fault_plan = allreduce_cap, expect, fault_plan
         self._state_provider = state_provider
         buffer = torch.zeros(n_elements + exact.tail_size(max_group))
         super().__init__([buffer], target_group_size=max_group, **kwargs)
 
-    async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs) -> Any:
-        members = [self.serializer.loads(blob)[2] for blob in group_info.gathered]  # (bandwidth, mode, user)
-        gathered = [self.serializer.loads(m) for m in members]
-        size = len(gathered)
+    async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs) -> IslandReduced:
+        island = parse_island([self._user_record(blob) for blob in group_info.gathered], self.expect)
         my_index = list(group_info.peer_ids).index(self.peer_id)
-        weights = merge_weights([g["tokens"] for g in gathered], [g["steps"] for g in gathered], self.weighting)
-        # every member derives the same deadline: the most patient member's budget, from its measured link
-        budget = agreed_deadline([g.get("budget") for g in gathered], self.allreduce_cap)
-        maxabs = [torch.frombuffer(bytearray(g["maxabs"]), dtype=torch.float32) for g in gathered]
-
+        plan = plan_island(island, self.weighting, self.allreduce_cap)
+        started = time.monotonic()
+        if plan.weights is None:  # every member derives the same: nothing to merge, no tensor moves
+            return self._reduced(island, plan, group_info, False, plan.reason, started)
+        maxabs = [torch.frombuffer(bytearray(m.maxabs), dtype=torch.float32) if m is not None
+                  else torch.zeros(n_blocks(self.n_elements)) for m in island.members]
         with self.get_tensors() as (buffer,):
             original = buffer[: self.n_elements].clone()
-            enc = exact.encode(original, weights[my_index], maxabs, my_index,
+            enc = exact.encode(original, plan.weights[my_index], maxabs, my_index,
                                group_info.group_id, buffer.numel() - self.n_elements)
             buffer.copy_(enc.buffer)
-        started = time.monotonic()
         try:
-            if faults.planned("die_in_allreduce", gathered[my_index]["version"]):
+            own = island.members[my_index]
+            if own is not None and self.fault_plan.planned("die_in_allreduce", own.version):
                 await self._die_mid_allreduce(group_info, min_vector_size, **kwargs)
-            await asyncio.wait_for(super()._aggregate_with_group(group_info, min_vector_size, **kwargs), budget)
+            await asyncio.wait_for(super()._aggregate_with_group(group_info, min_vector_size, **kwargs),
+                                   plan.deadline)
             with self.get_tensors() as (buffer,):
-                decoded = exact.decode(buffer, self.n_elements, size, enc)
+                decoded = exact.decode(buffer, self.n_elements, len(island.members), enc)
                 buffer[: self.n_elements] = decoded.merged if decoded.verified else original
         except BaseException:
             with self.get_tensors() as (buffer,):
@@ -106,9 +109,22 @@ class ExactAverager(DecentralizedAverager):
             raise
         if not decoded.verified:
             logger.warning(f"round in group {group_info.group_id.hex()[:8]} not verified: {decoded.reason}")
-        return dict(verified=decoded.verified, reason=decoded.reason, group_id=group_info.group_id.hex(),
-                    members=gathered, weights=weights, sync_seconds=time.monotonic() - started,
-                    deadline=budget)
+        return self._reduced(island, plan, group_info, decoded.verified, decoded.reason, started)
+
+    def _user_record(self, blob: bytes):
+        """The record a member gathered (hivemind wraps it in (bandwidth, mode, user)); None if undecodable."""
+        try:
+            return self.serializer.loads(self.serializer.loads(blob)[2])
+        except Exception:  # garbage from a remote peer: rejected by the parser with a reason
+            return None
+
+    @staticmethod
+    def _reduced(island, plan, group_info, verified: bool, reason: str, started: float) -> IslandReduced:
+        accepted = [i for i, m in enumerate(island.members) if m is not None]
+        weights = tuple(plan.weights[i] for i in accepted) if plan.weights else ()
+        return IslandReduced(verified=verified, reason=reason, members=tuple(island.accepted), weights=weights,
+                             group_id=group_info.group_id.hex(), sync_seconds=time.monotonic() - started,
+                             deadline=plan.deadline, excluded=island.excluded_by_index())
 
     async def _die_mid_allreduce(self, group_info, min_vector_size: int, **kwargs) -> None:
         """Fault injection: start the all-reduce, let some parts go out, then SIGKILL the whole peer."""
@@ -139,14 +155,15 @@ class ExactAverager(DecentralizedAverager):
         await self._maybe_die_while_sharing(request, context)
         async for message in self._part_server.serve_part(request):
             yield message
-            if message.HasField("tensor_part") and faults.version_of("die_while_sharing") is not None:
+            if message.HasField("tensor_part") and self.fault_plan.version_of("die_while_sharing") is not None:
                 self._parts_served[_transfer_of(request, context)] += 1
 
     async def _maybe_die_while_sharing(self, request: averaging_pb2.DownloadData, context: P2PContext) -> None:
         """Fault plan: die with a part request in flight; aimed at peers, once one got a part of this state
         from us (on loopback a whole part arrives in one message, so only a request we never answer reliably
         breaks a transfer midway)."""
-        die_from, targets = faults.version_of("die_while_sharing"), faults.targets_of("die_while_sharing")
+        plan = self.fault_plan
+        die_from, targets = plan.version_of("die_while_sharing"), plan.targets_of("die_while_sharing")
         transfer = _transfer_of(request, context)
         if die_from is None or transfer is None or transfer[1] < die_from:
             return

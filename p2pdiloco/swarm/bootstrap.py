@@ -16,7 +16,7 @@ log = logging.getLogger("p2pdiloco")
 def run_bootstrap(cfg: SwarmConfig, log_dir: Path, name: str) -> None:
     from p2pdiloco.swarm import node
 
-    from p2pdiloco.peer import configure_logging
+    from p2pdiloco.runtime.logs import configure_logging
 
     configure_logging()
     stop = threading.Event()

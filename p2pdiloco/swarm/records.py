@@ -3,37 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
-import time
-from dataclasses import dataclass, field
-from typing import Optional
 
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
-from p2pdiloco.core.consensus import SKETCH_DIM
+from p2pdiloco.protocol.remote import PeerRecord, parse_peer_record
 
 HEARTBEAT = 2.0  # seconds between re-publications
 TTL = 3 * HEARTBEAT  # a peer silent for this long is considered gone
 DHT_CALL_TIMEOUT = 10.0  # one get or store; the DHT answers in well under a second when alive
 WITHDRAW_TIMEOUT = 2.0  # withdrawing our record when we leave: the leave has a bound of its own
-
-
-@dataclass
-class PeerRecord:
-    peer: str
-    name: str
-    version: int  # outer steps applied to this peer's global state
-    digest: str  # hash of its global parameters: equal digests at equal versions = consensus
-    ready: int = -1  # the version it contributes from while it looks for an island, or -1
-    inner_step: int = 0
-    tokens_per_s: float = 0.0
-    sketch: list = field(default_factory=list)  # p2pdiloco.core.consensus.sketch of its Θ
-
-    @property
-    def key(self) -> tuple[int, str]:
-        return (self.version, self.digest)
 
 
 def records_key(run_id: str) -> str:
@@ -50,24 +30,11 @@ def bounded(future, timeout: float):
         raise
 
 
-def parse_record(value) -> Optional[PeerRecord]:
-    """A remote peer's record, or None if anything in it is malformed: never trusted, never a crash."""
-    try:
-        record = PeerRecord(**value)
-    except TypeError:
-        return None
-    fields_ok = (isinstance(record.peer, str) and isinstance(record.version, int) and isinstance(record.digest, str)
-                 and len(record.digest) >= 6 and isinstance(record.ready, int))
-    sketch_ok = isinstance(record.sketch, list) and len(record.sketch) <= SKETCH_DIM and all(
-        isinstance(x, (int, float)) and math.isfinite(x) for x in record.sketch)
-    return record if fields_ok and sketch_ok else None
-
-
 def fetch_records(dht: DHT, run_id: str, timeout: float = DHT_CALL_TIMEOUT) -> list[PeerRecord]:
     found = bounded(dht.get(records_key(run_id), latest=True, return_future=True), timeout)
     if found is None or not isinstance(found.value, dict):
         return []
-    parsed = [parse_record(getattr(item, "value", None)) for item in found.value.values()]
+    parsed = [parse_peer_record(getattr(item, "value", None)) for item in found.value.values()]
     return [r for r in parsed if r is not None]
 
 
@@ -117,39 +84,3 @@ class Heartbeat:
                                    expiration_time=get_dht_time() + TTL, return_future=True), WITHDRAW_TIMEOUT)
         except Exception:  # the DHT is gone (e.g. its daemon took the Ctrl-C too): our record expires by itself
             pass
-
-
-@dataclass
-class BarrierResult:
-    expected: list[PeerRecord]  # live peers at our version, ourselves excluded
-    ready: list[PeerRecord]
-    ahead: list[PeerRecord]  # peers at a newer version: we are behind and must resync
-    waited: float
-
-
-def wait_for_round(dht: DHT, run_id: str, me: str, version: int, deadline: float, poll: float = 0.25,
-                   stop: Optional[threading.Event] = None) -> BarrierResult:
-    """Synchronous-round barrier: wait until every live peer at our version is ready too, or the deadline."""
-    start = time.monotonic()
-    while True:
-        others = [r for r in fetch_records(dht, run_id) if r.peer != me]
-        ahead = [r for r in others if r.version > version]
-        expected = [r for r in others if r.version == version]
-        ready = [r for r in expected if r.ready == version]
-        done = ahead or len(ready) == len(expected) or time.monotonic() >= deadline
-        if done or (stop is not None and stop.is_set()):
-            return BarrierResult(expected, ready, ahead, time.monotonic() - start)
-        time.sleep(poll)
-
-
-def wait_for_quorum(dht: DHT, run_id: str, me: str, others_needed: int, deadline: float, poll: float = 0.25,
-                    stop: Optional[threading.Event] = None) -> tuple[float, list[PeerRecord]]:
-    """Decoupled rounds: wait until `others_needed` other live peers are looking for an island too (any
-    version: stale contributors are welcome). Returns the time it took and the live others."""
-    start = time.monotonic()
-    while True:
-        others = [r for r in fetch_records(dht, run_id) if r.peer != me]
-        ready = [r for r in others if r.ready >= 0]
-        if len(ready) >= others_needed or time.monotonic() >= deadline or (stop is not None and stop.is_set()):
-            return time.monotonic() - start, others
-        time.sleep(poll)

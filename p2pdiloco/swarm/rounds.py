@@ -1,17 +1,8 @@
-"""One round over the swarm, run from DiLoCo's background thread: island, verified exact all-reduce, outcome.
+"""The hivemind driver of the round protocol (p2pdiloco.protocol.round), run from DiLoCo's background thread.
 
-Decoupled mode (the default), no global barrier:
-1. catch up first only if needed: a live peer holds a higher state at our version (a fork: everyone moves
-   to the highest `lineage_key`) or is more than `max_staleness` versions ahead;
-2. quorum: wait until K−1 other peers are looking for an island (K=1: no wait);
-3. grace window (Eq. 3, from measured EMAs): how long our matchmaking stays open for more members;
-4. exact all-reduce of Δ with weights tokens²/steps (or RDA), verified by every member;
-5. members on the group's newest state apply the merge; stale members download that state afterwards.
-A peer alone in the swarm (K=1) applies its own update at once. A peer that finds no island while others
-are alive rolls back instead: its Δ rides along with its next contribution. Applying it alone would fork Θ,
-and the fork's update would be dropped when the forks reconcile.
-
-Sync mode, the baseline: the same, after a barrier on the DHT where everyone waits for everyone.
+The protocol decides; this module only does what it is told: reads peer records from the DHT, downloads states,
+and runs an island through the exact averager, reporting each result back as the next event. A hivemind failure
+is reported as a typed result (no island formed, or the all-reduce failed), never as matched error text.
 """
 
 from __future__ import annotations
@@ -23,43 +14,52 @@ import time
 from concurrent.futures import InvalidStateError
 from typing import Callable, Optional, Sequence
 
-import torch
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 
-from p2pdiloco.core import exact
-from p2pdiloco.runtime import faults
 from p2pdiloco.config import OuterConfig, SwarmConfig
-from p2pdiloco.core.outer import Segment, rda_combine, rda_directions
-from p2pdiloco.runtime.procio import io_counters, moved_since
-from p2pdiloco.core.roundtypes import Contribution, MergeOutcome, newest_member
+from p2pdiloco.core import exact
+from p2pdiloco.core.outer import Segment, rda_directions
 from p2pdiloco.core.state import sharing_priority, validate_state
+from p2pdiloco.protocol.outcomes import Contribution, RoundOutcome, StateTuple
+from p2pdiloco.protocol.remote import Expect, PeerRecord
+from p2pdiloco.protocol.round import (Done, Download, FormIsland, IslandFailed, IslandReduced, IslandResult,
+                                      NoIsland, RefreshPeers, Round, RoundRules, WaitForPeers)
+from p2pdiloco.protocol.timing import GracePolicy, RoundClock
+from p2pdiloco.runtime.faults import NO_FAULTS, FaultPlan
+from p2pdiloco.runtime.procio import io_counters, moved_since
 from p2pdiloco.swarm.averager import ExactAverager, averager_limits, gather_record
 from p2pdiloco.swarm.node import STOP_WAIT
+from p2pdiloco.swarm.records import Heartbeat, fetch_records
 from p2pdiloco.swarm.statefetch import StateFetcher
-from p2pdiloco.swarm.records import Heartbeat, PeerRecord, fetch_records, wait_for_quorum, wait_for_round
 from p2pdiloco.swarm.transfer import MAX_PART
-from p2pdiloco.protocol.timing import GracePolicy, RoundClock, allreduce_wire_bytes
 
 logger = get_logger(__name__)
-StateTuple = tuple[dict, list[torch.Tensor]]
 
 
 class SwarmMerger:
     def __init__(self, dht: DHT, cfg: SwarmConfig, outer: OuterConfig, n_params: int,
                  segments: Sequence[Segment], heartbeat: Heartbeat, state_provider: Callable[[], StateTuple],
-                 stop: threading.Event, clock: RoundClock, overlap_steps: int):
+                 stop: threading.Event, clock: RoundClock, overlap_steps: int, fault_plan: FaultPlan = NO_FAULTS):
         self.dht, self.cfg, self.outer, self.n, self.segments = dht, cfg, outer, n_params, list(segments)
         self.heartbeat, self.stop, self.clock, self.overlap_steps = heartbeat, stop, clock, overlap_steps
+        self.fault_plan = fault_plan
         self.closed = threading.Event()  # set on shutdown: a round still waiting gives up at once
         self._control = None  # the averager step of the round in flight, once it is looking for a group
         self.buffer_size = n_params + exact.tail_size(cfg.max_island)
         self.limits = averager_limits(self.buffer_size, cfg.max_island, cfg.bandwidth_mbps)
         self.grace_policy = GracePolicy(gamma=cfg.grace_gamma, floor=self.limits.matchmaking + 0.5)
+        self.rules = RoundRules(
+            mode=cfg.mode, quorum=cfg.quorum, max_staleness=cfg.max_staleness, sync_wait=cfg.sync_wait,
+            overlap_steps=overlap_steps, grace=self.grace_policy, request_timeout=self.limits.request,
+            allreduce_cap=self.limits.allreduce_cap, buffer_elements=self.buffer_size, max_island=cfg.max_island,
+            declared_bytes_per_s=self.limits.initial_bytes_per_s,
+            rda_segments=tuple(self.segments) if outer.rda else ())
         merge_rule = f"{outer.weighting}_{'rda' if outer.rda else 'mean'}"  # peers with other rules never meet
         self.averager = ExactAverager(
             n_params, cfg.max_island, state_provider, outer.weighting, self.limits.allreduce_cap,
+            Expect(n_params, len(self.segments) if outer.rda else 0), fault_plan,
             dht=dht, prefix=f"{cfg.run_id}_{merge_rule}", start=True,
             min_group_size=max(2, cfg.quorum),  # hivemind would "form" a group of 1 at once; K=1 is ours
             min_matchmaking_time=self.limits.matchmaking, request_timeout=self.limits.request,
@@ -71,111 +71,79 @@ class SwarmMerger:
         self.fetcher = StateFetcher(dht, lambda p2p, peer: self.averager.get_stub(
             p2p, peer, namespace=self.averager.prefix), part_timeout)
 
-    # ---- the round ----------------------------------------------------------------------------------------
-    def merge(self, c: Contribution) -> MergeOutcome:
+    # ---- the round: the protocol decides, we do ----------------------------------------------------------
+    def merge(self, c: Contribution) -> RoundOutcome:
         try:
-            return self._merge(c, time.monotonic())
+            return self._drive(Round(self.rules, self.peer, c, self.clock, time.monotonic()))
         finally:
             self.heartbeat.update(ready=-1)
 
-    def _merge(self, c: Contribution, start: float) -> MergeOutcome:
-        state_before = self._catch_up_first(c)
-        if state_before is not None:
-            c = dataclasses.replace(c, version=state_before[0]["version"], digest=state_before[0]["digest"])
-        extra = dict(state_before=state_before)
-        self.heartbeat.update(ready=c.version)
-        quorum_seconds, others = self._quorum(c, start)
-        extra["quorum_seconds"] = quorum_seconds
-        if self.stop.is_set():
-            return MergeOutcome.failed("leaving", start, **extra)
-        if not others and self.cfg.quorum <= 1:
-            return MergeOutcome.solo(c, start, **extra)  # alone in the swarm: K=1 applies its own update
-        outcome = self._allreduce(c, start, self.clock.grace(self.overlap_steps, self.grace_policy), extra)
-        if not outcome.committed and "could not find a group" in outcome.reason and self.cfg.quorum <= 1:
-            if not self.live_others():
-                return MergeOutcome.solo(c, start, **extra)  # everyone else left while we looked
-        if outcome.committed:
-            newest = newest_member(outcome.members)
-            if (newest["version"], newest["digest"]) != (c.version, c.digest):
-                # we contributed from an older state: the newest members applied the merge; fetch theirs
-                outcome.stale = True
-                outcome.state = self.download(newest["version"] + 1, "stale contribution")
-        return outcome
+    def _drive(self, rnd: Round) -> RoundOutcome:
+        decision, traffic = rnd.start(self.live_others(), time.monotonic()), {}
+        while not isinstance(decision, Done):
+            if isinstance(decision, Download):
+                decision = rnd.on_state(self.download(decision.min_version, decision.why), time.monotonic())
+            elif isinstance(decision, WaitForPeers):
+                decision = self._wait(rnd, decision)
+            elif isinstance(decision, RefreshPeers):
+                decision = rnd.on_peers(self.live_others(), time.monotonic())
+            elif isinstance(decision, FormIsland):
+                io_before = io_counters(self.averager.pid)
+                result = self._island(rnd.c, decision)
+                traffic = self._traffic(io_before)
+                decision = (rnd.on_leaving(time.monotonic(), "leaving: the round was cancelled") if result is None
+                            else rnd.on_island(result, time.monotonic()))
+            else:
+                raise TypeError(f"unknown decision {decision!r}")
+        return dataclasses.replace(decision.outcome, **traffic)
 
-    def _catch_up_first(self, c: Contribution) -> Optional[StateTuple]:
-        others = self.live_others()
-        if not others:
-            return None
-        best = max(others, key=lambda r: r.key)
-        behind_limit = 0 if self.cfg.mode == "sync" else self.cfg.max_staleness
-        fork = best.version == c.version and best.digest != c.digest and best.key > (c.version, c.digest)
-        if fork or best.version > c.version + behind_limit:
-            return self.download(best.version, "fork" if fork else "behind")
-        return None
-
-    def _quorum(self, c: Contribution, start: float) -> tuple[float, list[PeerRecord]]:
-        if self.cfg.mode == "sync":  # everyone waits for everyone at our version
-            barrier = wait_for_round(self.dht, self.cfg.run_id, self.peer, c.version,
-                                     deadline=start + self.cfg.sync_wait, stop=self.stop)
-            return barrier.waited, barrier.expected + barrier.ahead
-        deadline = time.monotonic() + self.grace_policy.cap
-        return wait_for_quorum(self.dht, self.cfg.run_id, self.peer, self.cfg.quorum - 1, deadline, stop=self.stop)
+    def _wait(self, rnd: Round, waiting: WaitForPeers):
+        """Announce that we are ready and poll the peer records until the protocol stops waiting."""
+        self.heartbeat.update(ready=waiting.ready_version)
+        while True:
+            if self.stop.is_set():
+                return rnd.on_leaving(time.monotonic())
+            decision = rnd.on_peers(self.live_others(), time.monotonic())
+            if not isinstance(decision, WaitForPeers):
+                return decision
+            time.sleep(max(0.0, min(decision.poll, decision.until - time.monotonic())))
 
     def live_others(self) -> list[PeerRecord]:
         return [r for r in fetch_records(self.dht, self.cfg.run_id) if r.peer != self.peer]
 
-    @staticmethod
-    def _group_bits(version: int) -> str:
-        until = faults.version_of("partition_until")
+    def _group_bits(self, version: int) -> str:
+        until = self.fault_plan.version_of("partition_until")
         return "1" if until is not None and version < until else ""
 
-    def _allreduce(self, c: Contribution, start: float, grace: float, extra: dict) -> MergeOutcome:
+    def _island(self, c: Contribution, island: FormIsland) -> Optional[IslandResult]:
+        """Run one island attempt; None if we are leaving."""
         if self._group_bits(c.version) != self._group_bits(0):
             self.averager.set_group_bits(self._group_bits(c.version))
         body, norms = rda_directions(c.delta, self.segments) if self.outer.rda else (c.delta, [])
         with self.averager.get_tensors() as (buffer,):
             buffer[: self.n] = body
-        budget = self.clock.allreduce_budget(allreduce_wire_bytes(self.buffer_size, self.cfg.max_island),
-                                             self.limits.initial_bytes_per_s)
-        gather = gather_record(self.peer, c.name, c.version, c.tokens, c.steps, body, c.digest, budget, norms)
-        find_timeout = grace + 2 * self.limits.request + 2.0
-        io_before = io_counters(self.averager.pid)
-        control = self._control = self.averager.step(gather=gather, weight=1.0, timeout=find_timeout,
-                                                     scheduled_time=get_dht_time() + grace, allow_retries=False,
-                                                     wait=False)
+        gather = gather_record(self.peer, c.name, c.version, c.tokens, c.steps, body, c.digest, island.budget,
+                               norms)
+        control = self._control = self.averager.step(
+            gather=gather, weight=1.0, timeout=island.find_timeout, scheduled_time=get_dht_time() + island.grace,
+            allow_retries=False, wait=False)
         try:
-            result = result_unless_closed(control, find_timeout + self.limits.allreduce_cap + 5.0, self.closed)
+            result = result_unless_closed(control, island.result_timeout, self.closed)
         except Exception as e:  # CancelledError too: we left while looking for an island
+            began = control.began_allreduce
             cancel(control)
-            extra = dict(extra, **self._traffic(io_before))
             if self.stop.is_set():
-                return MergeOutcome.failed("leaving: the round was cancelled", start, **extra)
-            return MergeOutcome.failed(f"all-reduce failed: {type(e).__name__}: {e}", start, **extra)
+                return None
+            reason = f"{type(e).__name__}: {e}"
+            return IslandFailed(reason) if began else NoIsland(reason)
         finally:
             self._control = None
-        extra = dict(extra, **self._traffic(io_before))
-        if not result or not result.get("verified"):
-            reason = result.get("reason", "no result") if result else "no group"
-            return MergeOutcome.failed(f"round discarded: {reason}", start, **extra)
+        if not isinstance(result, IslandReduced):
+            return IslandFailed(f"the averager returned {type(result).__name__}")
+        if not result.verified:
+            return result
         with self.averager.get_tensors() as (buffer,):
-            merged = buffer[: self.n].clone()
-        members = result["members"]
-        try:
-            if self.outer.rda:
-                merged = rda_combine(merged, [m["norms"] for m in members], result["weights"], self.segments)
-        except (KeyError, TypeError, ValueError, IndexError) as e:
-            return MergeOutcome.failed(f"round discarded: malformed RDA norms ({e})", start, **extra)
-        if not bool(torch.isfinite(merged).all()):
-            return MergeOutcome.failed("round discarded: merged update is not finite", start, **extra)
-        wire = allreduce_wire_bytes(self.buffer_size, len(members))
-        sync_seconds = float(result.get("sync_seconds", 0.0))
-        if wire and sync_seconds > 0:
-            self.clock.throughput.update(wire / sync_seconds)
-        return MergeOutcome(merged=merged, members=members, weights=result["weights"], group_id=result["group_id"],
-                            reason="ok",
-                            seconds=time.monotonic() - start, sync_seconds=sync_seconds, allreduce_bytes_model=wire,
-                            deadline_seconds=float(result.get("deadline", 0.0)),
-                            **extra)
+            return dataclasses.replace(result, merged=buffer[: self.n].clone())
 
     def _traffic(self, before) -> dict:
         """What this round really moved (failed rounds too), measured on our averager process."""

@@ -34,20 +34,20 @@ import torch
 
 from p2pdiloco.training.inner import InnerTrainer, flat_params, load_flat_params
 from p2pdiloco.core.outer import pseudo_gradient
-from p2pdiloco.core.roundtypes import Contribution, MergeOutcome
+from p2pdiloco.protocol.outcomes import Contribution, RolledBack, RoundOutcome, Solo
 from p2pdiloco.core.state import GlobalState, contains
 from p2pdiloco.protocol.timing import RoundClock
 
 
 class Merger(Protocol):
-    def merge(self, c: Contribution) -> MergeOutcome: ...
+    def merge(self, c: Contribution) -> RoundOutcome: ...
 
 
 class SoloMerger:
     """No network: a swarm of one. Used by unit tests and as the single-peer baseline."""
 
-    def merge(self, c: Contribution) -> MergeOutcome:
-        return MergeOutcome.solo(c, time.monotonic())
+    def merge(self, c: Contribution) -> RoundOutcome:
+        return Solo.of(c)
 
 
 @dataclass
@@ -90,7 +90,7 @@ class LastMerge:
 class Settled:
     """One round, as seen by this peer once its outcome was applied."""
 
-    outcome: MergeOutcome
+    outcome: RoundOutcome
     contribution: Contribution
     applied: bool  # our contribution reached the global state we now hold
     steps_in_flight: int  # inner steps taken while the round ran (0 in synchronous mode)
@@ -175,12 +175,13 @@ class DiLoCo:
         try:
             outcome = flight.future.result()
         except Exception as e:  # a merger bug must cost one round, never the peer
-            outcome = MergeOutcome.failed(f"merger error: {type(e).__name__}: {e}", flight.started)
+            outcome = RolledBack(reason=f"merger error: {type(e).__name__}: {e}",
+                                 seconds=time.monotonic() - flight.started)
         applied = self.apply(outcome, flight)
         return Settled(outcome, flight.contribution, applied,
                        self.trainer.total_steps - flight.steps_at_snapshot, self.unmerged_tokens)
 
-    def apply(self, outcome: MergeOutcome, flight: InFlight) -> bool:
+    def apply(self, outcome: RoundOutcome, flight: InFlight) -> bool:
         """Apply a round's outcome; True if the global state we now hold contains our contribution."""
         c = flight.contribution
         held = False
@@ -192,7 +193,7 @@ class DiLoCo:
                 if outcome.state is not None:
                     restored = self._add(restored, self._load_foreign(*outcome.state))  # already holds our Δ
                 elif not outcome.stale:
-                    self.state.apply(outcome.merged, [m["peer"] for m in outcome.members])
+                    self.state.apply(outcome.merged, [m.peer for m in outcome.members])
                 self.unmerged_tokens -= c.tokens
                 self.unmerged_steps -= c.steps
                 self.unmerged_seconds -= c.seconds
@@ -308,10 +309,10 @@ class DiLoCo:
         self.unmerged_seconds = float(meta.get("unmerged_seconds", 0.0))
 
 
-def own_weight(outcome: MergeOutcome, peer: str) -> float:
+def own_weight(outcome: RoundOutcome, peer: str) -> float:
     """Our share of a merged round (equal shares if the records do not say)."""
     for member, weight in zip(outcome.members, outcome.weights):
-        if member.get("peer") == peer:
+        if member.peer == peer:
             return float(weight)
     return 1.0 / max(1, len(outcome.members))
 

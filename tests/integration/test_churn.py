@@ -10,7 +10,7 @@ import pytest
 from hivemind.p2p import P2P, PeerID
 
 from p2pdiloco.training import checkpoint
-from p2pdiloco.runtime.faults import ENV as FAULTS_ENV
+FAULTS_ENV = "P2PDILOCO_FAULT_PLAN"  # the hidden `join --fault-plan`, set through the environment
 from tests.harness.swarm import islands_disagreeing, local_swarm, unresolved_forks
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from p2pdiloco.runtime.faults import ENV as FAULTS_ENV
+FAULTS_ENV = "P2PDILOCO_FAULT_PLAN"  # the hidden `join --fault-plan`, set through the environment
 from tests.harness.swarm import digests_by_version, islands_disagreeing, local_swarm, unresolved_forks
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]

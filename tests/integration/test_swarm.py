@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from p2pdiloco.runtime.faults import ENV as FAULTS_ENV
+FAULTS_ENV = "P2PDILOCO_FAULT_PLAN"  # the hidden `join --fault-plan`, set through the environment
 from p2pdiloco.core.outer import merge_weights
 from tests.harness.swarm import alive, digests_by_version, islands_disagreeing, local_swarm, unresolved_forks
 

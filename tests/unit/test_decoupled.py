@@ -11,7 +11,8 @@ from p2pdiloco.training.diloco import DiLoCo, SoloMerger, train
 from p2pdiloco.training.inner import InnerTrainer, flat_params
 from p2pdiloco.training.model import build_model, rda_segments
 from p2pdiloco.core.outer import OuterOptimizer, merge_weights, rda_reference, weighted_merge
-from p2pdiloco.core.roundtypes import MergeOutcome
+from p2pdiloco.protocol.outcomes import Committed, RolledBack, Solo
+from p2pdiloco.protocol.remote import Member
 from p2pdiloco.core.state import GlobalState
 from p2pdiloco.protocol.timing import GracePolicy, RoundClock
 from tests.unit.test_exact import hivemind_like_allreduce
@@ -33,6 +34,10 @@ def make_diloco(merger, seed=0):
     return DiLoCo(trainer, state, merger, peer="me", name="me")
 
 
+def member(peer, version, digest, tokens, steps) -> Member:
+    return Member(peer=peer, name=peer, version=version, digest=digest, tokens=tokens, steps=steps, budget=0.0)
+
+
 class HeldMerger:
     """Holds every round until released: stands for a slow island forming and a slow all-reduce."""
 
@@ -43,7 +48,7 @@ class HeldMerger:
     def merge(self, c):
         self.entered.set()
         assert self.release.wait(30)
-        return self.outcome(c) if self.outcome else MergeOutcome.solo(c, 0.0)
+        return self.outcome(c) if self.outcome else Solo.of(c)
 
 
 def test_training_goes_on_while_the_round_is_in_flight_and_the_merge_is_rebased():
@@ -74,7 +79,7 @@ def test_training_goes_on_while_the_round_is_in_flight_and_the_merge_is_rebased(
 
 
 def test_rolled_back_round_changes_nothing_and_its_tokens_ride_along():
-    merger = HeldMerger(outcome=lambda c: MergeOutcome.failed("no island", 0.0))
+    merger = HeldMerger(outcome=lambda c: RolledBack(reason="no island"))
     d = make_diloco(merger)
     for _ in range(4):
         d.inner_step()
@@ -139,9 +144,9 @@ def test_eager_in_flight_steps_start_from_the_estimated_next_global_model_and_ke
 
     # after a merge of two with shares 1/4 (ours) and 3/4, the estimate mixes our fresh Δ with that merge
     merged = torch.full_like(theta0, 1e-3)
-    merger.outcome = lambda c: MergeOutcome(merged=merged, weights=[0.25, 0.75], members=[
-        dict(peer="me", version=1, digest="a", tokens=c.tokens, steps=c.steps),
-        dict(peer="other", version=1, digest="a", tokens=3 * c.tokens, steps=c.steps)])
+    merger.outcome = lambda c: Committed(merged=merged, weights=[0.25, 0.75], members=[
+        member(peer="me", version=1, digest="a", tokens=c.tokens, steps=c.steps),
+        member(peer="other", version=1, digest="a", tokens=3 * c.tokens, steps=c.steps)])
     d.contribute()
     d.wait(10)
     assert d.last_merged is merged and d.last_weight == 0.25
@@ -157,7 +162,7 @@ def test_eager_in_flight_steps_start_from_the_estimated_next_global_model_and_ke
 
 def test_an_eager_peer_whose_round_is_rolled_back_or_abandoned_keeps_all_its_local_progress():
     for outcome_of_round in ("rolled back", "abandoned"):
-        merger = HeldMerger(outcome=lambda c: MergeOutcome.failed("no island", 0.0))
+        merger = HeldMerger(outcome=lambda c: RolledBack(reason="no island"))
         d = make_diloco(merger)
         d.eager = True
         theta0 = d.state.params.clone()
@@ -198,9 +203,9 @@ def test_stale_contribution_adopts_the_groups_newer_state_and_keeps_in_flight_st
     donor.contribute()
     donor.wait(10)  # the donor is now one version ahead
     newer = donor.state.snapshot()
-    merger = HeldMerger(outcome=lambda c: MergeOutcome(merged=c.delta, members=[
-        dict(peer="me", version=0, digest="a", tokens=c.tokens, steps=c.steps),
-        dict(peer="donor", version=1, digest="b", tokens=1, steps=1)], state=newer))
+    merger = HeldMerger(outcome=lambda c: Committed(merged=c.delta, members=[
+        member(peer="me", version=0, digest="a", tokens=c.tokens, steps=c.steps),
+        member(peer="donor", version=1, digest="b", tokens=1, steps=1)], state=newer))
     d = make_diloco(merger)
     for _ in range(2):
         d.inner_step()
@@ -218,9 +223,9 @@ def test_stale_contribution_adopts_the_groups_newer_state_and_keeps_in_flight_st
 def test_a_stale_member_that_could_not_fetch_the_groups_result_does_not_claim_to_hold_it():
     """Its Δ was merged into the group's newer state, so its tokens are no longer unmerged; but its own copy
     of Θ is unchanged until it catches up, so the round must not be reported as applied."""
-    merger = HeldMerger(outcome=lambda c: MergeOutcome(merged=c.delta, stale=True, members=[
-        dict(peer="me", version=0, digest="a", tokens=c.tokens, steps=c.steps),
-        dict(peer="newer", version=3, digest="b", tokens=1, steps=1)], weights=[0.5, 0.5]))
+    merger = HeldMerger(outcome=lambda c: Committed(merged=c.delta, stale=True, members=[
+        member(peer="me", version=0, digest="a", tokens=c.tokens, steps=c.steps),
+        member(peer="newer", version=3, digest="b", tokens=1, steps=1)], weights=[0.5, 0.5]))
     d = make_diloco(merger)
     for _ in range(3):
         d.inner_step()

@@ -1,0 +1,110 @@
+"""The contract between the DiLoCo loop and whatever merges contributions: what goes in, and the typed outcome
+that comes back. One type per way a round can end, each carrying what was decided (the grace window, the
+deadline, the weights, the reason), so metrics log the outcome as it is and never recompute it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional
+
+import torch
+
+from p2pdiloco.protocol.remote import Member
+
+StateTuple = tuple[dict, list[torch.Tensor]]  # (metadata with version and digest, [Θ, outer momentum])
+
+
+@dataclass
+class Contribution:
+    delta: torch.Tensor  # pseudo-gradient Θ − θ, flat fp32
+    tokens: int  # tokens processed since this peer's last merged contribution
+    steps: int
+    version: int  # global version Θ was at
+    peer: str
+    name: str
+    digest: str  # hash of Θ
+    seconds: float = 0.0  # wall time of the inner steps it covers (for goodput; never sent to peers)
+
+    @property
+    def member(self) -> Member:
+        return Member(peer=self.peer, name=self.name, version=self.version, digest=self.digest,
+                      tokens=self.tokens, steps=self.steps, budget=0.0)
+
+
+@dataclass
+class RoundOutcome:
+    """How one round ended for this peer. `merged` is Σ wᵢΔᵢ over `members` (None: nothing was merged).
+    `state` is a global state downloaded from a peer; when set it already contains the merge (we were not on
+    the group's newest state) and replaces ours; `state_before` was adopted before contributing."""
+
+    kind: ClassVar[str] = "round"
+    committed: ClassVar[bool] = False  # our contribution was merged (by us, or by the group we were stale in)
+
+    reason: str = ""
+    merged: Optional[torch.Tensor] = None
+    members: list[Member] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)  # each member's merge weight (sums to 1)
+    excluded: dict[str, str] = field(default_factory=dict)  # member peer id → why it was not merged
+    group_id: str = ""
+    seconds: float = 0.0  # ready → outcome
+    quorum_seconds: float = 0.0  # ready → K−1 others ready
+    grace_seconds: float = 0.0  # how long matchmaking stayed open for more members (Eq. 3)
+    sync_seconds: float = 0.0  # group formed → all-reduce returned
+    deadline_seconds: float = 0.0  # the all-reduce deadline the group agreed on (from measured link speeds)
+    allreduce_bytes_model: int = 0  # what the all-reduce layout says this peer sends (and receives)
+    bytes_sent: Optional[int] = None  # measured: what our averager process wrote during the round (procio)
+    bytes_received: Optional[int] = None
+    state_before: Optional[StateTuple] = None
+    state: Optional[StateTuple] = None
+    stale: bool = False  # we were not on the group's newest state: the merge applies to theirs, not ours
+
+    @property
+    def adopted(self) -> bool:
+        return self.state is not None or self.state_before is not None
+
+
+@dataclass
+class Committed(RoundOutcome):
+    """A verified island merged our contribution with the others'."""
+
+    kind: ClassVar[str] = "committed"
+    committed: ClassVar[bool] = True
+
+
+@dataclass
+class Solo(RoundOutcome):
+    """Alone in the swarm with K=1: our own update is the merge."""
+
+    kind: ClassVar[str] = "solo"
+    committed: ClassVar[bool] = True
+
+    @classmethod
+    def of(cls, c: Contribution, **kwargs) -> "Solo":
+        return cls(reason="solo", merged=c.delta.clone(), members=[c.member], weights=[1.0], **kwargs)
+
+
+@dataclass
+class RolledBack(RoundOutcome):
+    """Nothing was merged: no island, or the round failed verification. Our Δ rides along next time."""
+
+    kind: ClassVar[str] = "rolled_back"
+
+
+@dataclass
+class Adopted(RoundOutcome):
+    """Nothing of ours was merged, but we took a newer global state first (we were behind, or on a fork)."""
+
+    kind: ClassVar[str] = "adopted"
+
+
+@dataclass
+class Left(RoundOutcome):
+    """The peer is leaving: the round was cancelled or given up."""
+
+    kind: ClassVar[str] = "left"
+
+
+def newest_member(members: list[Member]) -> Member:
+    """The member whose global state the group's merge is applied to: the highest (version, digest), the
+    same order every peer uses to reconcile forks (p2pdiloco.core.state.lineage_key)."""
+    return max(members, key=lambda m: m.key)

@@ -1,0 +1,205 @@
+"""The one parser of what remote peers send us: DHT peer records and the member records gathered for a round.
+
+Nothing from the network is trusted. Every field is checked for type, range, size and finiteness here, and
+nowhere else; a malformed value yields None (with the reason, for members), never an exception. Hostile-update
+defences extend this module: a member that fails a check is excluded from the merge with its reason.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+from p2pdiloco.core.consensus import SKETCH_DIM
+from p2pdiloco.core.exact import n_blocks
+
+MAX_ID = 128  # peer ids are ~52 characters of base58
+MAX_NAME = 64
+MAX_DIGEST = 64
+MIN_DIGEST = 6
+MAX_VERSION = 1 << 53  # versions, steps and tokens stay exact as JSON numbers and floats
+MAX_NORMS = 1 << 16  # one RDA norm per tensor
+
+
+@dataclass
+class PeerRecord:
+    """What a peer publishes on the DHT about itself between rounds."""
+
+    peer: str
+    name: str
+    version: int  # outer steps applied to this peer's global state
+    digest: str  # hash of its global parameters: equal digests at equal versions = consensus
+    ready: int = -1  # the version it contributes from while it looks for an island, or -1
+    inner_step: int = 0
+    tokens_per_s: float = 0.0
+    sketch: list = field(default_factory=list)  # p2pdiloco.core.consensus.sketch of its Θ
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return (self.version, self.digest)
+
+
+@dataclass(frozen=True)
+class Member:
+    """One island member's record for a round, as gathered during matchmaking, once validated."""
+
+    peer: str
+    name: str
+    version: int  # the global version its pseudo-gradient was taken from
+    digest: str
+    tokens: int  # tokens it trained since its last merged contribution
+    steps: int
+    budget: float  # the all-reduce deadline it asks for (from its measured link)
+    norms: tuple[float, ...] = ()  # RDA: one norm per tensor segment
+    maxabs: bytes = b""  # fp32 block maxima of its pseudo-gradient (p2pdiloco.core.exact)
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return (self.version, self.digest)
+
+    def as_record(self) -> dict:
+        """For metrics and logs: everything but the block maxima."""
+        return dict(peer=self.peer, name=self.name, version=self.version, digest=self.digest, tokens=self.tokens,
+                    steps=self.steps)
+
+
+class Malformed(ValueError):
+    """A remote value failed validation; the message names the field and what was wrong."""
+
+
+def _str(value: Any, name: str, lo: int, hi: int) -> str:
+    if not isinstance(value, str) or not lo <= len(value) <= hi:
+        raise Malformed(f"{name} must be a string of {lo}..{hi} characters")
+    return value
+
+
+def _int(value: Any, name: str, lo: int = 0, hi: int = MAX_VERSION) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise Malformed(f"{name} must be an integer in [{lo}, {hi}], got {_short(value)}")
+    return value
+
+
+def _float(value: Any, name: str, lo: float = 0.0, hi: float = math.inf) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not lo <= value <= hi:
+        raise Malformed(f"{name} must be a finite number in [{lo}, {hi}], got {_short(value)}")
+    return float(value)
+
+
+def _floats(value: Any, name: str, max_len: int, lo: float = -math.inf) -> tuple[float, ...]:
+    if not isinstance(value, (list, tuple)) or len(value) > max_len:
+        raise Malformed(f"{name} must be a list of at most {max_len} numbers")
+    return tuple(_float(x, name, lo=lo) for x in value)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _fields(value: Any, known: Sequence[str], required: Sequence[str]) -> dict:
+    if not isinstance(value, dict):
+        raise Malformed(f"expected a record (dict), got {type(value).__name__}")
+    unknown = set(value) - set(known)
+    if unknown:
+        raise Malformed(f"unknown fields {sorted(map(str, unknown))[:4]}")
+    missing = [k for k in required if k not in value]
+    if missing:
+        raise Malformed(f"missing fields {missing}")
+    return value
+
+
+_PEER_FIELDS = ("peer", "name", "version", "digest", "ready", "inner_step", "tokens_per_s", "sketch")
+
+
+def parse_peer_record(value: Any) -> Optional[PeerRecord]:
+    """A DHT peer record, or None if anything in it is malformed."""
+    try:
+        return _peer_record(value)
+    except Malformed:
+        return None
+
+
+def _peer_record(value: Any) -> PeerRecord:
+    v = _fields(value, _PEER_FIELDS, ("peer", "name", "version", "digest"))
+    return PeerRecord(peer=_str(v["peer"], "peer", 1, MAX_ID), name=_str(v["name"], "name", 0, MAX_NAME),
+                      version=_int(v["version"], "version"), digest=_str(v["digest"], "digest", MIN_DIGEST, MAX_DIGEST),
+                      ready=_int(v.get("ready", -1), "ready", lo=-1),
+                      inner_step=_int(v.get("inner_step", 0), "inner_step"),
+                      tokens_per_s=_float(v.get("tokens_per_s", 0.0), "tokens_per_s"),
+                      sketch=list(_floats(v.get("sketch", []), "sketch", SKETCH_DIM)))
+
+
+_MEMBER_FIELDS = ("peer", "name", "version", "digest", "tokens", "steps", "budget", "norms", "maxabs")
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What a well-formed member record must match in this swarm: the sizes follow from the model."""
+
+    n_params: int
+    n_norms: int = 0  # RDA segments; 0: no norms expected
+
+
+def parse_member(value: Any, expect: Expect) -> Member:
+    """A gathered member record; raises Malformed with the reason."""
+    v = _fields(value, _MEMBER_FIELDS, _MEMBER_FIELDS)
+    tokens, steps = _int(v["tokens"], "tokens"), _int(v["steps"], "steps")
+    if tokens and not steps:
+        raise Malformed("tokens without steps")
+    norms = _floats(v["norms"], "norms", MAX_NORMS, lo=0.0)
+    if len(norms) != expect.n_norms:
+        raise Malformed(f"norms: expected {expect.n_norms}, got {len(norms)}")
+    maxabs = v["maxabs"]
+    if not isinstance(maxabs, bytes) or len(maxabs) != 4 * n_blocks(expect.n_params):
+        raise Malformed(f"maxabs must be {4 * n_blocks(expect.n_params)} bytes (fp32 per block)")
+    if not _finite_non_negative(maxabs):  # a NaN or negative maximum would poison the group's scales
+        raise Malformed("maxabs holds a non-finite or negative value")
+    return Member(peer=_str(v["peer"], "peer", 1, MAX_ID), name=_str(v["name"], "name", 0, MAX_NAME),
+                  version=_int(v["version"], "version"), digest=_str(v["digest"], "digest", MIN_DIGEST, MAX_DIGEST),
+                  tokens=tokens, steps=steps, budget=_budget(v["budget"]), norms=norms, maxabs=maxabs)
+
+
+def _finite_non_negative(fp32: bytes) -> bool:
+    values = torch.frombuffer(bytearray(fp32), dtype=torch.float32)
+    return bool(torch.isfinite(values).all()) and bool((values >= 0).all())
+
+
+def _budget(value: Any) -> float:
+    """A hostile budget can neither hang nor cut short a round: out of range means 'as patient as allowed'."""
+    try:
+        return _float(value, "budget", lo=1e-3)
+    except Malformed:
+        return math.inf
+
+
+@dataclass(frozen=True)
+class Island:
+    """The gathered records of one round's group, parsed. `members[i]` is None where record i was malformed
+    (its reason in `rejected[i]`); such a member is excluded from the merge (weight 0)."""
+
+    members: tuple[Optional[Member], ...]
+    rejected: tuple[str, ...]  # "" for accepted members
+
+    @property
+    def accepted(self) -> list[Member]:
+        return [m for m in self.members if m is not None]
+
+    def excluded_by_index(self) -> dict[str, str]:
+        """Member position → reason, for the members that were rejected (their ids cannot be trusted)."""
+        return {str(i): why for i, why in enumerate(self.rejected) if why}
+
+
+def parse_island(values: Sequence[Any], expect: Expect) -> Island:
+    members, rejected = [], []
+    for value in values:
+        try:
+            members.append(parse_member(value, expect))
+            rejected.append("")
+        except Malformed as e:
+            members.append(None)
+            rejected.append(str(e))
+    return Island(tuple(members), tuple(rejected))

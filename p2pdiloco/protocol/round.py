@@ -1,0 +1,290 @@
+"""One round's decisions, as a pure state machine: events in, decisions out, time passed in as `now`.
+
+No hivemind, no clock, no threads: a driver performs each decision (download a state, wait for peers, form an
+island) and reports what happened as the next event. The hivemind driver (p2pdiloco.swarm.rounds) runs it
+against the real swarm; the simulator (p2pdiloco.sim) runs the same object on a simulated clock.
+
+Decoupled mode (the default), no global barrier:
+1. catch up first only if needed: a live peer holds a higher state at our version (a fork: everyone moves to
+   the highest `lineage_key`) or is more than `max_staleness` versions ahead;
+2. quorum: wait until K−1 other peers are looking for an island (K=1: no wait);
+3. grace window (Eq. 3, from measured EMAs): how long our matchmaking stays open for more members;
+4. the island's exact all-reduce; a verified, finite result commits, anything else rolls back;
+5. members on the group's newest state apply the merge; stale members download that state afterwards.
+A peer alone in the swarm (K=1) applies its own update at once. A peer that finds no island while others are
+alive rolls back instead: its Δ rides along with its next contribution. Applying it alone would fork Θ, and the
+fork's update would be dropped when the forks reconcile.
+
+Sync mode, the baseline: the same, after a barrier where everyone waits for everyone at our version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import torch
+
+from p2pdiloco.core.outer import Segment, rda_combine
+from p2pdiloco.protocol.outcomes import (Adopted, Committed, Contribution, Left, RolledBack, RoundOutcome, Solo,
+                                         StateTuple, newest_member)
+from p2pdiloco.protocol.remote import Member, PeerRecord
+from p2pdiloco.protocol.timing import GracePolicy, RoundClock, allreduce_wire_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundRules:
+    """What every round of this peer follows; built once from the configuration and the averager's limits."""
+
+    mode: str = "decoupled"
+    quorum: int = 1  # K, this peer included
+    max_staleness: int = 2
+    sync_wait: float = 60.0  # sync mode: the barrier's longest wait
+    overlap_steps: int = 50  # τ of Eq. 3
+    grace: GracePolicy = field(default_factory=GracePolicy)
+    request_timeout: float = 2.0  # hivemind's matchmaking request timeout
+    allreduce_cap: float = 60.0  # the outer bound on one all-reduce
+    buffer_elements: int = 0  # what one all-reduce moves per member
+    max_island: int = 16
+    declared_bytes_per_s: float = 12.5e6  # the link speed assumed until a round is measured
+    poll: float = 0.25  # how often a driver looks at peer records while waiting
+    rda_segments: tuple[Segment, ...] = ()  # RDA on: the merge is recombined from directions and norms
+
+
+# ---- decisions: what the driver is asked to do next ------------------------------------------------------
+@dataclass(frozen=True)
+class Download:
+    """Fetch a validated global state of at least `min_version`; report it with `on_state` (None: failed)."""
+
+    min_version: int
+    why: str
+
+
+@dataclass(frozen=True)
+class WaitForPeers:
+    """Announce `ready_version` and report peer records with `on_peers` every `poll` s, or `on_timer` at `until`."""
+
+    ready_version: int
+    until: float
+    poll: float
+
+
+@dataclass(frozen=True)
+class FormIsland:
+    """Look for an island for `grace` s (the grace window), give up matchmaking after `find_timeout` s, and
+    the whole round after `result_timeout` s; ask the group for an all-reduce deadline of `budget` s."""
+
+    grace: float
+    find_timeout: float
+    result_timeout: float
+    budget: float
+
+
+@dataclass(frozen=True)
+class RefreshPeers:
+    """Report the live peer records now (`on_peers`): no island formed, are we alone?"""
+
+
+@dataclass(frozen=True)
+class Done:
+    outcome: RoundOutcome
+
+
+Decision = Union[Download, WaitForPeers, FormIsland, RefreshPeers, Done]
+
+
+# ---- what an island attempt returned ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class NoIsland:
+    """Matchmaking ended without a group."""
+
+    reason: str = "no island formed"
+
+
+@dataclass(frozen=True)
+class IslandFailed:
+    """A group formed, but the all-reduce raised or timed out."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class IslandReduced:
+    """The all-reduce returned. `merged` is the decoded Σ wᵢΔᵢ when `verified` (directions, with RDA)."""
+
+    verified: bool
+    reason: str
+    members: tuple[Member, ...]  # accepted members, in group order
+    weights: tuple[float, ...]  # theirs, summing to 1
+    group_id: str = ""
+    sync_seconds: float = 0.0
+    deadline: float = 0.0
+    merged: Optional[torch.Tensor] = None
+    excluded: dict = field(default_factory=dict)  # peer (or index) → why its record was rejected
+
+
+IslandResult = Union[NoIsland, IslandFailed, IslandReduced]
+
+
+class ProtocolError(RuntimeError):
+    """A driver reported an event the round is not waiting for (a bug in the driver, never remote input)."""
+
+
+class Round:
+    """One contribution's way through a round. Call `start`, then feed each decision's result back."""
+
+    def __init__(self, rules: RoundRules, me: str, contribution: Contribution, clock: RoundClock, now: float):
+        self.rules, self.me, self.c, self.clock = rules, me, contribution, clock
+        self.started = now
+        self.phase = "new"
+        self.state_before: Optional[StateTuple] = None
+        self.quorum_started = self.quorum_seconds = 0.0
+        self.others: list[PeerRecord] = []
+        self.island: Optional[FormIsland] = None
+        self.no_island_reason = ""
+        self.reduced: Optional[IslandReduced] = None
+
+    # ---- events -----------------------------------------------------------------------------------------
+    def start(self, peers: Sequence[PeerRecord], now: float) -> Decision:
+        self._expect("new")
+        others = self._others(peers)
+        if others:
+            best = max(others, key=lambda r: r.key)
+            behind_limit = 0 if self.rules.mode == "sync" else self.rules.max_staleness
+            fork = best.version == self.c.version and best.key > (self.c.version, self.c.digest)
+            if fork or best.version > self.c.version + behind_limit:
+                self.phase = "catch_up"
+                return Download(best.version, "fork" if fork else "behind")
+        return self._wait_for_quorum(now)
+
+    def on_state(self, state: Optional[StateTuple], now: float) -> Decision:
+        if self.phase == "catch_up":
+            if state is not None:
+                self.state_before = state
+                self.c = dataclasses.replace(self.c, version=int(state[0]["version"]),
+                                             digest=str(state[0]["digest"]))
+            return self._wait_for_quorum(now)
+        self._expect("stale_fetch")
+        return self._done(Committed, now, self.reduced.reason, state=state, stale=True)
+
+    def on_peers(self, peers: Sequence[PeerRecord], now: float) -> Decision:
+        if self.phase == "confirm_alone":
+            if self._others(peers):
+                return self._done(self._rolled_back_type, now, f"all-reduce failed: {self.no_island_reason}")
+            return self._solo(now)  # everyone else left while we looked
+        self._expect("quorum")
+        self.others = self._others(peers)
+        if not self._quorum_reached(now):
+            return self._waiting()
+        self.quorum_seconds = now - self.quorum_started
+        if not self.others and self.rules.quorum <= 1:
+            return self._solo(now)  # alone in the swarm: K=1 applies its own update
+        return self._form_island()
+
+    def on_timer(self, now: float) -> Decision:
+        return self.on_peers(self.others, now)
+
+    def on_island(self, result: IslandResult, now: float) -> Decision:
+        self._expect("island")
+        if isinstance(result, NoIsland):
+            if self.rules.quorum <= 1:
+                self.phase, self.no_island_reason = "confirm_alone", result.reason
+                return RefreshPeers()
+            return self._done(self._rolled_back_type, now, f"all-reduce failed: {result.reason}")
+        if isinstance(result, IslandFailed):
+            return self._done(self._rolled_back_type, now, f"all-reduce failed: {result.reason}")
+        return self._on_reduced(result, now)
+
+    def on_leaving(self, now: float, reason: str = "leaving") -> Decision:
+        return self._done(Left, now, reason)
+
+    # ---- decisions ----------------------------------------------------------------------------------------
+    def _wait_for_quorum(self, now: float) -> Decision:
+        self.phase, self.quorum_started = "quorum", now
+        return self._waiting()
+
+    def _waiting(self) -> WaitForPeers:
+        until = (self.started + self.rules.sync_wait if self.rules.mode == "sync"
+                 else self.quorum_started + self.rules.grace.cap)
+        return WaitForPeers(self.c.version, until, self.rules.poll)
+
+    def _quorum_reached(self, now: float) -> bool:
+        if now >= self._waiting().until:
+            return True
+        if self.rules.mode == "sync":  # everyone waits for everyone at our version
+            ahead = [r for r in self.others if r.version > self.c.version]
+            expected = [r for r in self.others if r.version == self.c.version]
+            self.others = expected + ahead
+            return bool(ahead) or all(r.ready == self.c.version for r in expected)
+        return sum(r.ready >= 0 for r in self.others) >= self.rules.quorum - 1  # any version: stale are welcome
+
+    def _form_island(self) -> FormIsland:
+        rules = self.rules
+        grace = self.clock.grace(rules.overlap_steps, rules.grace)
+        budget = self.clock.allreduce_budget(allreduce_wire_bytes(rules.buffer_elements, rules.max_island),
+                                             rules.declared_bytes_per_s)
+        find_timeout = grace + 2 * rules.request_timeout + 2.0
+        self.phase = "island"
+        self.island = FormIsland(grace, find_timeout, find_timeout + rules.allreduce_cap + 5.0, budget)
+        return self.island
+
+    def _on_reduced(self, r: IslandReduced, now: float) -> Decision:
+        self.reduced = r
+        if not r.verified or r.merged is None:
+            return self._done(self._rolled_back_type, now, f"round discarded: {r.reason}")
+        if not r.members or len(r.weights) != len(r.members):
+            return self._done(self._rolled_back_type, now, "round discarded: no accepted member")
+        merged = r.merged
+        if self.rules.rda_segments:
+            try:
+                merged = rda_combine(merged, [list(m.norms) for m in r.members], list(r.weights),
+                                     list(self.rules.rda_segments))
+            except (ValueError, IndexError, RuntimeError) as e:
+                return self._done(self._rolled_back_type, now, f"round discarded: malformed RDA norms ({e})")
+        if not bool(torch.isfinite(merged).all()):
+            return self._done(self._rolled_back_type, now, "round discarded: merged update is not finite")
+        self.reduced = dataclasses.replace(r, merged=merged, reason="ok")
+        wire = allreduce_wire_bytes(self.rules.buffer_elements, len(r.members))
+        if wire and r.sync_seconds > 0:
+            self.clock.throughput.update(wire / r.sync_seconds)
+        newest = newest_member(list(r.members))
+        if newest.key != (self.c.version, self.c.digest):
+            # we contributed from an older state: the newest members applied the merge; fetch theirs
+            self.phase = "stale_fetch"
+            return Download(newest.version + 1, "stale contribution")
+        return self._done(Committed, now, "ok")
+
+    # ---- outcomes -------------------------------------------------------------------------------------------
+    @property
+    def _rolled_back_type(self) -> type[RoundOutcome]:
+        return Adopted if self.state_before is not None else RolledBack
+
+    def _solo(self, now: float) -> Done:
+        self.phase = "done"
+        return Done(Solo.of(self.c, **self._common(now)))
+
+    def _done(self, kind: type[RoundOutcome], now: float, reason: str, **extra) -> Done:
+        self.phase = "done"
+        fields = self._common(now)
+        r = self.reduced
+        if r is not None and kind is Committed:
+            fields.update(merged=r.merged, members=list(r.members), weights=list(r.weights), group_id=r.group_id,
+                          sync_seconds=r.sync_seconds, deadline_seconds=r.deadline, excluded=dict(r.excluded),
+                          allreduce_bytes_model=allreduce_wire_bytes(self.rules.buffer_elements, len(r.members)))
+        elif r is not None:
+            fields.update(group_id=r.group_id, sync_seconds=r.sync_seconds, deadline_seconds=r.deadline,
+                          excluded=dict(r.excluded))
+        return Done(kind(reason=reason, **fields, **extra))
+
+    def _common(self, now: float) -> dict:
+        return dict(seconds=now - self.started, quorum_seconds=self.quorum_seconds, state_before=self.state_before,
+                    grace_seconds=self.island.grace if self.island else 0.0)
+
+    # ---- helpers --------------------------------------------------------------------------------------------
+    def _others(self, peers: Sequence[PeerRecord]) -> list[PeerRecord]:
+        return [r for r in peers if r.peer != self.me]
+
+    def _expect(self, phase: str) -> None:
+        if self.phase != phase:
+            raise ProtocolError(f"round is in phase {self.phase!r}, not {phase!r}")

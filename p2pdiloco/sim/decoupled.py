@@ -1,0 +1,241 @@
+"""Decoupled DiLoCo on a simulated clock, driven by the very round protocol the real peers run.
+
+Each learner trains continuously and, every H steps, hands a contribution to a `protocol.round.Round`; this
+module is that round's driver, as `swarm.rounds` is for hivemind: it answers the protocol's decisions (peer
+records, state downloads, island formation, all-reduce results) from the simulated swarm. Islands form like
+hivemind's matchmaking: the first learner to look opens one for its grace window, whoever looks before it
+closes joins, and the all-reduce then takes `sync_seconds`. A learner that fails loses the work not yet merged;
+if it was exchanging tensors, its island's round fails for every member (their work rides along next time).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from p2pdiloco.protocol.outcomes import Contribution, RoundOutcome
+from p2pdiloco.protocol.remote import Member, PeerRecord
+from p2pdiloco.protocol.round import (Done, Download, FormIsland, IslandFailed, IslandReduced, NoIsland,
+                                      RefreshPeers, Round, RoundRules, WaitForPeers)
+from p2pdiloco.protocol.timing import GracePolicy, RoundClock
+from p2pdiloco.sim.baselines import SimResult
+from p2pdiloco.sim.failures import Draws, union_length
+from p2pdiloco.sim.params import SimParams
+
+_DELTA = torch.zeros(1)  # the protocol carries a pseudo-gradient; the simulator's content is irrelevant
+
+
+@dataclass
+class Learner:
+    index: int
+    chips: int
+    step: float  # seconds per inner step
+    clock: RoundClock = field(default_factory=RoundClock)
+    up: bool = True
+    version: int = 0
+    digest: str = "v0-init"
+    mark: float = 0.0  # start of the work not yet handed to a round
+    pending: list = field(default_factory=list)  # (start, end) of work not yet merged, not in a round
+    round: Optional[Round] = None
+    in_round: list = field(default_factory=list)  # the work the round in flight carries
+    due: bool = False  # H steps are done while a round was in flight: contribute when it settles
+    island: Optional["Island"] = None
+    life: int = 0  # bumped on each failure: events of an earlier life are ignored
+    name: str = ""
+
+    def __post_init__(self):
+        self.name = f"learner{self.index}"
+
+    def record(self) -> PeerRecord:
+        rnd = self.round
+        ready = rnd.c.version if rnd is not None and rnd.phase == "quorum" else -1
+        return PeerRecord(self.name, self.name, self.version, self.digest, ready)
+
+
+@dataclass
+class Island:
+    id: int
+    members: list = field(default_factory=list)
+    closed: bool = False
+    failed: bool = False
+
+
+class DecoupledSim:
+    def __init__(self, p: SimParams, d: Draws):
+        self.p, self.d = p, d
+        self.rules = RoundRules(mode="decoupled", quorum=p.quorum, max_staleness=2, overlap_steps=p.inner_steps,
+                                grace=GracePolicy(gamma=p.grace_gamma, floor=0.0,
+                                                  cap=p.inner_steps * max(d.step_seconds)),
+                                buffer_elements=0, poll=1.0)
+        self.learners = [Learner(i, p.learner_chips(i), d.step_seconds[i]) for i in range(p.learners)]
+        self.events: list = []
+        self.seq = itertools.count()
+        self.island_ids = itertools.count(1)
+        self.open_island: Optional[Island] = None
+        self.useful: list[tuple[float, float]] = []
+        self.chip_seconds = 0.0
+        self.commits = 0
+        self.outcomes: dict[str, int] = {}
+
+    # ---- the event loop -----------------------------------------------------------------------------------
+    def run(self) -> SimResult:
+        for learner in self.learners:
+            self._schedule(learner.step * self.p.inner_steps, "contribute", learner)
+            for t in self.d.failures[learner.index]:
+                self._push(t, "fail", learner, None)
+        while self.events:
+            t, _, kind, learner, arg = heapq.heappop(self.events)
+            if t > self.p.horizon:
+                break
+            getattr(self, f"_on_{kind}")(t, learner, arg)
+        failures = sum(len(f) for f in self.d.failures)
+        return SimResult("decoupled", self.chip_seconds / (self.p.chips * self.p.horizon),
+                         union_length(self.useful) / self.p.horizon, failures, self.commits,
+                         details=dict(outcomes=dict(sorted(self.outcomes.items()))))
+
+    def _push(self, t: float, kind: str, learner: Optional[Learner], arg) -> None:
+        heapq.heappush(self.events, (t, next(self.seq), kind, learner, arg))
+
+    def _schedule(self, t: float, kind: str, learner: Learner) -> None:
+        self._push(t, kind, learner, learner.life)
+
+    # ---- learners -----------------------------------------------------------------------------------------
+    def _on_contribute(self, t: float, learner: Learner, life: int) -> None:
+        if life != learner.life:
+            return
+        self._schedule(t + learner.step * self.p.inner_steps, "contribute", learner)
+        if learner.round is not None:
+            learner.due = True  # training goes on; the next contribution leaves once this round settles
+            return
+        self._contribute(t, learner)
+
+    def _contribute(self, t: float, learner: Learner) -> None:
+        learner.pending.append((learner.mark, t))
+        learner.mark, learner.due = t, False
+        learner.in_round, learner.pending = learner.pending, []
+        steps = sum(round((b - a) / learner.step) for a, b in learner.in_round)
+        learner.clock.step.update(learner.step)
+        c = Contribution(delta=_DELTA, tokens=max(1, steps), steps=max(1, steps), version=learner.version,
+                         peer=learner.name, name=learner.name, digest=learner.digest)
+        learner.round = Round(self.rules, learner.name, c, learner.clock, t)
+        self._decide(t, learner, learner.round.start(self._records(), t))
+
+    def _on_fail(self, t: float, learner: Learner, _) -> None:
+        if not learner.up:
+            return  # handled by the restart under way
+        learner.up, learner.life = False, learner.life + 1
+        learner.pending, learner.in_round, learner.round, learner.due = [], [], None, False  # unmerged: lost
+        island = learner.island
+        if island is not None:
+            if island.closed:
+                island.failed = True  # it was exchanging tensors: the round fails for every member
+            else:
+                island.members.remove(learner)  # left during matchmaking: the others go on without it
+            learner.island = None
+        self._schedule(t + self.p.repair_seconds, "restart", learner)
+
+    def _on_restart(self, t: float, learner: Learner, life: int) -> None:
+        if life != learner.life:
+            return
+        newest = max(self.learners, key=lambda x: (x.version, x.digest))
+        learner.up, learner.version, learner.digest, learner.mark = True, newest.version, newest.digest, t
+        self._schedule(t + learner.step * self.p.inner_steps, "contribute", learner)
+
+    # ---- the protocol's decisions, answered from the simulated swarm ----------------------------------------
+    def _decide(self, t: float, learner: Learner, decision) -> None:
+        rnd = learner.round
+        while True:
+            if isinstance(decision, Done):
+                return self._settle(t, learner, decision.outcome)
+            if isinstance(decision, Download):
+                decision = rnd.on_state(self._state_at_least(decision.min_version), t)
+            elif isinstance(decision, (WaitForPeers, RefreshPeers)):
+                decision = rnd.on_peers(self._records(), t)
+                if isinstance(decision, WaitForPeers):  # quorum not reached: look again later
+                    return self._push(min(t + decision.poll, decision.until), "poll", learner, rnd)
+            elif isinstance(decision, FormIsland):
+                return self._join_island(t, learner, decision)
+            else:
+                raise TypeError(f"unknown decision {decision!r}")
+
+    def _on_poll(self, t: float, learner: Learner, rnd: Round) -> None:
+        if learner.round is rnd:
+            self._decide(t, learner, rnd.on_peers(self._records(), t))
+
+    def _records(self) -> list[PeerRecord]:
+        return [x.record() for x in self.learners if x.up]
+
+    def _state_at_least(self, version: int):
+        newest = max(self.learners, key=lambda x: (x.version, x.digest))
+        if newest.version < version:
+            return None
+        return (dict(version=newest.version, digest=newest.digest), [])
+
+    # ---- islands --------------------------------------------------------------------------------------------
+    def _join_island(self, t: float, learner: Learner, form: FormIsland) -> None:
+        island = self.open_island
+        if island is None or island.closed:
+            island = self.open_island = Island(next(self.island_ids))
+            self._push(t + form.grace, "close", None, island)
+        island.members.append(learner)
+        learner.island = island
+
+    def _on_close(self, t: float, _, island: Island) -> None:
+        island.closed = True
+        if self.open_island is island:
+            self.open_island = None
+        if len(island.members) == 1:
+            learner = island.members[0]
+            learner.island = None
+            return self._decide(t, learner, learner.round.on_island(NoIsland("no group formed"), t))
+        if island.members:
+            self._push(t + self.p.sync_seconds, "reduced", None, island)
+
+    def _on_reduced(self, t: float, _, island: Island) -> None:
+        members = [x for x in island.members if x.up and x.island is island]
+        records = tuple(Member(peer=x.name, name=x.name, version=x.round.c.version, digest=x.round.c.digest,
+                               tokens=x.round.c.tokens, steps=x.round.c.steps, budget=0.0) for x in members)
+        if not island.failed and members:
+            newest = max(records, key=lambda m: m.key)
+            for x in members:  # the island's new global state; stale members download it from the others
+                x.version, x.digest = newest.version + 1, f"v{newest.version + 1}-i{island.id}"
+            self.commits += 1
+        for x in members:
+            x.island = None
+            if island.failed:
+                result = IslandFailed("a member died during the all-reduce")
+            else:
+                result = IslandReduced(verified=True, reason="ok", members=records,
+                                       weights=tuple(1.0 / len(records) for _ in records), group_id=str(island.id),
+                                       sync_seconds=self.p.sync_seconds, merged=_DELTA)
+            self._decide(t, x, x.round.on_island(result, t))
+
+    # ---- outcomes --------------------------------------------------------------------------------------------
+    def _settle(self, t: float, learner: Learner, outcome: RoundOutcome) -> None:
+        self.outcomes[outcome.kind] = self.outcomes.get(outcome.kind, 0) + 1
+        learner.round = None
+        if outcome.sync_seconds:
+            learner.clock.sync.update(outcome.sync_seconds)
+        learner.clock.quorum.update(outcome.quorum_seconds)
+        if outcome.state_before is not None and not outcome.committed:  # adopted, then rolled back
+            learner.version, learner.digest = outcome.state_before[0]["version"], outcome.state_before[0]["digest"]
+        if outcome.committed:
+            for a, b in learner.in_round:
+                self.useful.append((a, b))
+                self.chip_seconds += learner.chips * (b - a)
+            if outcome.kind == "solo":
+                learner.version, self.commits = learner.version + 1, self.commits + 1
+                learner.digest = f"v{learner.version}-{learner.name}"
+        else:
+            learner.pending = learner.in_round + learner.pending  # rolled back: it rides along next time
+        learner.in_round = []
+        if learner.due and learner.up:
+            self._contribute(t, learner)
+
+
+def simulate_decoupled(p: SimParams, d: Draws) -> SimResult:
+    return DecoupledSim(p, d).run()

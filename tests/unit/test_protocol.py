@@ -1,0 +1,219 @@
+"""Every decision of the round protocol, on a fake clock: no hivemind, no threads, no sleeping."""
+
+import math
+
+import pytest
+import torch
+
+from p2pdiloco.protocol.outcomes import Adopted, Committed, Contribution, Left, RolledBack, Solo
+from p2pdiloco.protocol.remote import Member, PeerRecord
+from p2pdiloco.protocol.round import (Done, Download, FormIsland, IslandFailed, IslandReduced, NoIsland,
+                                      ProtocolError, RefreshPeers, Round, RoundRules, WaitForPeers)
+from p2pdiloco.protocol.timing import GracePolicy, RoundClock
+
+ME = "me-peer"
+
+
+def contribution(version=3, digest="aaaaaa", tokens=100, steps=10) -> Contribution:
+    return Contribution(delta=torch.full((8,), 0.5), tokens=tokens, steps=steps, version=version, peer=ME,
+                        name="me", digest=digest)
+
+
+def record(peer, version=3, digest="aaaaaa", ready=-1) -> PeerRecord:
+    return PeerRecord(peer=peer, name=peer, version=version, digest=digest, ready=ready)
+
+
+def member(peer, version=3, digest="aaaaaa", tokens=100, steps=10) -> Member:
+    return Member(peer=peer, name=peer, version=version, digest=digest, tokens=tokens, steps=steps, budget=10.0)
+
+
+def measured_clock() -> RoundClock:
+    clock = RoundClock()
+    clock.step.update(1.0)
+    clock.quorum.update(2.0)
+    clock.sync.update(3.0)
+    return clock
+
+
+def new_round(t=100.0, c=None, clock=None, **rules) -> Round:
+    rules = dict(dict(overlap_steps=20, grace=GracePolicy(gamma=0.5, floor=2.5, cap=60.0), buffer_elements=8),
+                 **rules)
+    return Round(RoundRules(**rules), ME, c or contribution(), clock or measured_clock(), t)
+
+
+def reduced(*members, verified=True, merged=None, weights=None) -> IslandReduced:
+    weights = weights or tuple(1.0 / len(members) for _ in members)
+    return IslandReduced(verified=verified, reason="ok" if verified else "checksum mismatch", members=members,
+                         weights=weights, group_id="g1", sync_seconds=2.0, deadline=9.0,
+                         merged=torch.full((8,), 0.25) if merged is None else merged)
+
+
+def to_island(rnd: Round, others, t=101.0) -> FormIsland:
+    decision = rnd.start(others, t)
+    assert isinstance(decision, WaitForPeers)
+    decision = rnd.on_peers(others, t + 1)
+    assert isinstance(decision, FormIsland), decision
+    return decision
+
+
+# ---- alone, quorum, grace window ---------------------------------------------------------------------------
+def test_a_peer_alone_in_the_swarm_applies_its_own_update():
+    rnd = new_round()
+    assert isinstance(rnd.start([], 100.5), WaitForPeers)
+    done = rnd.on_peers([record(ME)], 101.0)  # its own record is not another peer
+    assert isinstance(done, Done) and isinstance(done.outcome, Solo)
+    assert done.outcome.committed and done.outcome.seconds == pytest.approx(1.0)
+    assert done.outcome.quorum_seconds == pytest.approx(0.5) and done.outcome.weights == [1.0]
+
+
+def test_with_others_alive_the_island_opens_for_the_grace_window_of_eq3():
+    rnd = new_round()
+    island = to_island(rnd, [record("b", ready=3)])
+    assert island.grace == pytest.approx(0.5 * (20 * 1.0 - 2.0 - 3.0))  # γ·(τ·ξ_step − ξ_quorum − ξ_sync)
+    assert island.find_timeout == pytest.approx(island.grace + 2 * 2.0 + 2.0)
+    assert island.result_timeout > island.find_timeout
+
+
+def test_the_grace_window_is_clipped_to_its_floor_and_cap():
+    slow = measured_clock()
+    slow.step.update(100.0)
+    assert to_island(new_round(clock=slow), [record("b")]).grace == 60.0
+    assert to_island(new_round(clock=RoundClock()), [record("b")]).grace == 2.5
+
+
+def test_quorum_waits_for_k_minus_one_ready_peers_then_opens_the_island():
+    rnd = new_round(quorum=3)
+    waiting = rnd.start([record("b"), record("c")], 100.0)
+    assert isinstance(waiting, WaitForPeers) and waiting.until == pytest.approx(160.0)
+    assert isinstance(rnd.on_peers([record("b", ready=3), record("c")], 101.0), WaitForPeers)
+    island = rnd.on_peers([record("b", ready=3), record("c", ready=2)], 104.0)  # stale contributors count
+    assert isinstance(island, FormIsland)
+    done = rnd.on_island(reduced(member(ME), member("b"), member("c", version=2)), 110.0)
+    assert done.outcome.quorum_seconds == pytest.approx(4.0)
+
+
+def test_the_quorum_wait_ends_at_its_deadline_with_whoever_is_there():
+    rnd = new_round(quorum=3)
+    waiting = rnd.start([record("b")], 100.0)
+    assert isinstance(rnd.on_timer(waiting.until), FormIsland)
+
+
+def test_a_peer_leaving_while_it_waits_leaves_the_round():
+    rnd = new_round(quorum=2)
+    rnd.start([record("b")], 100.0)
+    done = rnd.on_leaving(101.0)
+    assert isinstance(done.outcome, Left) and not done.outcome.committed
+
+
+# ---- catching up first -------------------------------------------------------------------------------------
+def test_a_fork_at_our_version_is_settled_first_by_adopting_the_higher_state():
+    rnd = new_round()
+    decision = rnd.start([record("b", digest="ffffff")], 100.0)
+    assert decision == Download(3, "fork")
+    state = (dict(version=3, digest="ffffff"), [torch.zeros(8), torch.zeros(8)])
+    assert isinstance(rnd.on_state(state, 101.0), WaitForPeers)
+    assert (rnd.c.version, rnd.c.digest) == (3, "ffffff")  # we now contribute from the adopted state
+    island = rnd.on_peers([record("b", digest="ffffff")], 101.5)
+    assert isinstance(island, FormIsland)
+    done = rnd.on_island(NoIsland(), 105.0)
+    done = rnd.on_peers([record("b", digest="ffffff")], 105.5)
+    assert isinstance(done.outcome, Adopted) and done.outcome.state_before is state
+
+
+def test_a_lower_fork_is_not_adopted():
+    assert isinstance(new_round().start([record("b", digest="000000")], 100.0), WaitForPeers)
+
+
+def test_behind_more_than_max_staleness_catches_up_first_and_within_it_contributes_stale():
+    assert new_round(max_staleness=2).start([record("b", version=6)], 100.0) == Download(6, "behind")
+    assert isinstance(new_round(max_staleness=2).start([record("b", version=5)], 100.0), WaitForPeers)
+    assert new_round(mode="sync").start([record("b", version=4)], 100.0) == Download(4, "behind")
+
+
+def test_a_failed_catch_up_download_goes_on_from_our_own_state():
+    rnd = new_round()
+    rnd.start([record("b", version=9)], 100.0)
+    assert isinstance(rnd.on_state(None, 110.0), WaitForPeers) and rnd.c.version == 3
+
+
+# ---- island results ----------------------------------------------------------------------------------------
+def test_a_verified_island_commits_with_what_was_decided():
+    clock = measured_clock()
+    rnd = new_round(clock=clock)
+    island = to_island(rnd, [record("b", ready=3)])
+    done = rnd.on_island(reduced(member(ME), member("b"), weights=(0.25, 0.75)), 120.0)
+    o = done.outcome
+    assert isinstance(o, Committed) and o.reason == "ok" and not o.stale
+    assert [m.peer for m in o.members] == [ME, "b"] and o.weights == [0.25, 0.75]
+    assert o.grace_seconds == island.grace and o.deadline_seconds == 9.0 and o.sync_seconds == 2.0
+    assert o.seconds == pytest.approx(20.0) and o.group_id == "g1"
+    assert o.allreduce_bytes_model == 2 * 1 / 2 * 4 * 8  # butterfly of 8 floats between 2
+    assert clock.throughput.get() == pytest.approx(o.allreduce_bytes_model / 2.0)
+
+
+@pytest.mark.parametrize("result, reason", [
+    (IslandFailed("TimeoutError: reducer gone"), "all-reduce failed: TimeoutError: reducer gone"),
+    (reduced(member(ME), member("b"), verified=False), "round discarded: checksum mismatch"),
+    (reduced(member(ME), member("b"), merged=torch.tensor([math.nan] * 8)), "round discarded: merged update is not finite"),
+    (IslandReduced(verified=True, reason="ok", members=(), weights=(), merged=torch.zeros(8)), "round discarded: no accepted member"),
+])
+def test_a_failed_or_unverified_or_non_finite_island_rolls_back(result, reason):
+    rnd = new_round()
+    to_island(rnd, [record("b")])
+    o = rnd.on_island(result, 110.0).outcome
+    assert isinstance(o, RolledBack) and not o.committed and o.merged is None and o.reason == reason
+
+
+def test_no_island_with_k1_asks_whether_we_are_alone_then_rolls_back_or_goes_solo():
+    for others, kind in (([record("b")], RolledBack), ([], Solo)):
+        rnd = new_round()
+        to_island(rnd, [record("b")])
+        assert isinstance(rnd.on_island(NoIsland("no group"), 110.0), RefreshPeers)
+        assert isinstance(rnd.on_peers(others, 111.0).outcome, kind)
+
+
+def test_no_island_with_a_quorum_rolls_back_at_once():
+    rnd = new_round(quorum=2)
+    rnd.start([record("b", ready=3)], 100.0)
+    rnd.on_peers([record("b", ready=3)], 100.5)
+    assert isinstance(rnd.on_island(NoIsland(), 110.0).outcome, RolledBack)
+
+
+def test_a_stale_member_fetches_the_groups_newer_state_after_committing():
+    for fetched in ((dict(version=5, digest="bbbbbb"), [torch.ones(8), torch.zeros(8)]), None):
+        rnd = new_round()
+        to_island(rnd, [record("b", version=4)])
+        decision = rnd.on_island(reduced(member(ME), member("b", version=4, digest="bbbbbb")), 110.0)
+        assert decision == Download(5, "stale contribution")
+        o = rnd.on_state(fetched, 112.0).outcome
+        assert isinstance(o, Committed) and o.stale and o.state is fetched and o.merged is not None
+
+
+def test_the_sync_barrier_waits_for_every_peer_at_our_version_or_one_ahead():
+    rnd = new_round(mode="sync", sync_wait=30.0)
+    waiting = rnd.start([record("b"), record("c")], 100.0)
+    assert waiting.until == pytest.approx(130.0)
+    assert isinstance(rnd.on_peers([record("b", ready=3), record("c")], 101.0), WaitForPeers)
+    assert isinstance(rnd.on_peers([record("b", ready=3), record("c", ready=3)], 102.0), FormIsland)
+    rnd = new_round(mode="sync")
+    rnd.start([record("b")], 100.0)
+    assert isinstance(rnd.on_peers([record("b"), record("c", version=4)], 101.0), FormIsland)
+
+
+def test_rda_recombines_the_merged_directions_with_the_members_norms():
+    rnd = new_round(rda_segments=((0, 8),))
+    to_island(rnd, [record("b")])
+    a = Member(**{**member(ME).__dict__, "norms": (2.0,)})
+    b = Member(**{**member("b").__dict__, "norms": (4.0,)})
+    o = rnd.on_island(reduced(a, b, merged=torch.full((8,), 1.0)), 110.0).outcome
+    assert isinstance(o, Committed)
+    assert torch.linalg.vector_norm(o.merged).item() == pytest.approx(3.0, rel=1e-5)
+
+
+def test_an_event_the_round_is_not_waiting_for_is_a_driver_bug():
+    rnd = new_round()
+    with pytest.raises(ProtocolError):
+        rnd.on_island(NoIsland(), 100.0)
+    rnd.start([], 100.0)
+    with pytest.raises(ProtocolError):
+        rnd.on_state(None, 100.0)

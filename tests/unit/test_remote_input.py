@@ -1,0 +1,93 @@
+"""The one parser of remote input: malformed or hostile member records are excluded with a reason, never raise,
+and cannot steer the merge (weights, deadline, group scales)."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from p2pdiloco.core import exact
+from p2pdiloco.protocol.island import plan_island
+from p2pdiloco.protocol.remote import Expect, Malformed, parse_island, parse_member, parse_peer_record
+
+N = 3 * exact.BLOCK + 5
+EXPECT = Expect(N)
+
+
+def good(**change) -> dict:
+    record = dict(peer="12D3KooWpeer", name="a", version=4, digest="abcdef0123", tokens=2048, steps=16,
+                  budget=12.0, norms=[], maxabs=exact.block_maxabs(torch.ones(N)).numpy().tobytes())
+    return {**record, **change}
+
+
+@pytest.mark.parametrize("change, why", [
+    (dict(tokens=-1), "tokens"), (dict(tokens=1.5), "tokens"), (dict(tokens=True), "tokens"),
+    (dict(tokens=2 ** 60), "tokens"), (dict(steps=0), "tokens without steps"), (dict(version="4"), "version"),
+    (dict(digest="ab"), "digest"), (dict(peer=""), "peer"), (dict(name="x" * 500), "name"),
+    (dict(norms=[1.0]), "norms"), (dict(maxabs=b"\0" * 8), "maxabs"),
+    (dict(maxabs=torch.full((3 + 1,), math.nan).numpy().tobytes()), "non-finite"),
+    (dict(maxabs=torch.full((4,), -1.0).numpy().tobytes()), "negative"),
+    (dict(extra=1), "unknown fields"),
+])
+def test_each_malformed_field_is_rejected_with_its_reason(change, why):
+    with pytest.raises(Malformed, match=why):
+        parse_member(good(**change), EXPECT)
+
+
+def test_missing_fields_and_non_records_are_rejected():
+    record = good()
+    del record["steps"]
+    for value in (record, None, [1, 2], "x", 7):
+        with pytest.raises(Malformed):
+            parse_member(value, EXPECT)
+
+
+def test_rda_norms_must_match_the_swarms_segments_and_be_finite():
+    assert parse_member(good(norms=[1.0, 2.0]), Expect(N, 2)).norms == (1.0, 2.0)
+    for norms in ([1.0], [1.0, math.inf], [1.0, -2.0], ["a", 1.0]):
+        with pytest.raises(Malformed):
+            parse_member(good(norms=norms), Expect(N, 2))
+
+
+def test_a_hostile_budget_cannot_hang_or_cut_short_the_round():
+    assert parse_member(good(budget=math.nan), EXPECT).budget == math.inf
+    island = parse_island([good(budget=5.0), good(peer="b", budget=-3)], EXPECT)
+    assert plan_island(island, "tokens2", cap=60.0).deadline == 60.0
+    assert plan_island(parse_island([good(budget=5.0), good(peer="b", budget=7.0)], EXPECT), "tokens2", 60.0).deadline == 7.0
+
+
+def test_malformed_members_are_excluded_from_the_merge_and_the_others_still_merge():
+    island = parse_island([good(), good(peer="b", tokens=math.nan), None, good(peer="c", tokens=1024, steps=16)],
+                          EXPECT)
+    assert [m is None for m in island.members] == [False, True, True, False]
+    assert island.excluded_by_index().keys() == {"1", "2"}
+    plan = plan_island(island, "tokens2", cap=60.0)
+    assert plan.weights[1] == plan.weights[2] == 0.0
+    assert sum(plan.weights) == pytest.approx(1.0) and plan.weights[0] == pytest.approx(0.8)
+
+
+def test_an_island_with_nothing_to_merge_says_why():
+    assert plan_island(parse_island([None, 3], EXPECT), "tokens2", 60.0).weights is None
+    plan = plan_island(parse_island([good(tokens=0, steps=0)], EXPECT), "tokens2", 60.0)
+    assert plan.weights is None and "no tokens" in plan.reason
+
+
+def test_fuzzed_member_and_peer_records_never_raise_out_of_the_parser():
+    """A bounded fuzz run: random field mutations of well-formed records (types, sizes, specials)."""
+    rng = random.Random(0)
+    specials = [None, -1, 0, 2 ** 70, math.nan, math.inf, "", "x" * 10_000, b"\xff" * 7, [], {}, [math.nan],
+                True, 1.5, object()]
+    base_peer = dict(peer="p", name="n", version=1, digest="abcdef", ready=-1, inner_step=0, tokens_per_s=1.0,
+                     sketch=[0.0] * 4)
+    for _ in range(3000):
+        member, peer = good(), dict(base_peer)
+        for record in (member, peer):
+            for _ in range(rng.randint(1, 3)):
+                key = rng.choice(list(record) + ["junk"])
+                record[key] = rng.choice(specials)
+        island = parse_island([member, good()], EXPECT)  # never raises
+        assert island.members[1] is not None
+        plan_island(island, rng.choice(["tokens2", "tokens", "uniform"]), 60.0)
+        parsed = parse_peer_record(peer)
+        assert parsed is None or isinstance(parsed.version, int)

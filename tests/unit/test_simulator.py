@@ -1,0 +1,93 @@
+"""The goodput simulator: sanity limits, the decoupled mode against sync DiLoCo, monotonicity, determinism,
+and the datacenter-scale run it exists for."""
+
+import dataclasses
+import json
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from p2pdiloco.cli import cli
+from p2pdiloco.sim.params import MODES, SimParams
+from p2pdiloco.sim.run import simulate
+
+SMALL = SimParams(chips=120_000, learners=4, days=2.0)  # a failure every ~4 minutes: fast, still failure-heavy
+NO_FAILURES = dict(mtbi_years=1e12)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_without_failures_every_mode_has_goodput_1(mode):
+    p = dataclasses.replace(SMALL, sync_seconds=0.0, **NO_FAILURES)
+    r = simulate(p, mode)
+    assert r.failures == 0
+    assert r.goodput == pytest.approx(1.0, abs=1e-3) and r.uptime == pytest.approx(1.0, abs=1e-3)
+
+
+def test_without_failures_decoupled_overlaps_the_sync_that_sync_diloco_waits_for():
+    p = dataclasses.replace(SMALL, sync_seconds=5.0, **NO_FAILURES)
+    assert simulate(p, "decoupled").goodput == pytest.approx(1.0, abs=1e-3)
+    assert simulate(p, "sync-diloco").goodput == pytest.approx(100 / 105, abs=1e-3)
+
+
+@pytest.mark.parametrize("seed, mtbi", [(0, 1.0), (1, 0.25), (2, 4.0)])
+def test_one_learner_decoupled_is_sync_diloco(seed, mtbi):
+    p = dataclasses.replace(SMALL, learners=1, seed=seed, mtbi_years=mtbi)
+    a, b = simulate(p, "decoupled"), simulate(p, "sync-diloco")
+    assert a.failures == b.failures > 0
+    assert (a.goodput, a.uptime, a.rounds) == (b.goodput, b.uptime, b.rounds)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_goodput_falls_as_failures_become_more_frequent(mode):
+    goodputs = [simulate(dataclasses.replace(SMALL, mtbi_years=y), mode).goodput for y in (8.0, 2.0, 0.5, 0.125)]
+    assert goodputs == sorted(goodputs, reverse=True) and goodputs[0] > goodputs[-1]
+
+
+def test_a_seed_gives_the_same_run_and_another_seed_another():
+    a, b = simulate(SMALL, "decoupled"), simulate(SMALL, "decoupled")
+    assert a.as_dict() == b.as_dict()
+    assert simulate(dataclasses.replace(SMALL, seed=7), "decoupled").as_dict() != a.as_dict()
+
+
+def test_decoupled_learners_keep_the_global_model_advancing_while_others_are_repaired():
+    p = dataclasses.replace(SMALL, learners=8)
+    decoupled, sync = simulate(p, "decoupled"), simulate(p, "sync-diloco")
+    assert decoupled.uptime > 0.95 > sync.uptime
+    assert decoupled.goodput > sync.goodput
+    assert decoupled.details["outcomes"].get("committed", 0) > 0  # islands of several learners formed
+
+
+def test_datacenter_scale_a_week_of_1_2m_chips_in_every_mode_within_a_minute():
+    started = time.monotonic()
+    result = CliRunner().invoke(cli, ["simulate", "--chips", "1200000", "--learners", "16", "--mtbi-years", "1",
+                                      "--mode", "all", "--json"])
+    elapsed = time.monotonic() - started
+    assert result.exit_code == 0, result.output
+    modes = json.loads(result.output)["modes"]
+    assert set(modes) == set(MODES) and all(0.0 <= m["goodput"] <= 1.0 for m in modes.values())
+    assert modes["decoupled"]["failures"] > 20_000  # a week of 1.2M chips at 1 year each
+    assert elapsed < 60.0
+
+
+def test_simulate_prints_a_table_json_and_a_plot(tmp_path):
+    runner = CliRunner()
+    args = ["simulate", "--chips", "10000", "--learners", "2", "--days", "0.5"]
+    table = runner.invoke(cli, args)
+    assert table.exit_code == 0 and all(mode in table.output for mode in MODES)
+    one = json.loads(runner.invoke(cli, [*args, "--mode", "decoupled", "--json"]).output)
+    assert {"goodput", "uptime"} <= one.keys() and one["mode"] == "decoupled"
+    png = tmp_path / "goodput.png"
+    result = runner.invoke(cli, [*args, "--plot", str(png)])
+    assert result.exit_code == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--learners", "0"], "learners must be a positive integer"),
+    (["--chips", "4", "--learners", "8"], "cannot exceed chips"),
+    (["--mtbi-years", "-1"], "mtbi years must be a positive number"),
+    (["--mode", "magic"], "Invalid value for '--mode'"),
+])
+def test_bad_simulator_flags_are_clear_errors(args, message):
+    result = CliRunner().invoke(cli, ["simulate", *args])
+    assert result.exit_code == 2 and message in result.output
