@@ -1,0 +1,64 @@
+"""The simulator against a recorded chaos run: feed `p2pdiloco simulate`'s decoupled mode the run's setting (peers,
+kill rate, restart delay) and the times measured in it (median inner step, median join, median all-reduce), and
+print the simulated goodput beside the measured one. Also: the same chaos if each peer had a machine of its own
+(restart in RESTART s, the step time of one peer alone on a core, measured by --solo-step or given).
+    python scripts/sim_vs_chaos.py runs/chaos300/chaos [--solo-step 0.12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import replace
+from pathlib import Path
+
+from p2pdiloco.ops.chaos import ChaosPlan
+from p2pdiloco.runtime.metrics import read_jsonl
+from p2pdiloco.sim.params import YEAR, SimParams
+from p2pdiloco.sim.run import simulate
+
+
+def measured(run_dir: Path) -> dict:
+    records = [r for path in sorted(run_dir.glob("peer*.jsonl")) for r in read_jsonl(path)]
+    steps = [r["step_seconds"] for r in records if r.get("kind") == "window" and "step_seconds" in r]
+    syncs = [r["sync_seconds"] for r in records if r.get("kind") == "round" and r.get("sync_seconds")]
+    report = json.loads((run_dir.parent / "report.json").read_text())["chaos"]
+    return dict(step_seconds=statistics.median(steps), sync_seconds=statistics.median(syncs) if syncs else 0.0,
+                join_seconds=report["join_seconds_median"], seconds=report["seconds"], goodput=report["goodput"],
+                goodput_of_alive_time=report["goodput_of_alive_time"], utilization=report["utilization"],
+                kills=report["kills"])
+
+
+def chaos_params(m: dict, plan: ChaosPlan, h: int, restart: float) -> SimParams:
+    per_peer_mtbi = plan.kill_every * plan.peers  # kills land on one of the live peers, uniformly
+    return SimParams(chips=plan.peers, learners=plan.peers, mtbi_years=per_peer_mtbi / YEAR,
+                     repair_seconds=sum(plan.restart_after) / 2 + restart, step_seconds=m["step_seconds"],
+                     inner_steps=h, sync_seconds=m["sync_seconds"], days=m["seconds"] / 86400, seed=0)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("run_dir", type=Path, help="the chaos run's log folder (…/chaos)")
+    parser.add_argument("-H", type=int, default=20, help="the peers' H (scripts/chaos.py default: 20)")
+    parser.add_argument("--solo-step", type=float, help="seconds per step of one peer alone on a core")
+    parser.add_argument("--restart", type=float, default=2.0, help="own machine: seconds from restart to training")
+    parser.add_argument("--seeds", type=int, default=20, help="simulated runs averaged (a chaos run is short)")
+    a = parser.parse_args()
+    m, plan = measured(a.run_dir), ChaosPlan()
+    here = chaos_params(m, plan, a.H, restart=m["join_seconds"])
+    own = replace(here, repair_seconds=sum(plan.restart_after) / 2 + a.restart,
+                  step_seconds=a.solo_step or here.step_seconds)
+    own_no_delay = replace(own, repair_seconds=a.restart)
+    print(f"measured: {json.dumps(m)}")
+    for label, p in (("this machine (as measured)", here), ("own machine, chaos restart delay", own),
+                     ("own machine, restarted at once", own_no_delay)):
+        runs = [simulate(replace(p, seed=s), "decoupled") for s in range(a.seeds)]
+        goodputs = [r.goodput for r in runs]
+        print(f"{label:<34} simulated goodput {statistics.mean(goodputs):.3f} "
+              f"(seeds {min(goodputs):.3f}..{max(goodputs):.3f}), repair {p.repair_seconds:.1f} s, "
+              f"step {p.step_seconds:.3f} s, sync {p.sync_seconds:.2f} s, per-peer MTBI {p.mtbi_seconds:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
