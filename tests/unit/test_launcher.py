@@ -3,6 +3,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.harness.swarm import alive
 
 
@@ -61,3 +63,11 @@ def test_stop_tree_does_not_signal_twice_a_process_already_asked_to_leave(tmp_pa
             time.sleep(0.01)
         stop_tree(proc, grace=10, already_signalled=flag)
         assert out.read_text() == expected
+
+
+def test_the_testbed_refuses_to_run_without_root_and_says_so(monkeypatch):
+    from p2pdiloco.ops.testbed import Testbed, TestbedError
+
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    with pytest.raises(TestbedError, match="needs root"):
+        Testbed(2).start()

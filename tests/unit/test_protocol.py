@@ -217,3 +217,26 @@ def test_an_event_the_round_is_not_waiting_for_is_a_driver_bug():
     rnd.start([], 100.0)
     with pytest.raises(ProtocolError):
         rnd.on_state(None, 100.0)
+
+
+def test_a_hostile_member_claiming_a_far_newer_state_is_excluded_and_never_downloaded_from():
+    """Gathered records pass the parser first: a member with an impossible claim is excluded from the merge (weight
+    0) with its reason, so it can neither take a share nor make the honest members fetch a state from it."""
+    from p2pdiloco.core import exact
+    from p2pdiloco.protocol.island import plan_island
+    from p2pdiloco.protocol.remote import Expect, parse_island
+
+    maxabs = exact.block_maxabs(torch.ones(8)).numpy().tobytes()
+    honest = dict(peer=ME, name="me", version=3, digest="aaaaaa", tokens=100, steps=10, budget=5.0, norms=[],
+                  maxabs=maxabs)
+    hostile = dict(honest, peer="evil", name="evil", version=2 ** 60, digest="zzzzzz", tokens=10 ** 30)
+    island = parse_island([honest, hostile, dict(honest, peer="b", name="b")], Expect(8))
+    plan = plan_island(island, "tokens2", cap=60.0)
+    assert plan.weights == [0.5, 0.0, 0.5] and "1" in island.excluded_by_index()
+    rnd = new_round()
+    to_island(rnd, [record("b"), record("evil")])
+    done = rnd.on_island(IslandReduced(verified=True, reason="ok", members=tuple(island.accepted),
+                                       weights=(0.5, 0.5), merged=torch.zeros(8),
+                                       excluded=island.excluded_by_index()), 110.0)
+    assert isinstance(done, Done) and isinstance(done.outcome, Committed) and not done.outcome.stale
+    assert [m.peer for m in done.outcome.members] == [ME, "b"] and "must be an integer" in done.outcome.excluded["1"]

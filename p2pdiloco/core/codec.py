@@ -1,0 +1,153 @@
+"""Compressed pseudo-gradients that still sum exactly: b-bit integer codes, packed to their width.
+
+Each member sends round(w·Δ / scale) clamped to ±L (L = 2^(b−1) − 1: int8 ±127, int4 ±7, int2 ±1), on per-block
+scales the whole group agrees on (the largest gathered block maximum maps to L), so codes from different members
+add up as plain integers. Codes travel packed to b bits; a sum of N codes needs `sum_width(b, N)` bits and travels
+packed to that width. Every member decodes the same integer sum, so members stay bitwise equal whatever the
+codec; what quantization dropped is kept by the sender (`ErrorFeedback`) and added to its next contribution.
+
+Pure tensor code: no network, no clock. The transport that moves packed parts is separate, and so is how much
+of the model one round carries (fragments), so both can change without touching this module.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from p2pdiloco.core.exact import BLOCK, block_maxabs
+
+BITS = {"int8": 8, "int4": 4, "int2": 2}
+
+
+def levels(bits: int) -> int:
+    """Largest |code|: symmetric, so zero is exact and the sign costs nothing extra."""
+    if not 2 <= bits <= 16:
+        raise ValueError(f"codes of {bits} bits are not supported (2..16)")
+    return (1 << (bits - 1)) - 1
+
+
+def agreed_scales(maxabs: Sequence[torch.Tensor], bits: int) -> torch.Tensor:
+    """Per-block step shared by the group: the largest gathered |value| maps to the largest code."""
+    top = torch.stack([m.double() for m in maxabs]).amax(dim=0)
+    scales = top / levels(bits)
+    return torch.where(scales > 0, scales, torch.ones_like(scales))
+
+
+def _per_element(scales: torch.Tensor, n: int) -> torch.Tensor:
+    return scales.repeat_interleave(BLOCK)[:n]
+
+
+def quantize(x: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes of x as int32 in [−L, L]; |x − code·scale| ≤ scale/2 where |x| ≤ L·scale (clamped beyond)."""
+    limit = levels(bits)
+    return torch.round(x.double() / _per_element(scales, x.numel())).clamp_(-limit, limit).to(torch.int32)
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return (codes.double() * _per_element(scales, codes.numel())).float()
+
+
+def sum_width(bits: int, group_size: int) -> int:
+    """Bits that hold any sum of `group_size` codes, rounded up to a width `pack` handles."""
+    return packable_width(math.ceil(math.log2(2 * group_size * levels(bits) + 1)))
+
+
+def packable_width(width: int) -> int:
+    """Widths pack into whole bytes per group of ≤ 64 bits: any of 1..8, even up to 16, multiples of 4 to 32."""
+    for w in range(max(1, width), 33):
+        if w <= 8 or (w <= 16 and w % 2 == 0) or w % 4 == 0:
+            return w
+    raise ValueError(f"cannot pack {width}-bit values")
+
+
+def _group(width: int) -> tuple[int, int]:
+    """(values per group, bytes per group) such that a group is whole bytes and fits in 64 bits."""
+    values = 8 // math.gcd(width, 8)
+    return values, values * width // 8
+
+
+def pack(values: torch.Tensor, width: int) -> bytes:
+    """Signed integers with |v| < 2^(width−1), `width` bits each, little-endian, padded to whole groups."""
+    if width != packable_width(width):
+        raise ValueError(f"width {width} is not packable; use packable_width()")
+    per, nbytes = _group(width)
+    offset = 1 << (width - 1)
+    v = values.to(torch.int64).numpy().astype(np.uint64) + np.uint64(offset)
+    if v.size and int(v.max()) >= 1 << width:
+        raise ValueError(f"a value does not fit in {width} bits")
+    v = np.pad(v, (0, (-v.size) % per)).reshape(-1, per)
+    acc = np.zeros(v.shape[0], dtype=np.uint64)
+    for k in range(per):
+        acc |= v[:, k] << np.uint64(k * width)
+    return acc.astype("<u8").view(np.uint8).reshape(-1, 8)[:, :nbytes].tobytes()
+
+
+def unpack(data: bytes, width: int, n: int) -> torch.Tensor:
+    """The inverse of `pack`: n signed integers (int64). Raises ValueError if `data` has the wrong length."""
+    per, nbytes = _group(width)
+    groups = -(-n // per)
+    if len(data) != groups * nbytes:
+        raise ValueError(f"expected {groups * nbytes} bytes for {n} values of {width} bits, got {len(data)}")
+    raw = np.frombuffer(data, dtype=np.uint8).reshape(groups, nbytes)
+    acc = np.pad(raw, ((0, 0), (0, 8 - nbytes))).copy().view("<u8").reshape(-1)
+    mask = np.uint64((1 << width) - 1)
+    v = np.stack([(acc >> np.uint64(k * width)) & mask for k in range(per)], axis=1).reshape(-1)[:n]
+    return torch.from_numpy(v.astype(np.int64) - (1 << (width - 1)))
+
+
+def packed_bytes(n: int, width: int) -> int:
+    per, nbytes = _group(width)
+    return -(-n // per) * nbytes
+
+
+@dataclass
+class ErrorFeedback:
+    """What quantization dropped from our contributions, in Δ units, added to the next one.
+
+    With it, the applied updates track the uncompressed ones: after t rounds Σ sent = Σ Δ − residual, and the
+    residual stays within one quantization step per element instead of growing with t."""
+
+    residual: Optional[torch.Tensor] = None
+
+    def compensate(self, delta: torch.Tensor) -> torch.Tensor:
+        return delta if self.residual is None else delta + self.residual
+
+    def record(self, intended: torch.Tensor, sent: torch.Tensor) -> None:
+        self.residual = (intended.double() - sent.double()).float()
+
+    def reset(self) -> None:
+        """A rolled-back round sent nothing: the whole Δ rides along, so the residual must not count twice."""
+        self.residual = None
+
+
+@dataclass
+class Encoded:
+    """One member's compressed contribution and what it needs to decode the group's sum."""
+
+    codes: torch.Tensor  # int32 in [−L, L]
+    scales: torch.Tensor
+    bits: int
+    sent: torch.Tensor = field(repr=False, default=None)  # dequantized codes / weight: what reaches Θ from us
+
+
+def encode(delta: torch.Tensor, weight: float, maxabs: Sequence[torch.Tensor], bits: int) -> Encoded:
+    """Our weighted Δ as codes on the group's scales (`maxabs`: every member's block maxima of w·Δ)."""
+    scales = agreed_scales(maxabs, bits)
+    codes = quantize(delta.double() * weight, scales, bits)
+    sent = (dequantize(codes, scales).double() / weight).float() if weight > 0 else torch.zeros_like(delta)
+    return Encoded(codes, scales, bits, sent)
+
+
+def weighted_maxabs(delta: torch.Tensor, weight: float) -> torch.Tensor:
+    """What a member gathers so the group can agree on scales: block maxima of w·Δ."""
+    return block_maxabs(delta.double() * weight).float()
+
+
+def decode_sum(total: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Σ wᵢΔᵢ from the integer sum of the group's codes: the same bits on every member."""
+    return dequantize(total, scales)

@@ -1,0 +1,175 @@
+"""A network testbed on one machine: N peers, each in its own network namespace, joined through a hub namespace by
+veth links with a rate limit (tc tbf, both directions), one-way delay and packet loss.
+
+Delay and loss: `netem` where the kernel has it, else a userspace delay line (p2pdiloco.ops.delayline) on a TUN
+device in the hub; policy routing sends every packet entering the hub from a peer through it once. Addresses come
+from the benchmarking range 198.18.0.0/15 (RFC 2544), live only inside namespaces this testbed creates, and no
+namespace has a route out of them. Everything it creates is named with its prefix and removed by name on exit.
+Needs root; says so otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Optional
+
+TUN = "tbdelay"
+ROUTE_TABLE = "100"
+
+
+class TestbedError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Link:
+    rate_mbit: float = 100.0
+    delay_ms: float = 0.0  # one way: a round trip between two peers takes 2× this
+    loss: float = 0.0  # share of packets dropped, 0..1
+
+    def __post_init__(self):
+        if not self.rate_mbit > 0 or self.delay_ms < 0 or not 0 <= self.loss < 1:
+            raise TestbedError(f"bad link {self}: rate > 0, delay >= 0, loss in [0, 1)")
+
+
+def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(args, capture_output=True, text=True)
+    if check and result.returncode != 0:
+        raise TestbedError(f"`{' '.join(args)}` failed: {result.stderr.strip() or result.stdout.strip()}")
+    return result
+
+
+def has_netem() -> bool:
+    """Whether this kernel can add a netem qdisc (tried on a throwaway namespace's loopback)."""
+    probe = "p2pdiloco-netem-probe"
+    sh("ip", "netns", "add", probe)
+    try:
+        return sh("ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms",
+                  check=False).returncode == 0
+    finally:
+        sh("ip", "netns", "del", probe, check=False)
+
+
+@dataclass
+class Testbed:
+    peers: int
+    link: Link = field(default_factory=Link)
+    prefix: str = "p2pdt"
+    seed: int = 0
+    use_netem: Optional[bool] = None  # None: probe
+    _delayline: Optional[subprocess.Popen] = None
+    created: list = field(default_factory=list)
+
+    # ---- names and addresses --------------------------------------------------------------------------------
+    @property
+    def hub(self) -> str:
+        return f"{self.prefix}-hub"
+
+    def ns(self, i: int) -> str:
+        return f"{self.prefix}-p{i}"
+
+    @staticmethod
+    def address(i: int) -> str:
+        return f"198.18.{i + 1}.2"
+
+    def exec_prefix(self, i: int) -> list[str]:
+        """Run a command inside peer i's namespace: `[*tb.exec_prefix(i), 'python', ...]`."""
+        return ["ip", "netns", "exec", self.ns(i)]
+
+    # ---- lifecycle ------------------------------------------------------------------------------------------
+    def __enter__(self) -> "Testbed":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        if os.geteuid() != 0:
+            raise TestbedError("the network testbed needs root (network namespaces, veth, tc); run it as root")
+        for tool in ("ip", "tc"):
+            if shutil.which(tool) is None:
+                raise TestbedError(f"the network testbed needs `{tool}` (iproute2)")
+        self.stop()  # leftovers of an earlier run with this prefix
+        if self.use_netem is None:
+            self.use_netem = has_netem()
+        try:
+            self._add_ns(self.hub)
+            self._hub("sysctl", "-qw", "net.ipv4.ip_forward=1")
+            self._hub("sysctl", "-qw", "net.ipv4.conf.all.rp_filter=0")
+            self._hub("sysctl", "-qw", "net.ipv4.conf.default.rp_filter=0")
+            for i in range(self.peers):
+                self._add_peer(i)
+            if not self.use_netem and (self.link.delay_ms or self.link.loss):
+                self._start_delayline()
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        if self._delayline is not None:
+            self._delayline.terminate()
+            try:
+                self._delayline.wait(5)
+            except subprocess.TimeoutExpired:
+                self._delayline.kill()
+            self._delayline = None
+        for name in self.namespaces():
+            sh("ip", "netns", "del", name, check=False)  # removes its veth ends and the TUN device with it
+        self.created.clear()
+
+    def namespaces(self) -> list[str]:
+        listed = sh("ip", "netns", "list", check=False).stdout.split("\n")
+        return [line.split()[0] for line in listed if line.startswith(f"{self.prefix}-")]
+
+    # ---- building -------------------------------------------------------------------------------------------
+    def _add_ns(self, name: str) -> None:
+        sh("ip", "netns", "add", name)
+        self.created.append(name)
+        sh("ip", "-n", name, "link", "set", "lo", "up")
+
+    def _hub(self, *args: str) -> None:
+        sh("ip", "netns", "exec", self.hub, *args)
+
+    def _add_peer(self, i: int) -> None:
+        ns, hub_end, peer_end = self.ns(i), f"h{i}", f"v{i}"
+        self._add_ns(ns)
+        sh("ip", "link", "add", hub_end, "netns", self.hub, "type", "veth", "peer", "name", peer_end, "netns", ns)
+        sh("ip", "-n", self.hub, "addr", "add", f"198.18.{i + 1}.1/24", "dev", hub_end)
+        sh("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", peer_end)
+        for where, dev in ((self.hub, hub_end), (ns, peer_end)):
+            sh("ip", "-n", where, "link", "set", dev, "up")
+            self._shape(where, dev)
+        sh("ip", "-n", ns, "route", "add", "198.18.0.0/15", "via", f"198.18.{i + 1}.1")  # the hub: nothing else
+        self._hub("sysctl", "-qw", f"net.ipv4.conf.{hub_end}.rp_filter=0")
+
+    def _shape(self, ns: str, dev: str) -> None:
+        """tbf on each direction; its burst grows with the rate (a fixed 32 KB burst caps 1 Gbit/s at ~830)."""
+        rate = self.link.rate_mbit
+        burst = max(32_000, int(rate * 1e6 / 8 / 250))
+        tbf = ["tbf", "rate", f"{rate}mbit", "burst", str(burst), "latency", "100ms"]
+        if self.use_netem and (self.link.delay_ms or self.link.loss):
+            # half the delay on each side of the hub: one way crosses two such egresses
+            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
+               "delay", f"{self.link.delay_ms / 2}ms", "loss", f"{self.link.loss * 50}%")
+            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *tbf)
+        else:
+            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", *tbf)
+
+    def _start_delayline(self) -> None:
+        self._delayline = subprocess.Popen(
+            ["ip", "netns", "exec", self.hub, sys.executable, "-m", "p2pdiloco.ops.delayline", "--dev", TUN,
+             "--delay-ms", str(self.link.delay_ms), "--loss", str(self.link.loss), "--seed", str(self.seed)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        ready = self._delayline.stdout.readline().strip()
+        if ready != "ready":
+            raise TestbedError(f"the delay line did not start: {ready}")
+        self._hub("ip", "link", "set", TUN, "up")
+        self._hub("sysctl", "-qw", f"net.ipv4.conf.{TUN}.rp_filter=0")
+        self._hub("ip", "route", "add", "default", "dev", TUN, "table", ROUTE_TABLE)
+        for i in range(self.peers):  # from a peer: through the delay line; from the delay line: the main table
+            self._hub("ip", "rule", "add", "iif", f"h{i}", "lookup", ROUTE_TABLE)

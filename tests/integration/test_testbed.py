@@ -1,0 +1,97 @@
+"""The network testbed applies what it promises (measured through it) and removes everything it created."""
+
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from p2pdiloco.ops.testbed import Link, Testbed, TestbedError
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180),
+              pytest.mark.skipif(os.geteuid() != 0, reason="the testbed needs root (network namespaces)")]
+
+SERVER = """
+import socket, sys
+kind, host = sys.argv[1], sys.argv[2]
+if kind == "tcp":
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((host, 5001)); s.listen(1)
+    print("listening", flush=True)
+    c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    total = 0
+    while True:
+        d = c.recv(1 << 16)
+        if not d: break
+        if d == b"p": c.sendall(b"q"); continue
+        total += len(d)
+    c.sendall(str(total).encode())
+else:
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind((host, 5002)); s.settimeout(3.0)
+    print("listening", flush=True)
+    n = 0
+    try:
+        while True:
+            s.recv(64); n += 1
+    except socket.timeout:
+        print(n, flush=True)
+"""
+
+CLIENT = """
+import json, socket, sys, time
+kind, host = sys.argv[1], sys.argv[2]
+if kind == "tcp":
+    c = socket.create_connection((host, 5001), timeout=20); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    rtts = []
+    for _ in range(7):
+        t = time.monotonic(); c.sendall(b"p"); c.recv(1); rtts.append(time.monotonic() - t)
+    c.sendall(b"x" * (1 << 20))  # warm up the window
+    data = b"x" * (6 << 20); t = time.monotonic(); c.sendall(data); c.shutdown(socket.SHUT_WR); c.recv(100)
+    print(json.dumps(dict(rtts=rtts, mbit=len(data) * 8 / (time.monotonic() - t) / 1e6)))
+else:
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for _ in range(2000):
+        s.sendto(b"x" * 32, (host, 5002)); time.sleep(0.0005)
+"""
+
+
+def measure(tb: Testbed, kind: str) -> str:
+    server = subprocess.Popen([*tb.exec_prefix(1), sys.executable, "-c", SERVER, kind, tb.address(1)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "listening"
+        client = subprocess.run([*tb.exec_prefix(0), sys.executable, "-c", CLIENT, kind, tb.address(1)],
+                                capture_output=True, text=True, timeout=90)
+        assert client.returncode == 0, client.stderr
+        return client.stdout if kind == "tcp" else server.communicate(timeout=20)[0]
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_rate_and_delay_are_applied_as_measured_through_the_testbed():
+    import json
+
+    with Testbed(2, Link(rate_mbit=20, delay_ms=30), prefix="p2pdt-test") as tb:
+        result = json.loads(measure(tb, "tcp"))
+        assert len(tb.namespaces()) == 3
+    rtt_ms = 1000 * statistics.median(result["rtts"])
+    assert 58 <= rtt_ms <= 90, rtt_ms  # 2 × 30 ms one way, plus the delay line's and Python's time
+    assert 12 <= result["mbit"] <= 21, result["mbit"]  # tbf at 20 Mbit/s (TCP over a 60 ms RTT gets most of it)
+    assert tb.namespaces() == [] and tb._delayline is None
+
+
+def test_loss_is_applied_and_the_testbed_cleans_up_after_itself():
+    with Testbed(2, Link(rate_mbit=50, loss=0.2), prefix="p2pdt-test", seed=1) as tb:
+        received = int(measure(tb, "udp").split()[-1])
+        delayline = tb._delayline
+    assert 0.70 <= received / 2000 <= 0.90, received
+    assert delayline.poll() is not None  # the delay line was stopped
+    assert tb.namespaces() == []
+    assert "p2pdt-test" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_bad_links_are_refused():
+    for bad in (dict(rate_mbit=0), dict(delay_ms=-1), dict(loss=1.0)):
+        with pytest.raises(TestbedError):
+            Link(**bad)

@@ -1,0 +1,88 @@
+"""Compressed codes: round trips within their bound, lossless packing, exact integer sums, error feedback."""
+
+import pytest
+import torch
+
+from p2pdiloco.core import codec
+from p2pdiloco.core.exact import BLOCK
+
+WIDTHS = [w for w in range(1, 33) if codec.packable_width(w) == w]
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_packing_is_lossless_at_every_width(width):
+    g = torch.Generator().manual_seed(width)
+    n = 1001  # not a multiple of any group
+    lo, hi = -(1 << (width - 1)), (1 << (width - 1)) - 1
+    values = torch.randint(lo, hi + 1, (n,), generator=g, dtype=torch.int64)
+    values[:2] = torch.tensor([lo, hi])
+    data = codec.pack(values, width)
+    assert len(data) == codec.packed_bytes(n, width) <= (n * width + 63) // 8 + 8
+    assert torch.equal(codec.unpack(data, width, n), values)
+
+
+def test_packing_refuses_what_does_not_fit_and_unpacking_checks_the_length():
+    with pytest.raises(ValueError):
+        codec.pack(torch.tensor([8]), 4)
+    with pytest.raises(ValueError):
+        codec.unpack(b"\x00" * 3, 4, 10)
+    with pytest.raises(ValueError):
+        codec.pack(torch.tensor([1]), 9)  # not a packable width
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
+def test_each_codec_round_trips_within_half_a_step(name):
+    bits = codec.BITS[name]
+    x = torch.randn(3 * BLOCK + 7, generator=torch.Generator().manual_seed(0))
+    scales = codec.agreed_scales([codec.weighted_maxabs(x, 1.0)], bits)
+    codes = codec.quantize(x, scales, bits)
+    assert int(codes.abs().max()) == codec.levels(bits)  # the block maximum maps to the largest code
+    err = (codec.dequantize(codes, scales) - x).abs()
+    step = scales.repeat_interleave(BLOCK)[: x.numel()]
+    assert bool((err <= step / 2 * (1 + 1e-6)).all())
+    assert len(codec.pack(codes, bits)) == codec.packed_bytes(x.numel(), bits) == -(-x.numel() * bits // 8)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
+def test_a_groups_codes_sum_exactly_and_every_member_decodes_the_same_bits(name):
+    bits, n, members = codec.BITS[name], 2 * BLOCK + 3, 5
+    g = torch.Generator().manual_seed(1)
+    deltas = [torch.randn(n, generator=g) * (i + 1) for i in range(members)]
+    weights = [0.1, 0.15, 0.2, 0.25, 0.3]
+    maxabs = [codec.weighted_maxabs(d, w) for d, w in zip(deltas, weights)]  # gathered
+    encoded = [codec.encode(d, w, maxabs, bits) for d, w in zip(deltas, weights)]
+    total = sum(e.codes.to(torch.int64) for e in encoded)
+    width = codec.sum_width(bits, members)
+    assert codec.levels(bits) * members < 1 << (width - 1)  # the widest possible sum fits
+    wire = codec.pack(total, width)  # what every member receives
+    decoded = [codec.decode_sum(codec.unpack(wire, width, n), encoded[0].scales) for _ in range(members)]
+    assert all(torch.equal(decoded[0], d) for d in decoded)
+    exact = sum(codec.dequantize(e.codes, e.scales).double() for e in encoded)
+    assert torch.allclose(decoded[0].double(), exact, rtol=0, atol=1e-6 * float(exact.abs().max()))
+    truth = sum(d.double() * w for d, w in zip(deltas, weights))
+    step = encoded[0].scales.repeat_interleave(BLOCK)[:n]
+    assert bool(((decoded[0].double() - truth).abs() <= members * step / 2 + 1e-6).all())
+
+
+def test_error_feedback_makes_applied_updates_track_the_uncompressed_sum():
+    """int2 of a signal far below one step: without feedback nothing is ever sent; with it, the running sum of
+    what was sent stays within one step of the running sum of Δ."""
+    bits, rounds = 2, 400
+    g = torch.Generator().manual_seed(2)
+    big = torch.zeros(BLOCK)
+    big[0] = 10.0  # sets a coarse step for the block
+    feedback = codec.ErrorFeedback()
+    sent_with, sent_without, truth = torch.zeros(BLOCK), torch.zeros(BLOCK), torch.zeros(BLOCK)
+    for _ in range(rounds):
+        delta = big.clone()
+        delta[1:] = 0.1 + 0.05 * torch.rand(BLOCK - 1, generator=g)
+        truth += delta
+        for fb, acc in ((feedback, sent_with), (None, sent_without)):
+            intended = fb.compensate(delta) if fb else delta
+            enc = codec.encode(intended, 1.0, [codec.weighted_maxabs(intended, 1.0)], bits)
+            if fb:
+                fb.record(intended, enc.sent)
+            acc += enc.sent
+    step = 10.0 / codec.levels(bits)
+    assert float((sent_without[1:] - truth[1:]).abs().max()) > rounds * 0.1 - 1e-3  # the signal was lost
+    assert float((sent_with - truth).abs().max()) <= step / 2 + 1e-3  # Σ sent = Σ Δ − residual, |residual| ≤ step/2
