@@ -15,6 +15,7 @@ from typing import Optional
 WEIGHTINGS = ("tokens2", "tokens", "uniform")  # p2pdiloco.core.outer.merge_weights implements them
 APPLICATIONS = ("delayed", "eager")  # how a peer trains while its round is in flight (p2pdiloco.training.diloco)
 MODES = ("decoupled", "sync")
+COMPRESSIONS = ("none", "int8", "int4", "int2")  # p2pdiloco.core.codec
 
 
 class ConfigError(ValueError):
@@ -144,6 +145,11 @@ class SwarmConfig:
                                    "deadlines).")
     connect_timeout: float = option(20.0, "Seconds to wait for the initial peers before giving up.",
                                     group="connect")
+    compression: str = option(
+        "none", "Pseudo-gradients on the wire: none (exact fp32 integers through hivemind's all-reduce) or b-bit "
+        "integer codes, packed, summed exactly by p2pdiloco's own reduce-scatter.", choices=COMPRESSIONS)
+    error_feedback: Optional[bool] = option(
+        None, "Carry what quantization dropped into the next contribution (default: on for int4 and int2).")
     fault_plan: str = option("", "Test-only fault plan (p2pdiloco.runtime.faults).", hidden=True,
                              envvar="P2PDILOCO_FAULT_PLAN")
 

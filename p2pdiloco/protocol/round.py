@@ -122,6 +122,7 @@ class IslandReduced:
     deadline: float = 0.0
     merged: Optional[torch.Tensor] = None
     excluded: dict = field(default_factory=dict)  # peer (or index) → why its record was rejected
+    codec_scales: Optional[torch.Tensor] = None  # compressed rounds: the block scales the group agreed on
 
 
 IslandResult = Union[NoIsland, IslandFailed, IslandReduced]

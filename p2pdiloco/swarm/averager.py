@@ -10,6 +10,7 @@ runs: every round outcome carries the verification this method adds.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import os
 import signal
@@ -21,15 +22,17 @@ from typing import AsyncIterator, Callable, Optional, Sequence
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.p2p import P2PContext
-from hivemind.proto import averaging_pb2
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.logging import get_logger
 
-from p2pdiloco.core import exact
+from p2pdiloco.core import codec, exact
 from p2pdiloco.core.exact import n_blocks
 from p2pdiloco.protocol.island import plan_island
 from p2pdiloco.protocol.remote import Expect, parse_island
 from p2pdiloco.protocol.round import IslandReduced
 from p2pdiloco.runtime.faults import NO_FAULTS, FaultPlan
+from p2pdiloco.swarm.codes import CodesError, CodesExchange
 from p2pdiloco.swarm.statefetch import PartServer, parse_part_request
 from p2pdiloco.protocol.timing import allreduce_wire_bytes
 
@@ -73,9 +76,11 @@ class ExactAverager(DecentralizedAverager):
     """
 
     def __init__(self, n_elements: int, max_group: int, state_provider: StateProvider, weighting: str,
-                 allreduce_cap: float, expect: Expect, fault_plan: FaultPlan = NO_FAULTS, **kwargs):
+                 allreduce_cap: float, expect: Expect, fault_plan: FaultPlan = NO_FAULTS, bits: int = 0, **kwargs):
         self.n_elements, self.max_group, self.weighting = n_elements, max_group, weighting
         self.allreduce_cap, self.expect, self.fault_plan = allreduce_cap, expect, fault_plan
+        self.bits = bits  # 0: exact fp32 integers through hivemind's all-reduce; else packed codes (swarm.codes)
+        self._codes = CodesExchange(max_payload=codec.packed_bytes(n_elements, 16) + 1024)
         self._state_provider = state_provider
         buffer = torch.zeros(n_elements + exact.tail_size(max_group))
         super().__init__([buffer], target_group_size=max_group, **kwargs)
@@ -87,6 +92,8 @@ class ExactAverager(DecentralizedAverager):
         started = time.monotonic()
         if plan.weights is None:  # every member derives the same: nothing to merge, no tensor moves
             return self._reduced(island, plan, group_info, False, plan.reason, started)
+        if self.bits:
+            return await self._codes_round(island, plan, group_info, my_index, started)
         maxabs = [torch.frombuffer(bytearray(m.maxabs), dtype=torch.float32) if m is not None
                   else torch.zeros(n_blocks(self.n_elements)) for m in island.members]
         with self.get_tensors() as (buffer,):
@@ -110,6 +117,53 @@ class ExactAverager(DecentralizedAverager):
         if not decoded.verified:
             logger.warning(f"round in group {group_info.group_id.hex()[:8]} not verified: {decoded.reason}")
         return self._reduced(island, plan, group_info, decoded.verified, decoded.reason, started)
+
+    async def _codes_round(self, island, plan, group_info, my_index: int, started: float) -> IslandReduced:
+        """Compressed: each member's w·Δ as b-bit codes on block scales agreed from the gathered maxima, summed
+        exactly by our own reduce-scatter and all-gather (p2pdiloco.swarm.codes)."""
+        maxabs = [torch.frombuffer(bytearray(m.maxabs), dtype=torch.float32).double() * w if m is not None
+                  else torch.zeros(n_blocks(self.n_elements), dtype=torch.float64)
+                  for m, w in zip(island.members, plan.weights)]
+        with self.get_tensors() as (buffer,):
+            delta = buffer[: self.n_elements].clone()
+        enc = codec.encode(delta, plan.weights[my_index], maxabs, self.bits)
+        # hivemind's contract at this seam (its PowerSGD averager does the same): the group's future holds the
+        # runner that serves its all-reduce parts; ours has none, our parts travel through rpc_codes_*
+        running = self._running_groups.get(group_info.group_id)
+        if running is not None and not running.done():
+            running.set_result(None)
+        own = island.members[my_index]
+        if own is not None and self.fault_plan.planned("die_in_allreduce", own.version):
+            asyncio.get_running_loop().call_later(0.05, _die)
+        try:
+            total = await self._codes.run(group_info.group_id, list(group_info.peer_ids), my_index, enc.codes,
+                                          self.bits, lambda peer: self.get_stub(self._p2p, peer, namespace=self.prefix),
+                                          plan.deadline)
+        except Exception as e:  # a part that never came, a refused or malformed part: the round rolls back
+            logger.warning(f"compressed round in group {group_info.group_id.hex()[:8]} failed: {e!r}")
+            return self._reduced(island, plan, group_info, False, f"compressed all-reduce failed: {e}", started)
+        with self.get_tensors() as (buffer,):
+            buffer[: self.n_elements] = codec.decode_sum(total, enc.scales)
+        reduced = self._reduced(island, plan, group_info, True, "ok", started)
+        return dataclasses.replace(reduced, codec_scales=enc.scales)
+
+    async def rpc_codes_push(self, requests: AsyncIterator[averaging_pb2.DownloadData],
+                             context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """A member's packed codes of the part we reduce (p2pdiloco.swarm.codes)."""
+        try:
+            error = await self._codes.receive(requests, str(context.remote_id))
+        except CodesError as e:
+            error = str(e)
+        yield averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(dict(error=error)) if error else b"")
+
+    async def rpc_codes_fetch(self, request: averaging_pb2.DownloadData,
+                              context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """The exact sum of the part we reduce, once every member's codes arrived."""
+        try:
+            async for chunk in self._codes.serve(request, timeout=self.allreduce_cap):
+                yield averaging_pb2.DownloadData(tensor_part=runtime_pb2.Tensor(buffer=chunk))
+        except CodesError as e:
+            yield averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(dict(error=str(e))))
 
     def _user_record(self, blob: bytes):
         """The record a member gathered (hivemind wraps it in (bandwidth, mode, user)); None if undecodable."""
@@ -178,6 +232,12 @@ class ExactAverager(DecentralizedAverager):
         """Runs in the host process when a peer downloads our state (late join, resync)."""
         metadata, tensors = self._state_provider()
         return metadata, list(tensors), None
+
+
+def _die() -> None:
+    """Fault plan: SIGKILL the whole peer (host first) while the round's tensors are moving."""
+    os.kill(os.getppid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _transfer_of(request: averaging_pb2.DownloadData, context: P2PContext) -> Optional[tuple[str, int, str]]:

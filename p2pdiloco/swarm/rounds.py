@@ -19,7 +19,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 
 from p2pdiloco.config import OuterConfig, SwarmConfig
-from p2pdiloco.core import exact
+from p2pdiloco.core import codec, exact
 from p2pdiloco.core.outer import Segment, rda_directions
 from p2pdiloco.core.state import sharing_priority, validate_state
 from p2pdiloco.protocol.outcomes import Contribution, RoundOutcome, StateTuple
@@ -56,10 +56,14 @@ class SwarmMerger:
             allreduce_cap=self.limits.allreduce_cap, buffer_elements=self.buffer_size, max_island=cfg.max_island,
             declared_bytes_per_s=self.limits.initial_bytes_per_s,
             rda_segments=tuple(self.segments) if outer.rda else ())
-        merge_rule = f"{outer.weighting}_{'rda' if outer.rda else 'mean'}"  # peers with other rules never meet
+        # peers with another merge rule or codec never meet
+        merge_rule = f"{outer.weighting}_{'rda' if outer.rda else 'mean'}_{cfg.compression}"
+        self.bits = codec.BITS.get(cfg.compression, 0)
+        feedback = cfg.error_feedback if cfg.error_feedback is not None else 0 < self.bits <= 4
+        self.feedback = codec.ErrorFeedback() if self.bits and feedback else None
         self.averager = ExactAverager(
             n_params, cfg.max_island, state_provider, outer.weighting, self.limits.allreduce_cap,
-            Expect(n_params, len(self.segments) if outer.rda else 0), fault_plan,
+            Expect(n_params, len(self.segments) if outer.rda else 0), fault_plan, self.bits,
             dht=dht, prefix=f"{cfg.run_id}_{merge_rule}", start=True,
             min_group_size=max(2, cfg.quorum),  # hivemind would "form" a group of 1 at once; K=1 is ours
             min_matchmaking_time=self.limits.matchmaking, request_timeout=self.limits.request,
@@ -120,6 +124,8 @@ class SwarmMerger:
         if self._group_bits(c.version) != self._group_bits(0):
             self.averager.set_group_bits(self._group_bits(c.version))
         body, norms = rda_directions(c.delta, self.segments) if self.outer.rda else (c.delta, [])
+        if self.feedback is not None:
+            body = self.feedback.compensate(body)
         with self.averager.get_tensors() as (buffer,):
             buffer[: self.n] = body
         gather = gather_record(self.peer, c.name, c.version, c.tokens, c.steps, body, c.digest, island.budget,
@@ -142,8 +148,18 @@ class SwarmMerger:
             return IslandFailed(f"the averager returned {type(result).__name__}")
         if not result.verified:
             return result
+        if self.feedback is not None and result.codec_scales is not None:
+            self._record_feedback(body, result)
         with self.averager.get_tensors() as (buffer,):
             return dataclasses.replace(result, merged=buffer[: self.n].clone())
+
+    def _record_feedback(self, body, result: IslandReduced) -> None:
+        """What of our (compensated) Δ reached the sum: the same codes the averager sent, decoded."""
+        weight = next((w for m, w in zip(result.members, result.weights) if m.peer == self.peer), 0.0)
+        if weight > 0:
+            sent = codec.dequantize(codec.quantize(body.double() * weight, result.codec_scales, self.bits),
+                                    result.codec_scales).double() / weight
+            self.feedback.record(body, sent.float())
 
     def _traffic(self, before) -> dict:
         """What this round really moved (failed rounds too), measured on our averager process."""

@@ -1,0 +1,203 @@
+"""Our own reduce-scatter and all-gather of packed integer codes, over the averager's libp2p streams.
+
+Why not a codec at hivemind's seam: hivemind deserializes every tensor part through a fixed protobuf enum of
+codecs (a module-level registry) and sends each reduced part back with the sender's codec, so a lossless packed
+codec cannot be added without patching hivemind, and its fp32 way back would cost 8× an int4 way out.
+
+A round, once matchmaking formed the group (N members, in the group's order):
+1. the flat codes are split into N contiguous parts; member j reduces part j;
+2. every member pushes its packed codes of part j to member j (`rpc_codes_push`, streamed in chunks);
+3. member j range-checks every code it receives (|code| ≤ L, the exact packed length) and, once it holds all N
+   contributions, sums them exactly and packs the sum at its width (`codec.sum_width`);
+4. every member fetches each part's sum from its reducer (`rpc_codes_fetch`) and unpacks it.
+A reducer serves a sum only when it is complete, so every member that fetched all parts holds the same bits; a
+member that cannot fetch a part raises, and its round rolls back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional
+
+import torch
+from hivemind.proto import averaging_pb2
+from hivemind.utils.serializer import MSGPackSerializer
+
+from p2pdiloco.core import codec
+
+CHUNK = 1 << 20  # bytes per stream message (libp2p messages stay well under the daemon's limit)
+MAX_PENDING_GROUPS = 4  # reductions kept at once: a push may arrive before our own matchmaking finished
+serializer = MSGPackSerializer
+
+
+class CodesError(RuntimeError):
+    pass
+
+
+def part_ranges(n: int, members: int) -> list[tuple[int, int]]:
+    """N contiguous parts of n elements, sizes differing by at most one."""
+    base, extra = divmod(n, members)
+    bounds, start = [], 0
+    for j in range(members):
+        end = start + base + (1 if j < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+@dataclass
+class Reduction:
+    """Our part of one group's sum: contributions arrive from every member, the sum is served once complete."""
+
+    created: float = field(default_factory=time.monotonic)
+    payloads: dict = field(default_factory=dict)  # sender peer id → packed codes
+    spec: Optional[tuple] = None  # (senders, length, bits, group size) once our own round knows the group
+    own: Optional[torch.Tensor] = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    result: Optional[bytes] = None
+    error: str = ""
+
+    def settle_if_complete(self) -> None:
+        if self.ready.is_set() or self.spec is None or self.own is None:
+            return
+        senders, length, bits, size = self.spec
+        if set(self.payloads) != set(senders):
+            return
+        limit = codec.levels(bits)
+        total = self.own.to(torch.int64).clone()
+        for sender in senders:
+            data = self.payloads[sender]
+            try:
+                codes = codec.unpack(data, bits, length)
+            except ValueError as e:
+                return self.fail(f"{sender[-6:]} sent a malformed part: {e}")
+            if codes.numel() and int(codes.abs().max()) > limit:
+                return self.fail(f"{sender[-6:]} sent codes beyond ±{limit}")
+            total += codes
+        self.result = codec.pack(total, codec.sum_width(bits, size))
+        self.ready.set()
+
+    def fail(self, why: str) -> None:
+        self.error = why
+        self.ready.set()
+
+
+class CodesExchange:
+    """Lives in the averager process: the reductions we serve and the client side of a round."""
+
+    def __init__(self, max_payload: int):
+        self.max_payload = max_payload  # bytes one contribution may take: anything longer is refused
+        self.reductions: dict[bytes, Reduction] = {}
+
+    def reduction(self, group_id: bytes) -> Reduction:
+        if group_id not in self.reductions:
+            while len(self.reductions) >= MAX_PENDING_GROUPS:  # drop the oldest: its round is long over
+                del self.reductions[min(self.reductions, key=lambda g: self.reductions[g].created)]
+            self.reductions[group_id] = Reduction()
+        return self.reductions[group_id]
+
+    # ---- server side: RPC bodies ----------------------------------------------------------------------------
+    async def receive(self, requests: AsyncIterator[averaging_pb2.DownloadData], sender: str) -> str:
+        header, chunks, size = None, [], 0
+        async for message in requests:
+            if header is None:
+                header = _header(message.metadata)
+            size += len(message.tensor_part.buffer)
+            if size > self.max_payload:
+                return "part too large"
+            chunks.append(message.tensor_part.buffer)
+        if header is None:
+            return "empty push"
+        reduction = self.reduction(header["group"])
+        if sender in reduction.payloads:
+            return "duplicate part"
+        reduction.payloads[sender] = b"".join(chunks)
+        reduction.settle_if_complete()
+        return ""
+
+    async def serve(self, request: averaging_pb2.DownloadData, timeout: float) -> AsyncIterator[bytes]:
+        header = _header(request.metadata)
+        reduction = self.reduction(header["group"])
+        try:
+            await asyncio.wait_for(reduction.ready.wait(), timeout)
+        except asyncio.TimeoutError:
+            raise CodesError("the part's sum was not complete in time") from None
+        if reduction.error:
+            raise CodesError(reduction.error)
+        for start in range(0, len(reduction.result), CHUNK):
+            yield reduction.result[start:start + CHUNK]
+
+    # ---- client side: one round ------------------------------------------------------------------------------
+    async def run(self, group_id: bytes, peers: list, me: int, codes: torch.Tensor, bits: int, stub_of,
+                  timeout: float) -> torch.Tensor:
+        """The exact integer sum of every member's codes, or CodesError."""
+        n, size = codes.numel(), len(peers)
+        ranges = part_ranges(n, size)
+        mine = self.reduction(group_id)
+        start, end = ranges[me]
+        mine.spec = ([str(p) for i, p in enumerate(peers) if i != me], end - start, bits, size)
+        mine.own = codes[start:end]
+        mine.settle_if_complete()
+        pushes = [self._push(stub_of(peers[j]), group_id, codes[a:b], bits) for j, (a, b) in enumerate(ranges)
+                  if j != me]
+        fetches = [self._fetch(stub_of(peers[j]), group_id, b - a, bits, size, timeout) if j != me
+                   else self._own_sum(mine, timeout, size) for j, (a, b) in enumerate(ranges)]
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*pushes, *fetches), timeout)
+        finally:
+            self.reductions.pop(group_id, None)
+        return torch.cat([r for r in results[len(pushes):]])
+
+    async def _push(self, stub, group_id: bytes, part: torch.Tensor, bits: int) -> None:
+        data = codec.pack(part, bits)
+
+        async def messages():
+            header = serializer.dumps(dict(group=group_id))
+            for i, start in enumerate(range(0, max(len(data), 1), CHUNK)):
+                yield averaging_pb2.DownloadData(metadata=header if i == 0 else b"",
+                                                 tensor_part=_blob(data[start:start + CHUNK]))
+
+        async for answer in await stub.rpc_codes_push(messages()):
+            error = serializer.loads(answer.metadata).get("error") if answer.metadata else None
+            if error:
+                raise CodesError(f"a reducer refused our part: {error}")
+
+    async def _fetch(self, stub, group_id: bytes, length: int, bits: int, size: int, timeout: float) -> torch.Tensor:
+        request = averaging_pb2.DownloadData(metadata=serializer.dumps(dict(group=group_id)))
+        chunks = []
+        async for message in await stub.rpc_codes_fetch(request):
+            if message.metadata:
+                raise CodesError(f"a reducer failed: {serializer.loads(message.metadata)}")
+            chunks.append(message.tensor_part.buffer)
+        data, width = b"".join(chunks), codec.sum_width(bits, size)
+        if len(data) < codec.packed_bytes(length, width):
+            raise CodesError(f"a reducer's sum arrived incomplete ({len(data)} bytes)")  # it died mid-stream
+        try:
+            return codec.unpack(data, width, length)
+        except ValueError as e:
+            raise CodesError(f"a reducer sent a malformed sum: {e}") from None
+
+    async def _own_sum(self, mine: Reduction, timeout: float, size: int) -> torch.Tensor:
+        await asyncio.wait_for(mine.ready.wait(), timeout)
+        if mine.error:
+            raise CodesError(mine.error)
+        _, length, bits, _ = mine.spec
+        return codec.unpack(mine.result, codec.sum_width(bits, size), length)
+
+
+def _header(blob: bytes) -> dict:
+    try:
+        header = serializer.loads(blob)
+        if not isinstance(header, dict) or not isinstance(header.get("group"), bytes) or len(header["group"]) > 64:
+            raise ValueError
+        return header
+    except Exception:
+        raise CodesError("malformed request header") from None
+
+
+def _blob(data: bytes):
+    from hivemind.proto import runtime_pb2
+
+    return runtime_pb2.Tensor(buffer=data)
