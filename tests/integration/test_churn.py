@@ -88,7 +88,9 @@ def test_joiner_gets_the_state_when_its_donor_dies_mid_transfer(tmp_path):
     fault = ":".join(["die_while_sharing@2", *joiner_ids])  # aimed at the joiners, never at `other` catching up
     with local_swarm(tmp_path, "donor") as swarm:
         swarm.start_peer("donor", *ARGS, env={FAULTS_ENV: fault})
-        swarm.start_peer("other", *ARGS)
+        # `other` serves slowly, so the donor always gets the joiner's second request mid-transfer (without it, a
+        # fast `other` could take every remaining part while the donor served its first: seen once under load)
+        swarm.start_peer("other", *ARGS, env={FAULTS_ENV: "slow_sharing@0"})
         swarm.wait_for(lambda: swarm.version("other") >= 2 and swarm.version("donor") >= 2, 120, "two merges")
         for attempt, identity in enumerate(identities):  # a joiner that sees only `other` leaves `donor` alive
             joiner = f"joiner{attempt}"
