@@ -3,8 +3,10 @@ veth links with a rate limit (tc tbf, both directions), one-way delay and packet
 
 Delay and loss: `netem` where the kernel has it, else a userspace delay line (p2pdiloco.ops.delayline) on a TUN
 device in the hub; policy routing sends every packet entering the hub from a peer through it once. Addresses come
-from the benchmarking range 198.18.0.0/15 (RFC 2544), live only inside namespaces this testbed creates, and no
-namespace has a route out of them. Everything it creates is named with its prefix and removed by name on exit.
+from 10.213.0.0/16 and live only inside namespaces this testbed creates; no namespace has a route out of them.
+A private range, not the benchmarking one (198.18.0.0/15): libp2p's DHT keeps only public addresses in its WAN
+table and only private ones in its LAN table, so with 198.18.x peers never learn each other's addresses and every
+all-reduce between members that had not met fails ("routing: not found", measured). Everything it creates is named with its prefix and removed by name on exit.
 Needs root; says so otherwise.
 """
 
@@ -75,7 +77,7 @@ class Testbed:
 
     @staticmethod
     def address(i: int) -> str:
-        return f"198.18.{i + 1}.2"
+        return f"10.213.{i + 1}.2"
 
     def exec_prefix(self, i: int) -> list[str]:
         """Run a command inside peer i's namespace: `[*tb.exec_prefix(i), 'python', ...]`."""
@@ -140,12 +142,12 @@ class Testbed:
         ns, hub_end, peer_end = self.ns(i), f"h{i}", f"v{i}"
         self._add_ns(ns)
         sh("ip", "link", "add", hub_end, "netns", self.hub, "type", "veth", "peer", "name", peer_end, "netns", ns)
-        sh("ip", "-n", self.hub, "addr", "add", f"198.18.{i + 1}.1/24", "dev", hub_end)
+        sh("ip", "-n", self.hub, "addr", "add", f"10.213.{i + 1}.1/24", "dev", hub_end)
         sh("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", peer_end)
         for where, dev in ((self.hub, hub_end), (ns, peer_end)):
             sh("ip", "-n", where, "link", "set", dev, "up")
             self._shape(where, dev)
-        sh("ip", "-n", ns, "route", "add", "198.18.0.0/15", "via", f"198.18.{i + 1}.1")  # the hub: nothing else
+        sh("ip", "-n", ns, "route", "add", "10.213.0.0/16", "via", f"10.213.{i + 1}.1")  # the hub: nothing else
         self._hub("sysctl", "-qw", f"net.ipv4.conf.{hub_end}.rp_filter=0")
 
     def _shape(self, ns: str, dev: str) -> None:
