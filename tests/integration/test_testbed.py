@@ -95,3 +95,40 @@ def test_bad_links_are_refused():
     for bad in (dict(rate_mbit=0), dict(delay_ms=-1), dict(loss=1.0)):
         with pytest.raises(TestbedError):
             Link(**bad)
+
+
+def test_peers_on_separate_hosts_behind_slow_links_merge_compressed_rounds_and_stay_equal(tmp_path):
+    """Three peers, each in its own namespace behind 20 Mbit/s links with 20 ms one way: members that never met
+    before the round still reach each other (libp2p learns their addresses), and int4 rounds stay exact."""
+    import json
+    import time
+
+    with Testbed(3, Link(rate_mbit=20, delay_ms=20), prefix="p2pdt-swarm") as tb:
+        procs = []
+        try:
+            for i in range(3):
+                initial = []
+                if i:
+                    deadline = time.monotonic() + 60
+                    while not (tmp_path / "p0.addrs").exists() and time.monotonic() < deadline:
+                        time.sleep(0.2)
+                    initial = ["--initial-peers", (tmp_path / "p0.addrs").read_text().split()[0]]
+                procs.append(subprocess.Popen(
+                    [*tb.exec_prefix(i), sys.executable, "-m", "p2pdiloco.cli", "join", "--listen",
+                     f"/ip4/{tb.address(i)}/tcp/0", "--name", f"p{i}", *initial, "--model", "tiny", "--threads", "1",
+                     "-H", "10", "--max-rounds", "3", "--compression", "int4", "--eval-every", "0",
+                     "--checkpoint-every", "0", "--log-dir", str(tmp_path), "--run-id", "hosts"],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            codes = [p.wait(timeout=150) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+    assert codes == [0, 0, 0], [(tmp_path / f"p{i}.log").read_text()[-2000:] for i in range(3)]
+    records = [json.loads(line) for i in range(3) for line in (tmp_path / f"p{i}.jsonl").read_text().splitlines()]
+    merged = [r for r in records if r.get("kind") == "round" and r["applied"] and len(r["members"]) > 1]
+    assert len(merged) >= 4, [r.get("reason") for r in records if r.get("kind") == "round"]
+    by_version = {}
+    for r in merged:
+        by_version.setdefault(r["version"], set()).add(r["digest"])
+    assert all(len(d) == 1 for d in by_version.values()), by_version
