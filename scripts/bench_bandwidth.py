@@ -40,6 +40,22 @@ def run_variant(tb: Testbed, variant: str, args, log_dir: Path) -> dict:
     return summarize(log_dir, args, wall, [p.returncode for p in procs])
 
 
+def run_dp(tb: Testbed, args, log_dir: Path) -> dict:
+    """(a): gloo all-reduce of gradients every step, over the same links (scripts/dp_baseline.py)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    script = str(Path(__file__).with_name("dp_baseline.py"))
+    procs = [subprocess.Popen([*tb.exec_prefix(i), sys.executable, script, "--rank", str(i), "--world",
+                               str(args.peers), "--master", tb.address(0), "--iface", f"v{i}", "--model", args.model,
+                               "--steps", str(args.dp_steps)], stdout=subprocess.PIPE, text=True)
+             for i in range(args.peers)]
+    ranks = [json.loads(p.communicate(timeout=args.timeout)[0].strip().splitlines()[-1]) for p in procs]
+    (log_dir / "ranks.json").write_text(json.dumps(ranks, indent=1))
+    both = statistics.mean(r["tx_bytes_per_step"] + r["rx_bytes_per_step"] for r in ranks)
+    return dict(exit_codes=[p.returncode for p in procs], step_seconds=statistics.mean(r["step_seconds"] for r in ranks),
+                bytes_per_step_both_ways=both, bytes_per_token=both / ranks[0]["tokens_per_step"],
+                utilization=None, final_val=None)
+
+
 def first_address(log_dir: Path, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -77,7 +93,7 @@ def summarize(log_dir: Path, args, wall: float, codes: list) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", default="none,int8,int4")
+    parser.add_argument("--variants", default="dp,none,int8,int4")
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--model", default="tiny")
     parser.add_argument("-H", type=int, default=50)
@@ -86,25 +102,28 @@ def main():
     parser.add_argument("--delay-ms", type=float, default=50.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--dp-steps", type=int, default=20, help="measured steps of the data-parallel baseline")
     parser.add_argument("--log-dir", type=Path, default=Path("runs/bandwidth"))
     args = parser.parse_args()
     results = {}
     with Testbed(args.peers, Link(args.rate_mbit, args.delay_ms)) as tb:
         for variant in args.variants.split(","):
-            results[variant] = run_variant(tb, variant, args, args.log_dir / variant)
+            run = run_dp if variant == "dp" else run_variant
+            results[variant] = run(tb, args, args.log_dir / variant) if variant == "dp" else \
+                run(tb, variant, args, args.log_dir / variant)
             print(variant, json.dumps(results[variant]), flush=True)
     (args.log_dir / "report.json").write_text(json.dumps(results, indent=1))
-    keys = ["merged_rounds", "bytes_per_round_sent", "bytes_per_round_both_ways", "bytes_per_token", "sync_seconds",
+    keys = ["step_seconds", "bytes_per_step_both_ways", "merged_rounds", "bytes_per_round_sent", "bytes_per_round_both_ways", "bytes_per_token", "sync_seconds",
             "allreduce_over_link_bound", "utilization", "wall_seconds", "final_val"]
     print(f"\n{args.peers} peers, {args.rate_mbit} Mbit/s, {args.delay_ms} ms one way, H={args.H}, "
           f"{args.rounds} rounds, model {args.model}")
     print(f"{'':<28}" + "".join(f"{v:>14}" for v in results))
-    base = results.get("none", {}).get("bytes_per_round_both_ways")
     for key in keys:
         print(f"{key:<28}" + "".join(f"{_fmt(r.get(key)):>14}" for r in results.values()))
-    if base:
-        print(f"{'bytes vs fp32':<28}" + "".join(
-            f"{_fmt(r['bytes_per_round_both_ways'] / base):>14}" for r in results.values()))
+    dp = results.get("dp", {}).get("bytes_per_token")
+    if dp:  # the goal is stated against (a): bytes per token of data parallelism, both ways
+        print(f"{'bytes per token vs dp':<28}" + "".join(
+            f"{_fmt(r['bytes_per_token'] / dp) if r.get('bytes_per_token') else '-':>14}" for r in results.values()))
 
 
 def _fmt(v) -> str:
