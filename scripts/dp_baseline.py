@@ -59,7 +59,7 @@ def main():
     print(json.dumps(dict(rank=a.rank, step_seconds=seconds / a.steps, n_params=n_params,
                           tx_bytes_per_step=(after[0] - before[0]) / a.steps,
                           rx_bytes_per_step=(after[1] - before[1]) / a.steps,
-                          tokens_per_step=a.batch_size * a.seq_len, loss=float(loss))))
+                          tokens_per_step=a.batch_size * a.seq_len, loss=float(loss.detach()))))
     dist.destroy_process_group()
 
 
