@@ -149,7 +149,10 @@ class SwarmConfig:
         "none", "Pseudo-gradients on the wire: none (exact fp32 integers through hivemind's all-reduce) or b-bit "
         "integer codes, packed, summed exactly by p2pdiloco's own reduce-scatter.", choices=COMPRESSIONS)
     error_feedback: Optional[bool] = option(
-        None, "Carry what quantization dropped into the next contribution (default: on for int4 and int2).")
+        None, "Carry what quantization dropped into the next contribution (default: on for int4, int2 and --topk).")
+    topk: Optional[float] = option(
+        None, "Send only this fraction of each block, the largest values (SparseLoCo-style; needs --compression, "
+        "e.g. int2; error feedback carries the rest).")
     fault_plan: str = option("", "Test-only fault plan (p2pdiloco.runtime.faults).", hidden=True,
                              envvar="P2PDILOCO_FAULT_PLAN")
 
@@ -165,6 +168,9 @@ class SwarmConfig:
             _positive(self, "overlap_steps")
         if not isinstance(self.max_staleness, int) or self.max_staleness < 0:
             raise ConfigError(f"max staleness must be an integer >= 0, got {self.max_staleness!r}")
+        if self.topk is not None and not (0 < self.topk < 1 and self.compression != "none"):
+            raise ConfigError(f"--topk must be in (0, 1) and needs --compression int8|int4|int2, got {self.topk} "
+                              f"with {self.compression}")
         if self.quorum > self.max_island:
             raise ConfigError(f"quorum ({self.quorum}) cannot exceed max island size ({self.max_island})")
         _positive_float(self, "sync_wait", "bandwidth_mbps", "connect_timeout")

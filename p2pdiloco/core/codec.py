@@ -151,3 +151,128 @@ def weighted_maxabs(delta: torch.Tensor, weight: float) -> torch.Tensor:
 def decode_sum(total: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Σ wᵢΔᵢ from the integer sum of the group's codes: the same bits on every member."""
     return dequantize(total, scales)
+
+
+# ---- wire formats of one part: dense codes, or the top-k of each block --------------------------------------
+INDEX_WIDTH = packable_width(math.ceil(math.log2(BLOCK)))  # an index inside a block
+COUNT_WIDTH = packable_width(math.ceil(math.log2(BLOCK + 1)))  # entries of one block in a sparse sum
+
+
+def block_spans(start: int, end: int) -> list[tuple[int, int]]:
+    """[start, end) cut at block boundaries (parts are block-aligned, so blocks lie within one part)."""
+    return [(a, min(a + BLOCK, end)) for a in range(start, end, BLOCK)]
+
+
+@dataclass(frozen=True)
+class DenseFormat:
+    """Every code of the part, packed to `bits`; the sum packed to its width."""
+
+    bits: int
+    group_size: int
+
+    def select(self, x: torch.Tensor) -> torch.Tensor:
+        """Which elements a member sends: all of them."""
+        return torch.ones(x.numel(), dtype=torch.bool)
+
+    def encode(self, codes: torch.Tensor, selected: torch.Tensor) -> bytes:
+        return pack(codes, self.bits)
+
+    def decode(self, data: bytes, length: int) -> torch.Tensor:
+        codes = unpack(data, self.bits, length)
+        self._check_range(codes)
+        return codes
+
+    def encode_sum(self, total: torch.Tensor) -> bytes:
+        return pack(total, sum_width(self.bits, self.group_size))
+
+    def decode_sum(self, data: bytes, length: int) -> torch.Tensor:
+        width = sum_width(self.bits, self.group_size)
+        if len(data) != packed_bytes(length, width):
+            raise ValueError(f"a sum of {length} values takes {packed_bytes(length, width)} bytes, got {len(data)}")
+        return unpack(data, width, length)
+
+    def _check_range(self, codes: torch.Tensor) -> None:
+        if codes.numel() and int(codes.abs().max()) > levels(self.bits):
+            raise ValueError(f"codes beyond ±{levels(self.bits)}")
+
+
+@dataclass(frozen=True)
+class TopKFormat(DenseFormat):
+    """SparseLoCo-style: per block, the k largest |values| (k = ⌈fraction·block⌉) as (index, code) pairs; every
+    block carries exactly k, so a sender cannot smuggle in a dense update. The sum goes back as the union of the
+    members' indices, with a count per block and the exact sums at their width."""
+
+    fraction: float = 0.0156
+
+    def k(self, block_len: int) -> int:
+        return max(1, min(block_len, math.ceil(self.fraction * block_len)))
+
+    def select(self, x: torch.Tensor) -> torch.Tensor:
+        selected = torch.zeros(x.numel(), dtype=torch.bool)
+        for a, b in block_spans(0, x.numel()):
+            top = torch.topk(x[a:b].abs(), self.k(b - a), sorted=False).indices
+            selected[a + top] = True
+        return selected
+
+    def encode(self, codes: torch.Tensor, selected: torch.Tensor) -> bytes:
+        indices, values = [], []
+        for a, b in block_spans(0, codes.numel()):
+            local = torch.nonzero(selected[a:b]).flatten()
+            indices.append(local)
+            values.append(codes[a:b][local])
+        flat_idx, flat_val = torch.cat(indices or [torch.zeros(0, dtype=torch.int64)]), \
+            torch.cat(values or [torch.zeros(0, dtype=torch.int64)])
+        return pack(flat_idx - (1 << (INDEX_WIDTH - 1)), INDEX_WIDTH) + pack(flat_val, self.bits)
+
+    def decode(self, data: bytes, length: int) -> torch.Tensor:
+        spans = block_spans(0, length)
+        total_k = sum(self.k(b - a) for a, b in spans)
+        index_bytes = packed_bytes(total_k, INDEX_WIDTH)
+        if len(data) != index_bytes + packed_bytes(total_k, self.bits):
+            raise ValueError(f"a top-k part of {length} values takes {index_bytes + packed_bytes(total_k, self.bits)}"
+                             f" bytes, got {len(data)}")
+        indices = unpack(data[:index_bytes], INDEX_WIDTH, total_k) + (1 << (INDEX_WIDTH - 1))
+        values = unpack(data[index_bytes:], self.bits, total_k)
+        self._check_range(values)
+        dense, at = torch.zeros(length, dtype=torch.int64), 0
+        for a, b in spans:
+            k = self.k(b - a)
+            local = indices[at:at + k]
+            if k and (int(local.max()) >= b - a or (k > 1 and not bool((local[1:] > local[:-1]).all()))):
+                raise ValueError("top-k indices out of their block or not strictly increasing")
+            dense[a + local] = values[at:at + k]
+            at += k
+        return dense
+
+    def encode_sum(self, total: torch.Tensor) -> bytes:
+        counts, indices, values = [], [], []
+        for a, b in block_spans(0, total.numel()):
+            local = torch.nonzero(total[a:b]).flatten()
+            counts.append(local.numel())
+            indices.append(local)
+            values.append(total[a:b][local])
+        n = sum(counts)
+        return (pack(torch.tensor(counts, dtype=torch.int64) - (1 << (COUNT_WIDTH - 1)), COUNT_WIDTH)
+                + pack(torch.cat(indices) - (1 << (INDEX_WIDTH - 1)) if n else torch.zeros(0), INDEX_WIDTH)
+                + pack(torch.cat(values) if n else torch.zeros(0), sum_width(self.bits, self.group_size)))
+
+    def decode_sum(self, data: bytes, length: int) -> torch.Tensor:
+        spans = block_spans(0, length)
+        count_bytes = packed_bytes(len(spans), COUNT_WIDTH)
+        if len(data) < count_bytes:
+            raise ValueError("sparse sum too short for its counts")
+        counts = (unpack(data[:count_bytes], COUNT_WIDTH, len(spans)) + (1 << (COUNT_WIDTH - 1))).tolist()
+        n, width = sum(counts), sum_width(self.bits, self.group_size)
+        index_bytes = packed_bytes(n, INDEX_WIDTH)
+        if len(data) != count_bytes + index_bytes + packed_bytes(n, width):
+            raise ValueError("sparse sum of the wrong length")
+        indices = unpack(data[count_bytes:count_bytes + index_bytes], INDEX_WIDTH, n) + (1 << (INDEX_WIDTH - 1))
+        values = unpack(data[count_bytes + index_bytes:], width, n)
+        dense, at = torch.zeros(length, dtype=torch.int64), 0
+        for (a, b), c in zip(spans, counts):
+            local = indices[at:at + c]
+            if c > b - a or (c and int(local.max()) >= b - a):
+                raise ValueError("sparse sum indices out of their block")
+            dense[a + local] = values[at:at + c]
+            at += c
+        return dense

@@ -76,10 +76,12 @@ class ExactAverager(DecentralizedAverager):
     """
 
     def __init__(self, n_elements: int, max_group: int, state_provider: StateProvider, weighting: str,
-                 allreduce_cap: float, expect: Expect, fault_plan: FaultPlan = NO_FAULTS, bits: int = 0, **kwargs):
+                 allreduce_cap: float, expect: Expect, fault_plan: FaultPlan = NO_FAULTS, bits: int = 0,
+                 topk: Optional[float] = None, **kwargs):
         self.n_elements, self.max_group, self.weighting = n_elements, max_group, weighting
         self.allreduce_cap, self.expect, self.fault_plan = allreduce_cap, expect, fault_plan
         self.bits = bits  # 0: exact fp32 integers through hivemind's all-reduce; else packed codes (swarm.codes)
+        self.topk = topk  # send only this fraction of each block (codec.TopKFormat)
         self._codes = CodesExchange(max_payload=codec.packed_bytes(n_elements, 16) + 1024)
         self._state_provider = state_provider
         buffer = torch.zeros(n_elements + exact.tail_size(max_group))
@@ -126,7 +128,11 @@ class ExactAverager(DecentralizedAverager):
                   for m, w in zip(island.members, plan.weights)]
         with self.get_tensors() as (buffer,):
             delta = buffer[: self.n_elements].clone()
-        enc = codec.encode(delta, plan.weights[my_index], maxabs, self.bits)
+        weight = plan.weights[my_index]
+        scales = codec.agreed_scales(maxabs, self.bits)
+        fmt = self.wire_format(len(island.members))
+        selected = fmt.select(delta.double() * weight)
+        codes = codec.quantize(delta.double() * weight, scales, self.bits)
         # hivemind's contract at this seam (its PowerSGD averager does the same): the group's future holds the
         # runner that serves its all-reduce parts; ours has none, our parts travel through rpc_codes_*
         running = self._running_groups.get(group_info.group_id)
@@ -136,16 +142,21 @@ class ExactAverager(DecentralizedAverager):
         if own is not None and self.fault_plan.planned("die_in_allreduce", own.version):
             asyncio.get_running_loop().call_later(0.05, _die)
         try:
-            total = await self._codes.run(group_info.group_id, list(group_info.peer_ids), my_index, enc.codes,
-                                          self.bits, lambda peer: self.get_stub(self._p2p, peer, namespace=self.prefix),
+            total = await self._codes.run(group_info.group_id, list(group_info.peer_ids), my_index, codes, selected,
+                                          fmt, lambda peer: self.get_stub(self._p2p, peer, namespace=self.prefix),
                                           plan.deadline)
         except Exception as e:  # a part that never came, a refused or malformed part: the round rolls back
             logger.warning(f"compressed round in group {group_info.group_id.hex()[:8]} failed: {e!r}")
             return self._reduced(island, plan, group_info, False, f"compressed all-reduce failed: {e}", started)
         with self.get_tensors() as (buffer,):
-            buffer[: self.n_elements] = codec.decode_sum(total, enc.scales)
+            buffer[: self.n_elements] = codec.decode_sum(total, scales)
         reduced = self._reduced(island, plan, group_info, True, "ok", started)
-        return dataclasses.replace(reduced, codec_scales=enc.scales)
+        return dataclasses.replace(reduced, codec_scales=scales)
+
+    def wire_format(self, group_size: int):
+        if self.topk:
+            return codec.TopKFormat(self.bits, group_size, self.topk)
+        return codec.DenseFormat(self.bits, group_size)
 
     async def rpc_codes_push(self, requests: AsyncIterator[averaging_pb2.DownloadData],
                              context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:

@@ -36,12 +36,13 @@ class CodesError(RuntimeError):
     pass
 
 
-def part_ranges(n: int, members: int) -> list[tuple[int, int]]:
-    """N contiguous parts of n elements, sizes differing by at most one."""
-    base, extra = divmod(n, members)
+def part_ranges(n: int, members: int, align: int = 1) -> list[tuple[int, int]]:
+    """N contiguous parts of n elements cut at multiples of `align` (whole blocks), as equal as that allows."""
+    units = -(-n // align)
+    base, extra = divmod(units, members)
     bounds, start = [], 0
     for j in range(members):
-        end = start + base + (1 if j < extra else 0)
+        end = min(n, start + (base + (1 if j < extra else 0)) * align)
         bounds.append((start, end))
         start = end
     return bounds
@@ -53,7 +54,7 @@ class Reduction:
 
     created: float = field(default_factory=time.monotonic)
     payloads: dict = field(default_factory=dict)  # sender peer id → packed codes
-    spec: Optional[tuple] = None  # (senders, length, bits, group size) once our own round knows the group
+    spec: Optional[tuple] = None  # (senders, length, wire format) once our own round knows the group
     own: Optional[torch.Tensor] = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     result: Optional[bytes] = None
@@ -62,21 +63,16 @@ class Reduction:
     def settle_if_complete(self) -> None:
         if self.ready.is_set() or self.spec is None or self.own is None:
             return
-        senders, length, bits, size = self.spec
+        senders, length, fmt = self.spec
         if set(self.payloads) != set(senders):
             return
-        limit = codec.levels(bits)
         total = self.own.to(torch.int64).clone()
         for sender in senders:
-            data = self.payloads[sender]
-            try:
-                codes = codec.unpack(data, bits, length)
+            try:  # the exact packed length, codes within ±L, top-k counts and indices: anything else fails
+                total += fmt.decode(self.payloads[sender], length)
             except ValueError as e:
                 return self.fail(f"{sender[-6:]} sent a malformed part: {e}")
-            if codes.numel() and int(codes.abs().max()) > limit:
-                return self.fail(f"{sender[-6:]} sent codes beyond ±{limit}")
-            total += codes
-        self.result = codec.pack(total, codec.sum_width(bits, size))
+        self.result = fmt.encode_sum(total)
         self.ready.set()
 
     def fail(self, why: str) -> None:
@@ -130,29 +126,28 @@ class CodesExchange:
             yield reduction.result[start:start + CHUNK]
 
     # ---- client side: one round ------------------------------------------------------------------------------
-    async def run(self, group_id: bytes, peers: list, me: int, codes: torch.Tensor, bits: int, stub_of,
-                  timeout: float) -> torch.Tensor:
-        """The exact integer sum of every member's codes, or CodesError."""
-        n, size = codes.numel(), len(peers)
-        ranges = part_ranges(n, size)
+    async def run(self, group_id: bytes, peers: list, me: int, codes: torch.Tensor, selected: torch.Tensor, fmt,
+                  stub_of, timeout: float) -> torch.Tensor:
+        """The exact integer sum of every member's codes (`selected` ones: the format's choice), or CodesError."""
+        n = codes.numel()
+        ranges = part_ranges(n, len(peers), align=codec.BLOCK)
+        codes = codes.to(torch.int64) * selected
         mine = self.reduction(group_id)
         start, end = ranges[me]
-        mine.spec = ([str(p) for i, p in enumerate(peers) if i != me], end - start, bits, size)
+        mine.spec = ([str(p) for i, p in enumerate(peers) if i != me], end - start, fmt)
         mine.own = codes[start:end]
         mine.settle_if_complete()
-        pushes = [self._push(stub_of(peers[j]), group_id, codes[a:b], bits) for j, (a, b) in enumerate(ranges)
-                  if j != me]
-        fetches = [self._fetch(stub_of(peers[j]), group_id, b - a, bits, size, timeout) if j != me
-                   else self._own_sum(mine, timeout, size) for j, (a, b) in enumerate(ranges)]
+        pushes = [self._push(stub_of(peers[j]), group_id, fmt.encode(codes[a:b], selected[a:b]))
+                  for j, (a, b) in enumerate(ranges) if j != me]
+        fetches = [self._fetch(stub_of(peers[j]), group_id, b - a, fmt) if j != me
+                   else self._own_sum(mine, timeout) for j, (a, b) in enumerate(ranges)]
         try:
             results = await asyncio.wait_for(asyncio.gather(*pushes, *fetches), timeout)
         finally:
             self.reductions.pop(group_id, None)
         return torch.cat([r for r in results[len(pushes):]])
 
-    async def _push(self, stub, group_id: bytes, part: torch.Tensor, bits: int) -> None:
-        data = codec.pack(part, bits)
-
+    async def _push(self, stub, group_id: bytes, data: bytes) -> None:
         async def messages():
             header = serializer.dumps(dict(group=group_id))
             for i, start in enumerate(range(0, max(len(data), 1), CHUNK)):
@@ -164,27 +159,24 @@ class CodesExchange:
             if error:
                 raise CodesError(f"a reducer refused our part: {error}")
 
-    async def _fetch(self, stub, group_id: bytes, length: int, bits: int, size: int, timeout: float) -> torch.Tensor:
+    async def _fetch(self, stub, group_id: bytes, length: int, fmt) -> torch.Tensor:
         request = averaging_pb2.DownloadData(metadata=serializer.dumps(dict(group=group_id)))
         chunks = []
         async for message in await stub.rpc_codes_fetch(request):
             if message.metadata:
                 raise CodesError(f"a reducer failed: {serializer.loads(message.metadata)}")
             chunks.append(message.tensor_part.buffer)
-        data, width = b"".join(chunks), codec.sum_width(bits, size)
-        if len(data) < codec.packed_bytes(length, width):
-            raise CodesError(f"a reducer's sum arrived incomplete ({len(data)} bytes)")  # it died mid-stream
-        try:
-            return codec.unpack(data, width, length)
+        try:  # a reducer that died mid-stream leaves a short sum: it fails here like a malformed one
+            return fmt.decode_sum(b"".join(chunks), length)
         except ValueError as e:
-            raise CodesError(f"a reducer sent a malformed sum: {e}") from None
+            raise CodesError(f"a reducer's sum arrived incomplete or malformed: {e}") from None
 
-    async def _own_sum(self, mine: Reduction, timeout: float, size: int) -> torch.Tensor:
+    async def _own_sum(self, mine: Reduction, timeout: float) -> torch.Tensor:
         await asyncio.wait_for(mine.ready.wait(), timeout)
         if mine.error:
             raise CodesError(mine.error)
-        _, length, bits, _ = mine.spec
-        return codec.unpack(mine.result, codec.sum_width(bits, size), length)
+        _, length, fmt = mine.spec
+        return fmt.decode_sum(mine.result, length)
 
 
 def _header(blob: bytes) -> dict:

@@ -57,13 +57,15 @@ class SwarmMerger:
             declared_bytes_per_s=self.limits.initial_bytes_per_s,
             rda_segments=tuple(self.segments) if outer.rda else ())
         # peers with another merge rule or codec never meet
-        merge_rule = f"{outer.weighting}_{'rda' if outer.rda else 'mean'}_{cfg.compression}"
-        self.bits = codec.BITS.get(cfg.compression, 0)
-        feedback = cfg.error_feedback if cfg.error_feedback is not None else 0 < self.bits <= 4
+        sparsity = f"top{cfg.topk:g}".replace(".", "p") if cfg.topk else "dense"  # hivemind: no '.' in a prefix
+        merge_rule = f"{outer.weighting}_{'rda' if outer.rda else 'mean'}_{cfg.compression}_{sparsity}"
+        self.bits, self.topk = codec.BITS.get(cfg.compression, 0), cfg.topk
+        default_feedback = 0 < self.bits <= 4 or bool(cfg.topk)
+        feedback = cfg.error_feedback if cfg.error_feedback is not None else default_feedback
         self.feedback = codec.ErrorFeedback() if self.bits and feedback else None
         self.averager = ExactAverager(
             n_params, cfg.max_island, state_provider, outer.weighting, self.limits.allreduce_cap,
-            Expect(n_params, len(self.segments) if outer.rda else 0), fault_plan, self.bits,
+            Expect(n_params, len(self.segments) if outer.rda else 0), fault_plan, self.bits, cfg.topk,
             dht=dht, prefix=f"{cfg.run_id}_{merge_rule}", start=True,
             min_group_size=max(2, cfg.quorum),  # hivemind would "form" a group of 1 at once; K=1 is ours
             min_matchmaking_time=self.limits.matchmaking, request_timeout=self.limits.request,
@@ -157,8 +159,10 @@ class SwarmMerger:
         """What of our (compensated) Δ reached the sum: the same codes the averager sent, decoded."""
         weight = next((w for m, w in zip(result.members, result.weights) if m.peer == self.peer), 0.0)
         if weight > 0:
-            sent = codec.dequantize(codec.quantize(body.double() * weight, result.codec_scales, self.bits),
-                                    result.codec_scales).double() / weight
+            weighted = body.double() * weight
+            selected = self.averager.wire_format(len(result.members)).select(weighted)
+            codes = codec.quantize(weighted, result.codec_scales, self.bits) * selected
+            sent = codec.dequantize(codes, result.codec_scales).double() / weight
             self.feedback.record(body, sent.float())
 
     def _traffic(self, before) -> dict:

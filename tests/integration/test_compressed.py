@@ -48,3 +48,19 @@ def test_a_member_killed_mid_compressed_round_makes_the_others_roll_back_not_spl
         assert islands_disagreeing(swarm, names[:2]) == {}
         for version, digests in digests_by_version(swarm, names[:2]).items():
             assert len(digests) == 1, f"survivors disagree at version {version}: {digests}"
+
+
+def test_top_k_rounds_with_2_bit_codes_stay_bitwise_equal_on_a_sliver_of_the_bytes(tmp_path):
+    names = ["a", "b", "c"]
+    with local_swarm(tmp_path, "topk") as swarm:
+        for name in names:
+            swarm.start_peer(name, "-H", "15", "--max-rounds", "4", "--compression", "int2", "--topk", "0.02")
+        swarm.wait(names, timeout=400)
+        for name in names:
+            assert swarm.procs[name].returncode == 0, swarm.log(name)[-3000:]
+        merged = [r for name in names for r in swarm.records(name, "round") if r["applied"] and len(r["members"]) > 1]
+        assert len(merged) >= 4, [r["reason"] for name in names for r in swarm.records(name, "round")]
+        for version, digests in digests_by_version(swarm, names).items():
+            assert len(digests) == 1, f"peers disagree at version {version}: {digests}"
+        ratios = sorted(r["bytes_sent"] / r["allreduce_bytes_model"] for r in merged)
+        assert ratios[len(ratios) // 2] < 0.05, ratios  # vs the fp32 butterfly: ~0.3 bits out, ~1 bit back

@@ -10,17 +10,19 @@ from p2pdiloco.core import codec
 from p2pdiloco.swarm.codes import CodesError, CodesExchange, Reduction, part_ranges, serializer
 
 
-def test_parts_cover_every_element_once():
-    for n, members in ((10, 3), (7, 7), (100_003, 16)):
-        ranges = part_ranges(n, members)
-        assert ranges[0][0] == 0 and ranges[-1][1] == n
+def test_parts_cover_every_element_once_at_block_boundaries():
+    for n, members, align in ((10, 3, 1), (7, 7, 1), (100_003, 16, 1), (100_003, 4, 16384), (5, 3, 16384)):
+        ranges = part_ranges(n, members, align)
+        assert len(ranges) == members and ranges[0][0] == 0 and ranges[-1][1] == n
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
-        assert max(b - a for a, b in ranges) - min(b - a for a, b in ranges) <= 1
+        assert all(a % align == 0 for a, b in ranges if b > a)  # empty parts (fewer blocks than members) sit at n
+        sizes = [-(-(b - a) // align) for a, b in ranges]
+        assert max(sizes) - min(sizes) <= 1
 
 
 def reduction(own, payloads, bits=4):
     r = Reduction()
-    r.spec = (sorted(payloads), own.numel(), bits, len(payloads) + 1)
+    r.spec = (sorted(payloads), own.numel(), codec.DenseFormat(bits, len(payloads) + 1))
     r.own = own
     r.payloads.update(payloads)
     r.settle_if_complete()
@@ -38,7 +40,7 @@ def test_a_complete_reduction_is_the_exact_sum_packed_at_its_width():
 def test_a_reduction_waits_for_every_member_and_never_serves_a_partial_sum():
     own = torch.zeros(10, dtype=torch.int64)
     r = Reduction()
-    r.spec, r.own = (["p1", "p2"], 10, 4, 3), own
+    r.spec, r.own = (["p1", "p2"], 10, codec.DenseFormat(4, 3)), own
     r.payloads["p1"] = codec.pack(own, 4)
     r.settle_if_complete()
     assert not r.ready.is_set() and r.result is None  # p2's part is still missing
@@ -72,3 +74,39 @@ def test_pushes_are_bounded_and_checked_before_they_are_kept():
     assert asyncio.run(push(group, b"x" * 10)) == "duplicate part"
     with pytest.raises(CodesError):
         asyncio.run(push(b"not msgpack", b"x"))
+
+
+def topk_parts(seed=0, n=2 * 16384 + 100, members=3, fraction=0.02):
+    g = torch.Generator().manual_seed(seed)
+    fmt = codec.TopKFormat(2, members, fraction)
+    xs = [torch.randn(n, generator=g) for _ in range(members)]
+    scales = codec.agreed_scales([codec.weighted_maxabs(x, 1.0) for x in xs], 2)
+    parts = []
+    for x in xs:
+        selected = fmt.select(x)
+        parts.append((codec.quantize(x, scales, 2).to(torch.int64) * selected, selected))
+    return fmt, parts, n
+
+
+def test_top_k_parts_carry_exactly_k_per_block_and_sum_exactly():
+    fmt, parts, n = topk_parts()
+    total = torch.zeros(n, dtype=torch.int64)
+    for codes, selected in parts:
+        assert int(selected.sum()) == sum(fmt.k(b - a) for a, b in codec.block_spans(0, n))
+        data = fmt.encode(codes, selected)
+        assert len(data) * 8 / n < 0.5  # 2 % of the elements at 2 + 14 bits
+        assert torch.equal(fmt.decode(data, n), codes)
+        total += codes
+    assert torch.equal(fmt.decode_sum(fmt.encode_sum(total), n), total)
+
+
+def test_a_hostile_top_k_part_is_refused():
+    fmt, parts, n = topk_parts()
+    codes, selected = parts[0]
+    dense = codec.DenseFormat(2, 3).encode(codes, selected)  # a dense update where top-k is due
+    good = fmt.encode(codes, selected)
+    index_bytes = codec.packed_bytes(int(selected.sum()), codec.INDEX_WIDTH)
+    reversed_indices = bytes(reversed(good[:index_bytes])) + good[index_bytes:]
+    for bad in (dense, good[:-1], reversed_indices):
+        with pytest.raises(ValueError):
+            fmt.decode(bad, n)
