@@ -24,9 +24,11 @@ from p2pdiloco.ops.testbed import Link, Testbed
 def run_variant(tb: Testbed, variant: str, args, log_dir: Path) -> dict:
     shutil.rmtree(log_dir, ignore_errors=True)
     log_dir.mkdir(parents=True)
+    codec_flags = (["--compression", "int2", "--topk", variant[4:] or "0.0156"] if variant.startswith("topk")
+                   else ["--compression", variant])  # topk0.02: (e) top-k of 2 % with 2-bit codes
     common = ["--model", args.model, "--threads", "1", "-H", str(args.H), "--max-rounds", str(args.rounds),
-              "--compression", variant, "--eval-every", "0", "--checkpoint-every", "0", "--log-dir", str(log_dir),
-              "--run-id", f"bw-{variant}", "--seed", str(args.seed), "--bandwidth-mbps", str(args.rate_mbit)]
+              *codec_flags, "--eval-every", "0", "--checkpoint-every", "0", "--log-dir", str(log_dir),
+              "--run-id", f"bw-{variant.replace('.', '')}", "--seed", str(args.seed), "--bandwidth-mbps", str(args.rate_mbit)]
     procs, started = [], time.monotonic()
     for i in range(args.peers):
         join = ["--initial-peers", first_address(log_dir, timeout=60)] if i else []
