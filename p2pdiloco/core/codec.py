@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from p2pdiloco.core.exact import BLOCK, block_maxabs
+from p2pdiloco.core.exact import BLOCK, block_maxabs, per_element, scales_for
 
 BITS = {"int8": 8, "int4": 4, "int2": 2}
 
@@ -33,23 +33,17 @@ def levels(bits: int) -> int:
 
 def agreed_scales(maxabs: Sequence[torch.Tensor], bits: int) -> torch.Tensor:
     """Per-block step shared by the group: the largest gathered |value| maps to the largest code."""
-    top = torch.stack([m.double() for m in maxabs]).amax(dim=0)
-    scales = top / levels(bits)
-    return torch.where(scales > 0, scales, torch.ones_like(scales))
-
-
-def _per_element(scales: torch.Tensor, n: int) -> torch.Tensor:
-    return scales.repeat_interleave(BLOCK)[:n]
+    return scales_for(maxabs, levels(bits))
 
 
 def quantize(x: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
     """Codes of x as int32 in [−L, L]; |x − code·scale| ≤ scale/2 where |x| ≤ L·scale (clamped beyond)."""
     limit = levels(bits)
-    return torch.round(x.double() / _per_element(scales, x.numel())).clamp_(-limit, limit).to(torch.int32)
+    return torch.round(x.double() / per_element(scales, x.numel())).clamp_(-limit, limit).to(torch.int32)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return (codes.double() * _per_element(scales, codes.numel())).float()
+    return (codes.double() * per_element(scales, codes.numel())).float()
 
 
 def sum_width(bits: int, group_size: int) -> int:

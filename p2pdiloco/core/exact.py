@@ -54,25 +54,30 @@ def block_maxabs(x: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, BLOCK).amax(dim=1)
 
 
-def group_scales(maxabs: Sequence[torch.Tensor], group_size: int) -> torch.Tensor:
-    """Per-block step size shared by the group: the largest |value| any member sends maps to `levels`."""
+def scales_for(maxabs: Sequence[torch.Tensor], top_code: int) -> torch.Tensor:
+    """Per-block step size shared by a group: the largest |value| any member sends maps to `top_code`
+    (an all-zero block gets step 1, so it stays zero)."""
     top = torch.stack([m.double() for m in maxabs]).amax(dim=0)
-    scales = top / levels(group_size)
+    scales = top / top_code
     return torch.where(scales > 0, scales, torch.ones_like(scales))
 
 
-def _per_element(scales: torch.Tensor, n: int) -> torch.Tensor:
+def group_scales(maxabs: Sequence[torch.Tensor], group_size: int) -> torch.Tensor:
+    return scales_for(maxabs, levels(group_size))
+
+
+def per_element(scales: torch.Tensor, n: int) -> torch.Tensor:
     return scales.repeat_interleave(BLOCK)[:n]
 
 
 def quantize(delta: torch.Tensor, weight: float, scales: torch.Tensor) -> torch.Tensor:
     """round(w·Δ / scale) as fp32 integers. |result| ≤ levels since w ≤ 1 and |Δ| ≤ the block maximum."""
-    q = torch.round(delta.double() * weight / _per_element(scales, delta.numel()))
+    q = torch.round(delta.double() * weight / per_element(scales, delta.numel()))
     return q.float()
 
 
 def dequantize(total: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return (total.double() * _per_element(scales, total.numel())).float()
+    return (total.double() * per_element(scales, total.numel())).float()
 
 
 def recover_sum(mean: torch.Tensor, group_size: int) -> tuple[torch.Tensor, float]:
