@@ -13,7 +13,7 @@ of the model one round carries (fragments), so both can change without touching 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
@@ -114,37 +114,10 @@ class ErrorFeedback:
     def record(self, intended: torch.Tensor, sent: torch.Tensor) -> None:
         self.residual = (intended.double() - sent.double()).float()
 
-    def reset(self) -> None:
-        """A rolled-back round sent nothing: the whole Δ rides along, so the residual must not count twice."""
-        self.residual = None
-
-
-@dataclass
-class Encoded:
-    """One member's compressed contribution and what it needs to decode the group's sum."""
-
-    codes: torch.Tensor  # int32 in [−L, L]
-    scales: torch.Tensor
-    bits: int
-    sent: torch.Tensor = field(repr=False, default=None)  # dequantized codes / weight: what reaches Θ from us
-
-
-def encode(delta: torch.Tensor, weight: float, maxabs: Sequence[torch.Tensor], bits: int) -> Encoded:
-    """Our weighted Δ as codes on the group's scales (`maxabs`: every member's block maxima of w·Δ)."""
-    scales = agreed_scales(maxabs, bits)
-    codes = quantize(delta.double() * weight, scales, bits)
-    sent = (dequantize(codes, scales).double() / weight).float() if weight > 0 else torch.zeros_like(delta)
-    return Encoded(codes, scales, bits, sent)
-
 
 def weighted_maxabs(delta: torch.Tensor, weight: float) -> torch.Tensor:
     """What a member gathers so the group can agree on scales: block maxima of w·Δ."""
     return block_maxabs(delta.double() * weight).float()
-
-
-def decode_sum(total: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Σ wᵢΔᵢ from the integer sum of the group's codes: the same bits on every member."""
-    return dequantize(total, scales)
 
 
 # ---- wire formats of one part: dense codes, or the top-k of each block --------------------------------------
@@ -270,3 +243,24 @@ class TopKFormat(DenseFormat):
             dense[a + local] = values[at:at + c]
             at += c
         return dense
+
+
+@dataclass
+class Encoded:
+    """One member's contribution as sent: the codes it sends (0 where the format selects nothing), which elements
+    the format selected, and what of its Δ reaches the group's sum (for error feedback)."""
+
+    codes: torch.Tensor  # int64 in [−L, L]
+    selected: torch.Tensor  # bool
+    sent: torch.Tensor  # dequantized codes / weight, in Δ units
+
+
+def encode(delta: torch.Tensor, weight: float, scales: torch.Tensor, bits: int,
+           fmt: Optional[DenseFormat] = None) -> Encoded:
+    """w·Δ as codes on the group's scales, the elements `fmt` selects (all, by default). The averager sends these
+    codes and the host's error feedback records their `sent`: one computation, so the two always agree."""
+    weighted = delta.double() * weight
+    selected = (fmt or DenseFormat(bits, 1)).select(weighted)
+    codes = quantize(weighted, scales, bits).to(torch.int64) * selected
+    sent = (dequantize(codes, scales).double() / weight).float() if weight > 0 else torch.zeros_like(delta)
+    return Encoded(codes, selected, sent)

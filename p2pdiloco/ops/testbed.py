@@ -13,6 +13,7 @@ Needs root; says so otherwise.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -126,8 +127,10 @@ class Testbed:
         self.created.clear()
 
     def namespaces(self) -> list[str]:
+        """The namespaces this testbed's names give (exactly: prefix `p2pdt` must not take `p2pdt-test-hub`)."""
+        ours = re.compile(rf"{re.escape(self.prefix)}-(hub|p\d+)")
         listed = sh("ip", "netns", "list", check=False).stdout.split("\n")
-        return [line.split()[0] for line in listed if line.startswith(f"{self.prefix}-")]
+        return [line.split()[0] for line in listed if line.split() and ours.fullmatch(line.split()[0])]
 
     # ---- building -------------------------------------------------------------------------------------------
     def _add_ns(self, name: str) -> None:

@@ -128,11 +128,9 @@ class ExactAverager(DecentralizedAverager):
                   for m, w in zip(island.members, plan.weights)]
         with self.get_tensors() as (buffer,):
             delta = buffer[: self.n_elements].clone()
-        weight = plan.weights[my_index]
         scales = codec.agreed_scales(maxabs, self.bits)
         fmt = self.wire_format(len(island.members))
-        selected = fmt.select(delta.double() * weight)
-        codes = codec.quantize(delta.double() * weight, scales, self.bits)
+        enc = codec.encode(delta, plan.weights[my_index], scales, self.bits, fmt)
         # hivemind's contract at this seam (its PowerSGD averager does the same): the group's future holds the
         # runner that serves its all-reduce parts; ours has none, our parts travel through rpc_codes_*
         running = self._running_groups.get(group_info.group_id)
@@ -142,14 +140,14 @@ class ExactAverager(DecentralizedAverager):
         if own is not None and self.fault_plan.planned("die_in_allreduce", own.version):
             asyncio.get_running_loop().call_later(0.05, _die)
         try:
-            total = await self._codes.run(group_info.group_id, list(group_info.peer_ids), my_index, codes, selected,
-                                          fmt, lambda peer: self.get_stub(self._p2p, peer, namespace=self.prefix),
+            total = await self._codes.run(group_info.group_id, list(group_info.peer_ids), my_index, enc.codes,
+                                          enc.selected, fmt, lambda peer: self.get_stub(self._p2p, peer, namespace=self.prefix),
                                           plan.deadline)
         except Exception as e:  # a part that never came, a refused or malformed part: the round rolls back
             logger.warning(f"compressed round in group {group_info.group_id.hex()[:8]} failed: {e!r}")
             return self._reduced(island, plan, group_info, False, f"compressed all-reduce failed: {e}", started)
         with self.get_tensors() as (buffer,):
-            buffer[: self.n_elements] = codec.decode_sum(total, scales)
+            buffer[: self.n_elements] = codec.dequantize(total, scales)  # Σ wᵢΔᵢ, the same bits everywhere
         reduced = self._reduced(island, plan, group_info, True, "ok", started)
         return dataclasses.replace(reduced, codec_scales=scales)
 

@@ -64,7 +64,7 @@ class Reduction:
         if self.ready.is_set() or self.spec is None or self.own is None:
             return
         senders, length, fmt = self.spec
-        if set(self.payloads) != set(senders):
+        if not set(senders) <= set(self.payloads):
             return
         total = self.own.to(torch.int64).clone()
         for sender in senders:
@@ -109,6 +109,8 @@ class CodesExchange:
         reduction = self.reduction(header["group"])
         if sender in reduction.payloads:
             return "duplicate part"
+        if reduction.spec is not None and sender not in reduction.spec[0]:
+            return "not a member of this group"  # else a stranger's part would sit beside the members' ones
         reduction.payloads[sender] = b"".join(chunks)
         reduction.settle_if_complete()
         return ""
@@ -128,10 +130,9 @@ class CodesExchange:
     # ---- client side: one round ------------------------------------------------------------------------------
     async def run(self, group_id: bytes, peers: list, me: int, codes: torch.Tensor, selected: torch.Tensor, fmt,
                   stub_of, timeout: float) -> torch.Tensor:
-        """The exact integer sum of every member's codes (`selected` ones: the format's choice), or CodesError."""
+        """The exact integer sum of every member's codes (0 where the format did not select), or CodesError."""
         n = codes.numel()
         ranges = part_ranges(n, len(peers), align=codec.BLOCK)
-        codes = codes.to(torch.int64) * selected
         mine = self.reduction(group_id)
         start, end = ranges[me]
         mine.spec = ([str(p) for i, p in enumerate(peers) if i != me], end - start, fmt)

@@ -159,11 +159,8 @@ class SwarmMerger:
         """What of our (compensated) Δ reached the sum: the same codes the averager sent, decoded."""
         weight = next((w for m, w in zip(result.members, result.weights) if m.peer == self.peer), 0.0)
         if weight > 0:
-            weighted = body.double() * weight
-            selected = self.averager.wire_format(len(result.members)).select(weighted)
-            codes = codec.quantize(weighted, result.codec_scales, self.bits) * selected
-            sent = codec.dequantize(codes, result.codec_scales).double() / weight
-            self.feedback.record(body, sent.float())
+            fmt = self.averager.wire_format(len(result.members))
+            self.feedback.record(body, codec.encode(body, weight, result.codec_scales, self.bits, fmt).sent)
 
     def _traffic(self, before) -> dict:
         """What this round really moved (failed rounds too), measured on our averager process."""

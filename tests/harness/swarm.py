@@ -45,6 +45,12 @@ class LocalSwarm:
                 time.sleep(1.0)
                 raise AssertionError(f"{name} still running after {timeout:.0f} s; log:\n{self.log(name)[-6000:]}")
 
+    def wait_clean(self, names, timeout: float) -> None:
+        """Wait for `names` to finish, and fail with the log of any that did not exit cleanly."""
+        self.wait(names, timeout)
+        for name in names:
+            assert self.procs[name].returncode == 0, self.log(name)[-3000:]
+
     def records(self, name: str, kind: str | None = None) -> list[dict]:
         path = self.log_dir / f"{name}.jsonl"
         records = read_jsonl(path) if path.exists() else []

@@ -14,9 +14,7 @@ def test_int4_rounds_leave_members_bitwise_equal_with_an_eighth_of_the_bytes(tmp
     with local_swarm(tmp_path, "int4") as swarm:
         for name in names:
             swarm.start_peer(name, "-H", "15", "--max-rounds", "5", "--compression", "int4")
-        swarm.wait(names, timeout=400)
-        for name in names:
-            assert swarm.procs[name].returncode == 0, swarm.log(name)[-3000:]
+        swarm.wait_clean(names, timeout=400)
         rounds = [r for name in names for r in swarm.records(name, "round")]
         merged = [r for r in rounds if r["applied"] and len(r["members"]) > 1]
         assert len(merged) >= 6, rounds
@@ -38,9 +36,7 @@ def test_a_member_killed_mid_compressed_round_makes_the_others_roll_back_not_spl
             swarm.start_peer(name, "-H", "12", "--max-rounds", "5", "--compression", "int4")
         swarm.start_peer("victim", "-H", "12", "--max-rounds", "5", "--compression", "int4",
                          env={FAULTS_ENV: "die_in_allreduce@1"})
-        swarm.wait(names[:2], timeout=500)
-        for name in names[:2]:
-            assert swarm.procs[name].returncode == 0, swarm.log(name)[-3000:]
+        swarm.wait_clean(names[:2], timeout=500)
         assert swarm.procs["victim"].wait(30) == -9, swarm.log("victim")[-2000:]  # died as planned, mid-round
         survivors = [r for name in names[:2] for r in swarm.records(name, "round")]
         # the round the victim died in: the survivors could not get its part, so they rolled back together
@@ -55,9 +51,7 @@ def test_top_k_rounds_with_2_bit_codes_stay_bitwise_equal_on_a_sliver_of_the_byt
     with local_swarm(tmp_path, "topk") as swarm:
         for name in names:
             swarm.start_peer(name, "-H", "15", "--max-rounds", "4", "--compression", "int2", "--topk", "0.02")
-        swarm.wait(names, timeout=400)
-        for name in names:
-            assert swarm.procs[name].returncode == 0, swarm.log(name)[-3000:]
+        swarm.wait_clean(names, timeout=400)
         merged = [r for name in names for r in swarm.records(name, "round") if r["applied"] and len(r["members"]) > 1]
         assert len(merged) >= 4, [r["reason"] for name in names for r in swarm.records(name, "round")]
         for version, digests in digests_by_version(swarm, names).items():

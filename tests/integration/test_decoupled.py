@@ -27,9 +27,7 @@ def test_stale_contributor_is_merged_then_catches_up(tmp_path):
         for name in names[:2]:
             swarm.start_peer(name, "-H", "10", "--max-rounds", "10", "--max-staleness", "20")
         swarm.start_peer("slow", "-H", "10", "--max-rounds", "3", "--max-staleness", "20", "--throttle", "4")
-        swarm.wait(names, timeout=400)
-        for name in names:
-            assert swarm.procs[name].returncode == 0, swarm.log(name)[-3000:]
+        swarm.wait_clean(names, timeout=400)
     slow_rounds = swarm.records("slow", "round")
     stale = [r for r in slow_rounds if r["applied"] and r["from_version"] < max(r["member_versions"])]
     assert stale, slow_rounds  # it contributed from an older version than its island's newest member...
@@ -51,9 +49,7 @@ def test_two_islands_formed_apart_reconcile(tmp_path):
         for name in names:
             env = {FAULTS_ENV: f"partition_until@{heal}"} if name.startswith("b") else None
             swarm.start_peer(name, "-H", "10", "--max-rounds", "9", env=env)
-        swarm.wait(names, timeout=500)
-        for name in names:
-            assert swarm.procs[name].returncode == 0, swarm.log(name)[-3000:]
+        swarm.wait_clean(names, timeout=500)
     by_version = digests_by_version(swarm, names)
     assert any(len(d) > 1 for v, d in by_version.items() if v <= heal), by_version  # they did fork
     rounds = {name: swarm.records(name, "round") for name in names}

@@ -132,3 +132,10 @@ def test_peers_on_separate_hosts_behind_slow_links_merge_compressed_rounds_and_s
     for r in merged:
         by_version.setdefault(r["version"], set()).add(r["digest"])
     assert all(len(d) == 1 for d in by_version.values()), by_version
+
+
+def test_a_testbed_removes_only_its_own_namespaces():
+    with Testbed(1, prefix="p2pdt-other") as other:
+        with Testbed(1, prefix="p2pdt"):
+            pass
+        assert sorted(other.namespaces()) == ["p2pdt-other-hub", "p2pdt-other-p0"]

@@ -50,17 +50,18 @@ def test_a_groups_codes_sum_exactly_and_every_member_decodes_the_same_bits(name)
     deltas = [torch.randn(n, generator=g) * (i + 1) for i in range(members)]
     weights = [0.1, 0.15, 0.2, 0.25, 0.3]
     maxabs = [codec.weighted_maxabs(d, w) for d, w in zip(deltas, weights)]  # gathered
-    encoded = [codec.encode(d, w, maxabs, bits) for d, w in zip(deltas, weights)]
+    scales = codec.agreed_scales(maxabs, bits)
+    encoded = [codec.encode(d, w, scales, bits) for d, w in zip(deltas, weights)]
     total = sum(e.codes.to(torch.int64) for e in encoded)
     width = codec.sum_width(bits, members)
     assert codec.levels(bits) * members < 1 << (width - 1)  # the widest possible sum fits
     wire = codec.pack(total, width)  # what every member receives
-    decoded = [codec.decode_sum(codec.unpack(wire, width, n), encoded[0].scales) for _ in range(members)]
+    decoded = [codec.dequantize(codec.unpack(wire, width, n), scales) for _ in range(members)]
     assert all(torch.equal(decoded[0], d) for d in decoded)
-    exact = sum(codec.dequantize(e.codes, e.scales).double() for e in encoded)
+    exact = sum(codec.dequantize(e.codes, scales).double() for e in encoded)
     assert torch.allclose(decoded[0].double(), exact, rtol=0, atol=1e-6 * float(exact.abs().max()))
     truth = sum(d.double() * w for d, w in zip(deltas, weights))
-    step = encoded[0].scales.repeat_interleave(BLOCK)[:n]
+    step = scales.repeat_interleave(BLOCK)[:n]
     assert bool(((decoded[0].double() - truth).abs() <= members * step / 2 + 1e-6).all())
 
 
@@ -79,10 +80,20 @@ def test_error_feedback_makes_applied_updates_track_the_uncompressed_sum():
         truth += delta
         for fb, acc in ((feedback, sent_with), (None, sent_without)):
             intended = fb.compensate(delta) if fb else delta
-            enc = codec.encode(intended, 1.0, [codec.weighted_maxabs(intended, 1.0)], bits)
+            scales = codec.agreed_scales([codec.weighted_maxabs(intended, 1.0)], bits)
+            enc = codec.encode(intended, 1.0, scales, bits)
             if fb:
                 fb.record(intended, enc.sent)
             acc += enc.sent
     step = 10.0 / codec.levels(bits)
     assert float((sent_without[1:] - truth[1:]).abs().max()) > rounds * 0.1 - 1e-3  # the signal was lost
     assert float((sent_with - truth).abs().max()) <= step / 2 + 1e-3  # Σ sent = Σ Δ − residual, |residual| ≤ step/2
+
+
+def test_top_k_error_feedback_carries_the_unselected_values_whole():
+    x = torch.randn(BLOCK, generator=torch.Generator().manual_seed(3))
+    fmt = codec.TopKFormat(2, 1, 0.01)
+    scales = codec.agreed_scales([codec.weighted_maxabs(x, 0.5)], 2)
+    enc = codec.encode(x, 0.5, scales, 2, fmt)
+    assert int(enc.selected.sum()) == fmt.k(BLOCK) and bool((enc.codes[~enc.selected] == 0).all())
+    assert torch.equal(enc.sent[~enc.selected], torch.zeros(int((~enc.selected).sum())))  # all of it rides along

@@ -110,3 +110,23 @@ def test_a_hostile_top_k_part_is_refused():
     for bad in (dense, good[:-1], reversed_indices):
         with pytest.raises(ValueError):
             fmt.decode(bad, n)
+
+
+def test_a_strangers_part_is_refused_and_cannot_stall_the_members_sum():
+    exchange = CodesExchange(max_payload=1 << 20)
+    group = b"g2"
+    reduction = exchange.reduction(group)
+    own = torch.zeros(10, dtype=torch.int64)
+    reduction.spec, reduction.own = (["p1"], 10, codec.DenseFormat(4, 2)), own
+    reduction.payloads["early-stranger"] = b"junk"  # arrived before we knew the group: kept aside, never summed
+
+    async def push(sender, data):
+        async def messages():
+            yield averaging_pb2.DownloadData(metadata=serializer.dumps(dict(group=group)),
+                                             tensor_part=runtime_pb2.Tensor(buffer=data))
+        return await exchange.receive(messages(), sender)
+
+    assert asyncio.run(push("stranger", codec.pack(own, 4))) == "not a member of this group"
+    assert asyncio.run(push("p1", codec.pack(own + 2, 4))) == ""
+    assert reduction.ready.is_set() and not reduction.error
+    assert torch.equal(codec.unpack(reduction.result, codec.sum_width(4, 2), 10), own + 2)

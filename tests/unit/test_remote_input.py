@@ -91,3 +91,20 @@ def test_fuzzed_member_and_peer_records_never_raise_out_of_the_parser():
         plan_island(island, rng.choice(["tokens2", "tokens", "uniform"]), 60.0)
         parsed = parse_peer_record(peer)
         assert parsed is None or isinstance(parsed.version, int)
+
+
+def test_the_averager_turns_an_undecodable_gathered_record_into_an_excluded_member():
+    """hivemind wraps each member's record as (bandwidth, mode, user); garbage at either level is excluded."""
+    from types import SimpleNamespace
+
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    from p2pdiloco.swarm.averager import ExactAverager
+
+    host = SimpleNamespace(serializer=MSGPackSerializer)
+    record = good()
+    wrapped = MSGPackSerializer.dumps((1.0, 0, MSGPackSerializer.dumps(record)))
+    assert ExactAverager._user_record(host, wrapped) == record
+    for garbage in (b"\xff\x00garbage", MSGPackSerializer.dumps((1.0, 0, b"\xc1")), MSGPackSerializer.dumps(7)):
+        island = parse_island([ExactAverager._user_record(host, garbage), record], EXPECT)
+        assert island.members[0] is None and island.members[1] is not None
