@@ -9,7 +9,7 @@ the requests of those peers only:
 - `die_while_sharing@3`: SIGKILL this peer while a request for a part of its state at version ≥ 3 is in
   flight; aimed at peers, it serves their first such part, then dies on their second (a donor dies
   mid-transfer, after the joiner got some parts from it);
-- `slow_sharing@0`: serve each part of our state 0.5 s late (a slow donor: the others get most requests);
+- `slow_sharing@0`: serve each part of our state 0.2 s late (a slow donor: the others get most requests);
 - `partition_until@3`: until this peer holds version 3, it looks for islands under a separate group key, so
   it can only meet peers with the same fault (two islands that form apart, on one DHT).
 """

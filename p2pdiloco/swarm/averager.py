@@ -217,7 +217,7 @@ class ExactAverager(DecentralizedAverager):
             self._parts_served = Counter()  # by requester and state, for the fault plan
         await self._maybe_die_while_sharing(request, context)
         if self.fault_plan.version_of("slow_sharing") is not None:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.2)
         async for message in self._part_server.serve_part(request):
             yield message
             if message.HasField("tensor_part") and self.fault_plan.version_of("die_while_sharing") is not None:

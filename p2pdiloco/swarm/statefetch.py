@@ -52,16 +52,21 @@ def _error(message: str) -> averaging_pb2.DownloadData:
 class PartServer:
     """Donor side, inside the averager process; `get_state` fetches the host's current state."""
 
-    def __init__(self, get_state: Callable):
-        self.get_state = get_state
+    def __init__(self, get_state: Callable, clock: Callable[[], float] = time.monotonic):
+        self.get_state, self.clock = get_state, clock
         self._snapshot: Optional[tuple[float, dict, torch.Tensor]] = None
 
     async def _state(self, version: int, digest: str) -> tuple[dict, torch.Tensor]:
-        fresh = self._snapshot is not None and time.monotonic() - self._snapshot[0] < SNAPSHOT_SECONDS
+        """The snapshot of the state asked for. It stays alive while parts of it are being served: its window
+        slides with each request, so a transfer slower than SNAPSHOT_SECONDS in all (a slow link, a big model,
+        a slow co-donor) is not refused halfway because we moved on meanwhile. Idle, it is dropped for a new one."""
+        now = self.clock()
+        fresh = self._snapshot is not None and now - self._snapshot[0] < SNAPSHOT_SECONDS
         if not fresh or (self._snapshot[1]["version"], self._snapshot[1]["digest"]) != (version, digest):
             blob, tensors, _ = await self.get_state()  # hivemind hands the metadata over serialized
             metadata = serializer.loads(blob) if isinstance(blob, bytes) else blob
-            self._snapshot = (time.monotonic(), metadata, torch.cat([t.reshape(-1).float() for t in tensors]))
+            self._snapshot = (now, metadata, torch.cat([t.reshape(-1).float() for t in tensors]))
+        self._snapshot = (now, *self._snapshot[1:])
         return self._snapshot[1], self._snapshot[2]
 
     async def serve_part(self, request: averaging_pb2.DownloadData) -> AsyncIterator[averaging_pb2.DownloadData]:

@@ -103,3 +103,33 @@ def test_a_donor_serves_exactly_the_slice_asked_for_and_refuses_anything_else():
                     dict(version=7, digest="abc", start=0, length=1 << 40), dict(version="7", start=0)):
         meta, chunk = ask(hostile)
         assert "error" in meta and chunk is None
+
+
+def test_a_donor_keeps_serving_the_state_of_a_transfer_in_progress_after_it_moved_on():
+    """Each part request keeps the snapshot alive: a transfer that takes longer than SNAPSHOT_SECONDS in all (a
+    slow link) is not refused halfway. An idle snapshot expires, and the donor then says it moved on."""
+    from hivemind.proto import averaging_pb2
+
+    from p2pdiloco.swarm.statefetch import SNAPSHOT_SECONDS, PartServer, serializer
+
+    now, state = [0.0], dict(META)
+
+    async def get_state():
+        return serializer.dumps(state), [torch.zeros(100), torch.zeros(100)], None
+
+    server = PartServer(get_state, clock=lambda: now[0])
+
+    def ask() -> dict:
+        blob = serializer.dumps(dict(version=7, digest="abc", start=0, length=10))
+
+        async def collect():
+            return [m async for m in server.serve_part(averaging_pb2.DownloadData(metadata=blob))]
+        return serializer.loads(asyncio.run(collect())[0].metadata)
+
+    assert ask()["version"] == 7
+    state["version"] = 8  # the donor moved on after the transfer began
+    for _ in range(4):  # parts keep coming, each within the window: 4 × 0.8 × SNAPSHOT_SECONDS in all
+        now[0] += 0.8 * SNAPSHOT_SECONDS
+        assert ask()["version"] == 7
+    now[0] += 1.5 * SNAPSHOT_SECONDS  # idle: the snapshot is gone
+    assert "moved on" in ask()["error"]
