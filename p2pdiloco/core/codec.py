@@ -5,6 +5,8 @@ scales the whole group agrees on (the largest gathered block maximum maps to L),
 add up as plain integers. Codes travel packed to b bits; a sum of N codes needs `sum_width(b, N)` bits and travels
 packed to that width. Every member decodes the same integer sum, so members stay bitwise equal whatever the
 codec; what quantization dropped is kept by the sender (`ErrorFeedback`) and added to its next contribution.
+Packed parts then go through a lossless entropy stage (`deflate`): codes crowd around zero (int4 codes of real
+pseudo-gradients carry ~2.7 bits of information in 4), so DEFLATE takes ~30 % off without changing a bit.
 
 Pure tensor code: no network, no clock. The transport that moves packed parts is separate, and so is how much
 of the model one round carries (fragments), so both can change without touching this module.
@@ -13,6 +15,7 @@ of the model one round carries (fragments), so both can change without touching 
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -120,6 +123,37 @@ def weighted_maxabs(delta: torch.Tensor, weight: float) -> torch.Tensor:
     return block_maxabs(delta.double() * weight).float()
 
 
+# ---- the lossless stage: every packed part goes on the wire through it ----------------------------------------
+RAW, DEFLATED = 0, 1  # the first byte of a wire payload
+
+
+def deflate(raw: bytes) -> bytes:
+    """DEFLATE at its fastest level, or the bytes as they are when that is not smaller (random-looking data)."""
+    packed = zlib.compress(raw, 1)
+    return bytes([DEFLATED]) + packed if len(packed) < len(raw) else bytes([RAW]) + raw
+
+
+def inflate(data: bytes, max_raw: int) -> bytes:
+    """The inverse of `deflate`, never producing more than `max_raw` bytes (a compressed bomb or an overlong
+    part is refused before it is expanded); raises ValueError on anything else."""
+    if not data or data[0] not in (RAW, DEFLATED):
+        raise ValueError("a part without a known encoding tag")
+    if data[0] == RAW:
+        if len(data) - 1 > max_raw:
+            raise ValueError(f"a part longer than the {max_raw} bytes it may take")
+        return data[1:]
+    if max_raw <= 0:  # zlib reads a max_length of 0 as "no limit"
+        raise ValueError("a compressed part where none may be sent")
+    inflater = zlib.decompressobj()
+    try:
+        raw = inflater.decompress(data[1:], max_raw)
+    except zlib.error as e:
+        raise ValueError(f"a part that does not inflate: {e}") from None
+    if inflater.unconsumed_tail or not inflater.eof or inflater.unused_data:
+        raise ValueError(f"a part that inflates beyond the {max_raw} bytes it may take, or is truncated")
+    return raw
+
+
 # ---- wire formats of one part: dense codes, or the top-k of each block --------------------------------------
 INDEX_WIDTH = packable_width(math.ceil(math.log2(BLOCK)))  # an index inside a block
 COUNT_WIDTH = packable_width(math.ceil(math.log2(BLOCK + 1)))  # entries of one block in a sparse sum
@@ -142,18 +176,19 @@ class DenseFormat:
         return torch.ones(x.numel(), dtype=torch.bool)
 
     def encode(self, codes: torch.Tensor, selected: torch.Tensor) -> bytes:
-        return pack(codes, self.bits)
+        return deflate(pack(codes, self.bits))
 
     def decode(self, data: bytes, length: int) -> torch.Tensor:
-        codes = unpack(data, self.bits, length)
+        codes = unpack(inflate(data, packed_bytes(length, self.bits)), self.bits, length)
         self._check_range(codes)
         return codes
 
     def encode_sum(self, total: torch.Tensor) -> bytes:
-        return pack(total, sum_width(self.bits, self.group_size))
+        return deflate(pack(total, sum_width(self.bits, self.group_size)))
 
     def decode_sum(self, data: bytes, length: int) -> torch.Tensor:
         width = sum_width(self.bits, self.group_size)
+        data = inflate(data, packed_bytes(length, width))
         if len(data) != packed_bytes(length, width):
             raise ValueError(f"a sum of {length} values takes {packed_bytes(length, width)} bytes, got {len(data)}")
         return unpack(data, width, length)
@@ -189,12 +224,13 @@ class TopKFormat(DenseFormat):
             values.append(codes[a:b][local])
         flat_idx, flat_val = torch.cat(indices or [torch.zeros(0, dtype=torch.int64)]), \
             torch.cat(values or [torch.zeros(0, dtype=torch.int64)])
-        return pack(flat_idx - (1 << (INDEX_WIDTH - 1)), INDEX_WIDTH) + pack(flat_val, self.bits)
+        return deflate(pack(flat_idx - (1 << (INDEX_WIDTH - 1)), INDEX_WIDTH) + pack(flat_val, self.bits))
 
     def decode(self, data: bytes, length: int) -> torch.Tensor:
         spans = block_spans(0, length)
         total_k = sum(self.k(b - a) for a, b in spans)
         index_bytes = packed_bytes(total_k, INDEX_WIDTH)
+        data = inflate(data, index_bytes + packed_bytes(total_k, self.bits))
         if len(data) != index_bytes + packed_bytes(total_k, self.bits):
             raise ValueError(f"a top-k part of {length} values takes {index_bytes + packed_bytes(total_k, self.bits)}"
                              f" bytes, got {len(data)}")
@@ -219,17 +255,19 @@ class TopKFormat(DenseFormat):
             indices.append(local)
             values.append(total[a:b][local])
         n = sum(counts)
-        return (pack(torch.tensor(counts, dtype=torch.int64) - (1 << (COUNT_WIDTH - 1)), COUNT_WIDTH)
-                + pack(torch.cat(indices) - (1 << (INDEX_WIDTH - 1)) if n else torch.zeros(0), INDEX_WIDTH)
-                + pack(torch.cat(values) if n else torch.zeros(0), sum_width(self.bits, self.group_size)))
+        return deflate(pack(torch.tensor(counts, dtype=torch.int64) - (1 << (COUNT_WIDTH - 1)), COUNT_WIDTH)
+                       + pack(torch.cat(indices) - (1 << (INDEX_WIDTH - 1)) if n else torch.zeros(0), INDEX_WIDTH)
+                       + pack(torch.cat(values) if n else torch.zeros(0), sum_width(self.bits, self.group_size)))
 
     def decode_sum(self, data: bytes, length: int) -> torch.Tensor:
         spans = block_spans(0, length)
         count_bytes = packed_bytes(len(spans), COUNT_WIDTH)
+        width = sum_width(self.bits, self.group_size)  # at most every element, each with an index and a sum
+        data = inflate(data, count_bytes + packed_bytes(length, INDEX_WIDTH) + packed_bytes(length, width))
         if len(data) < count_bytes:
             raise ValueError("sparse sum too short for its counts")
         counts = (unpack(data[:count_bytes], COUNT_WIDTH, len(spans)) + (1 << (COUNT_WIDTH - 1))).tolist()
-        n, width = sum(counts), sum_width(self.bits, self.group_size)
+        n = sum(counts)
         index_bytes = packed_bytes(n, INDEX_WIDTH)
         if len(data) != count_bytes + index_bytes + packed_bytes(n, width):
             raise ValueError("sparse sum of the wrong length")

@@ -30,6 +30,27 @@ def test_packing_refuses_what_does_not_fit_and_unpacking_checks_the_length():
         codec.pack(torch.tensor([1]), 9)  # not a packable width
 
 
+def test_the_lossless_stage_shrinks_codes_that_crowd_around_zero_and_never_grows_random_bytes():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4 * BLOCK, generator=g) * torch.rand(4 * BLOCK, generator=g) ** 4  # heavy tails, like Δ
+    scales = codec.agreed_scales([codec.weighted_maxabs(x, 1.0)], 4)
+    raw = codec.pack(codec.quantize(x, scales, 4), 4)
+    wire = codec.deflate(raw)
+    assert len(wire) < 0.8 * len(raw) and codec.inflate(wire, len(raw)) == raw
+    noise = torch.randint(0, 256, (4096,), generator=g, dtype=torch.uint8).numpy().tobytes()
+    assert codec.deflate(noise) == bytes([codec.RAW]) + noise  # one tag byte is all it costs
+
+
+def test_inflating_is_bounded_by_what_the_part_may_take():
+    bomb = codec.deflate(b"\x00" * (64 << 20))  # 64 MB of zeros in ~290 KB
+    assert len(bomb) < (64 << 20) // 100
+    for bad, limit in ((bomb, 1 << 20), (bomb[:-10], 64 << 20), (b"", 10), (b"\x05abc", 10),
+                       (bytes([codec.RAW]) + b"x" * 11, 10), (codec.deflate(b"\x00" * 100), 0),
+                       (bytes([codec.DEFLATED]) + b"not deflate at all", 100)):
+        with pytest.raises(ValueError):
+            codec.inflate(bad, limit)
+
+
 @pytest.mark.parametrize("name", ["int8", "int4", "int2"])
 def test_each_codec_round_trips_within_half_a_step(name):
     bits = codec.BITS[name]

@@ -32,26 +32,31 @@ def reduction(own, payloads, bits=4):
 def test_a_complete_reduction_is_the_exact_sum_packed_at_its_width():
     g = torch.Generator().manual_seed(0)
     parts = [torch.randint(-7, 8, (1001,), generator=g) for _ in range(4)]
-    r = reduction(parts[0], {f"p{i}": codec.pack(parts[i], 4) for i in range(1, 4)})
+    fmt = codec.DenseFormat(4, 4)
+    r = reduction(parts[0], {f"p{i}": fmt.encode(parts[i], None) for i in range(1, 4)})
     assert r.ready.is_set() and not r.error
-    assert torch.equal(codec.unpack(r.result, codec.sum_width(4, 4), 1001), sum(parts))
+    assert torch.equal(fmt.decode_sum(r.result, 1001), sum(parts))
+    assert len(codec.inflate(r.result, 1 << 20)) == codec.packed_bytes(1001, codec.sum_width(4, 4))
 
 
 def test_a_reduction_waits_for_every_member_and_never_serves_a_partial_sum():
     own = torch.zeros(10, dtype=torch.int64)
     r = Reduction()
     r.spec, r.own = (["p1", "p2"], 10, codec.DenseFormat(4, 3)), own
-    r.payloads["p1"] = codec.pack(own, 4)
+    fmt = codec.DenseFormat(4, 3)
+    r.payloads["p1"] = fmt.encode(own, None)
     r.settle_if_complete()
     assert not r.ready.is_set() and r.result is None  # p2's part is still missing
-    r.payloads["p2"] = codec.pack(own + 1, 4)
+    r.payloads["p2"] = fmt.encode(own + 1, None)
     r.settle_if_complete()
-    assert r.ready.is_set() and torch.equal(codec.unpack(r.result, codec.sum_width(4, 3), 10), own + 1)
+    assert r.ready.is_set() and torch.equal(fmt.decode_sum(r.result, 10), own + 1)
 
 
 @pytest.mark.parametrize("payload, why", [
-    (codec.pack(torch.full((10,), -8), 4), "beyond ±7"),  # fits 4 bits, but is not a valid int4 code
-    (b"\x00" * 3, "malformed part"),  # wrong length
+    (codec.deflate(codec.pack(torch.full((10,), -8), 4)), "beyond ±7"),  # fits 4 bits, not a valid int4 code
+    (bytes([codec.RAW]) + b"\x00" * 3, "malformed part"),  # wrong length
+    (codec.deflate(b"\x00" * 5000), "malformed part"),  # inflates beyond the part's length: refused, not expanded
+    (b"\x07" + b"\x00" * 5, "malformed part"),  # an unknown encoding
 ])
 def test_a_contribution_out_of_range_or_of_the_wrong_size_fails_the_part(payload, why):
     r = reduction(torch.zeros(10, dtype=torch.int64), {"evil": payload})
@@ -106,7 +111,8 @@ def test_a_hostile_top_k_part_is_refused():
     dense = codec.DenseFormat(2, 3).encode(codes, selected)  # a dense update where top-k is due
     good = fmt.encode(codes, selected)
     index_bytes = codec.packed_bytes(int(selected.sum()), codec.INDEX_WIDTH)
-    reversed_indices = bytes(reversed(good[:index_bytes])) + good[index_bytes:]
+    raw = codec.inflate(good, 1 << 20)
+    reversed_indices = codec.deflate(bytes(reversed(raw[:index_bytes])) + raw[index_bytes:])
     for bad in (dense, good[:-1], reversed_indices):
         with pytest.raises(ValueError):
             fmt.decode(bad, n)
@@ -126,7 +132,8 @@ def test_a_strangers_part_is_refused_and_cannot_stall_the_members_sum():
                                              tensor_part=runtime_pb2.Tensor(buffer=data))
         return await exchange.receive(messages(), sender)
 
-    assert asyncio.run(push("stranger", codec.pack(own, 4))) == "not a member of this group"
-    assert asyncio.run(push("p1", codec.pack(own + 2, 4))) == ""
+    fmt = reduction.spec[2]
+    assert asyncio.run(push("stranger", fmt.encode(own, None))) == "not a member of this group"
+    assert asyncio.run(push("p1", fmt.encode(own + 2, None))) == ""
     assert reduction.ready.is_set() and not reduction.error
-    assert torch.equal(codec.unpack(reduction.result, codec.sum_width(4, 2), 10), own + 2)
+    assert torch.equal(fmt.decode_sum(reduction.result, 10), own + 2)
