@@ -2,9 +2,10 @@
 links of RATE Mbit/s with DELAY ms one way), the same model, data, H and rounds for every variant.
 
 Per variant: bytes sent per peer per round (measured at the averager process) and per token, the all-reduce time
-against the link bound (bytes a peer sends / link rate), compute utilization, wall-clock, and the final validation
-loss of the global model. Needs root (the testbed); run it as
-    python scripts/bench_bandwidth.py --variants none,int8,int4 [-H 50] [--rounds 4] [--rate-mbit 100] [--delay-ms 50]
+against the link bound 2·(N−1)/N·S/B, compute utilization, wall-clock, and the validation loss of the global model
+after every merged round (mean of the seeds, with their spread). Every seed runs every variant with the same peer
+identities, hence the same data order: variants differ only in their codec. Needs root (the testbed); run it as
+    python scripts/bench_bandwidth.py --variants dp,none,int8,int4,topk0.02 [-H 500] [--rounds 3] [--seeds 0,1,2]
 """
 
 from __future__ import annotations
@@ -21,25 +22,33 @@ from pathlib import Path
 from p2pdiloco.ops.testbed import Link, Testbed
 
 
-def run_variant(tb: Testbed, variant: str, args, log_dir: Path) -> dict:
+def codec_flags(variant: str) -> list[str]:
+    if variant.startswith("topk"):  # topk0.02: (e) top-k of 2 % with 2-bit codes
+        return ["--compression", "int2", "--topk", variant[4:] or "0.02"]
+    return ["--compression", variant]
+
+
+def run_variant(tb: Testbed, variant: str, seed: int, args, log_dir: Path) -> dict:
     shutil.rmtree(log_dir, ignore_errors=True)
     log_dir.mkdir(parents=True)
-    codec_flags = (["--compression", "int2", "--topk", variant[4:] or "0.0156"] if variant.startswith("topk")
-                   else ["--compression", variant])  # topk0.02: (e) top-k of 2 % with 2-bit codes
+    keys = args.log_dir / "identities" / f"seed{seed}"  # shared by the variants: same peer ids, same data order
+    keys.mkdir(parents=True, exist_ok=True)
     common = ["--model", args.model, "--threads", "1", "-H", str(args.H), "--max-rounds", str(args.rounds),
-              *codec_flags, "--eval-every", "0", "--checkpoint-every", "0", "--log-dir", str(log_dir),
-              "--run-id", f"bw-{variant.replace('.', '')}", "--seed", str(args.seed), "--bandwidth-mbps", str(args.rate_mbit)]
+              "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), *codec_flags(variant),
+              "--eval-every", "1" if args.curves else "0", "--checkpoint-every", "0", "--log-dir", str(log_dir),
+              "--run-id", f"bw-seed{seed}", "--seed", str(seed), "--bandwidth-mbps", str(args.rate_mbit),
+              "--throttle", str(args.throttle)]
     procs, started = [], time.monotonic()
     for i in range(args.peers):
         join = ["--initial-peers", first_address(log_dir, timeout=60)] if i else []
         cmd = [*tb.exec_prefix(i), sys.executable, "-m", "p2pdiloco.cli", "join", "--listen",
-               f"/ip4/{tb.address(i)}/tcp/0", "--name", f"p{i}", *join, *common]
+               f"/ip4/{tb.address(i)}/tcp/0", "--name", f"p{i}", "--identity", str(keys / f"p{i}.key"), *join, *common]
         with (log_dir / f"p{i}.out").open("wb") as out:
             procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))
     for p in procs:
         p.wait(timeout=args.timeout)
     wall = time.monotonic() - started
-    return summarize(log_dir, args, wall, [p.returncode for p in procs])
+    return dict(seed=seed, **summarize(log_dir, args, wall, [p.returncode for p in procs]))
 
 
 def run_dp(tb: Testbed, args, log_dir: Path) -> dict:
@@ -48,14 +57,14 @@ def run_dp(tb: Testbed, args, log_dir: Path) -> dict:
     script = str(Path(__file__).with_name("dp_baseline.py"))
     procs = [subprocess.Popen([*tb.exec_prefix(i), sys.executable, script, "--rank", str(i), "--world",
                                str(args.peers), "--master", tb.address(0), "--iface", f"v{i}", "--model", args.model,
-                               "--steps", str(args.dp_steps)], stdout=subprocess.PIPE, text=True)
+                               "--steps", str(args.dp_steps), "--batch-size", str(args.batch_size),
+                               "--seq-len", str(args.seq_len)], stdout=subprocess.PIPE, text=True)
              for i in range(args.peers)]
     ranks = [json.loads(p.communicate(timeout=args.timeout)[0].strip().splitlines()[-1]) for p in procs]
     (log_dir / "ranks.json").write_text(json.dumps(ranks, indent=1))
     both = statistics.mean(r["tx_bytes_per_step"] + r["rx_bytes_per_step"] for r in ranks)
     return dict(exit_codes=[p.returncode for p in procs], step_seconds=statistics.mean(r["step_seconds"] for r in ranks),
-                bytes_per_step_both_ways=both, bytes_per_token=both / ranks[0]["tokens_per_step"],
-                utilization=None, final_val=None)
+                bytes_per_step_both_ways=both, bytes_per_token=both / ranks[0]["tokens_per_step"])
 
 
 def first_address(log_dir: Path, timeout: float) -> str:
@@ -71,16 +80,16 @@ def first_address(log_dir: Path, timeout: float) -> str:
 
 
 def summarize(log_dir: Path, args, wall: float, codes: list) -> dict:
-    rounds, summaries = [], []
+    rounds, summaries, evals = [], [], {}  # rounds: merged ones with more than one member
     for path in sorted(log_dir.glob("p*.jsonl")):
         records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         rounds += [r for r in records if r.get("kind") == "round" and r["applied"] and len(r["members"]) > 1]
         summaries += [r for r in records if r.get("kind") == "summary"]
+        for r in records:  # the global model's validation loss per version (equal on every peer that holds it)
+            if r.get("val_loss") is not None and r.get("kind") in ("start", "round"):
+                evals.setdefault(r["version"], []).append(r["val_loss"])
     sent = [r["bytes_sent"] for r in rounds if r.get("bytes_sent")]
     received = [r["bytes_received"] for r in rounds if r.get("bytes_received")]
-    link = args.rate_mbit * 1e6 / 8
-    bound = [r["sync_seconds"] / (max(r["bytes_sent"], r["bytes_received"]) / link) for r in rounds
-             if r.get("bytes_sent") and r.get("sync_seconds")]
     tokens = [r["tokens"] for r in rounds]
     per_round = statistics.median([s + r for s, r in zip(sent, received)]) if sent else float("nan")
     return dict(exit_codes=codes, merged_rounds=len(rounds), wall_seconds=wall,
@@ -88,48 +97,176 @@ def summarize(log_dir: Path, args, wall: float, codes: list) -> dict:
                 bytes_per_round_both_ways=per_round,
                 bytes_per_token=per_round / statistics.median(tokens) if tokens else None,
                 sync_seconds=statistics.median([r["sync_seconds"] for r in rounds]) if rounds else None,
-                allreduce_over_link_bound=statistics.median(bound) if bound else None,
+                allreduce_over_link_bound=link_bound_ratio(full_rounds(rounds, args.peers), args),
+                full_round_bytes_sent=median_or_none([r["bytes_sent"] for r in full_rounds(rounds, args.peers)]),
                 utilization=statistics.mean(s["utilization"] for s in summaries) if summaries else None,
-                final_val=statistics.mean(s["final_val"] for s in summaries) if summaries else None)
+                final_val=statistics.mean(s["final_val"] for s in summaries) if summaries else None,
+                val_curve=sorted((v, statistics.mean(losses)) for v, losses in evals.items()))
+
+
+def full_rounds(rounds: list, peers: int) -> list:
+    """Rounds of the whole swarm: the transport figures compare like with like (a 2-member island sends less and
+    a peer serving a late joiner its state at the same time sends more)."""
+    return [r for r in rounds if len(r["members"]) == peers]
+
+
+def median_or_none(values: list):
+    values = [v for v in values if v]
+    return statistics.median(values) if values else None
+
+
+def link_bound_ratio(rounds: list, args) -> float | None:
+    """A round's all-reduce time over the link bound: the larger of what this peer sent and received, at link
+    rate (for a reduce-scatter + all-gather among N that is 2·(N−1)/N of the payload, each way)."""
+    link = args.rate_mbit * 1e6 / 8
+    ratios = [r["sync_seconds"] / (max(r["bytes_sent"], r["bytes_received"]) / link) for r in rounds
+              if r.get("bytes_sent") and r.get("sync_seconds")]
+    return statistics.median(ratios) if ratios else None
+
+
+def tcp_over_link_bound(tb: Testbed, sent: float, args) -> float:
+    """The same bytes an all-reduce round sent per peer, as plain TCP to every other peer at once, against the
+    same link bound: what these links give a transport with no protocol at all (the floor for the ratio above)."""
+    seconds = tb.all_to_all_seconds(int(sent / (args.peers - 1)))
+    return seconds / (sent / (args.rate_mbit * 1e6 / 8))
+
+
+def combine(runs: list[dict], rounds: int) -> dict:
+    """Seeds of one variant: medians of the transport figures; the validation loss of the global model at
+    version `rounds` (a run whose last round rolled back stopped short of it and is left out of the loss)."""
+    out = {}
+    for key in ("bytes_per_round_sent", "bytes_per_round_both_ways", "bytes_per_token", "sync_seconds",
+                "allreduce_over_link_bound", "full_round_bytes_sent", "utilization", "wall_seconds", "step_seconds",
+                "bytes_per_step_both_ways"):
+        values = [r[key] for r in runs if r.get(key) is not None]
+        if values:
+            out[key] = statistics.median(values)
+    out["merged_rounds"] = sum(r.get("merged_rounds", 0) for r in runs)
+    for run in runs:
+        run["val_at_last_version"] = dict((v, loss) for v, loss in run.get("val_curve") or []).get(rounds)
+    losses = [r["val_at_last_version"] for r in runs if r["val_at_last_version"] is not None]
+    out["seeds_at_last_version"] = len(losses)
+    if losses:
+        out["final_val"] = statistics.mean(losses)
+        out["final_val_spread"] = max(losses) - min(losses)
+    out["runs"] = runs
+    return out
+
+
+def paired_with_fp32(results: dict) -> None:
+    """Each variant's loss against fp32's on the same seed (same init, same data order): the seed-to-seed spread of
+    the loss itself is far larger than the codec's effect, the paired difference is not."""
+    fp32 = {r["seed"]: r["val_at_last_version"] for r in results.get("none", {}).get("runs", [])}
+    for variant, result in results.items():
+        diffs = [100 * (r["val_at_last_version"] / fp32[r["seed"]] - 1) for r in result.get("runs", [])
+                 if r.get("val_at_last_version") is not None and fp32.get(r.get("seed")) is not None]
+        if diffs and variant != "none":
+            result["val_vs_fp32_pct"] = statistics.mean(diffs)
+            result["val_vs_fp32_pct_range"] = [min(diffs), max(diffs)]
+            result["val_vs_fp32_pairs"] = len(diffs)
+
+
+def plot_curves(results: dict, path: Path, tokens_per_round: int) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for variant, result in results.items():
+        for i, run in enumerate(result["runs"]):
+            curve = run.get("val_curve") or []
+            if curve:
+                ax.plot([v * tokens_per_round / 1e6 for v, _ in curve], [l for _, l in curve], marker="o", ms=3,
+                        color=f"C{list(results).index(variant)}", alpha=0.8, label=variant if i == 0 else None)
+    ax.set_xlabel("tokens per peer (M): global version × H × batch tokens")
+    ax.set_ylabel("validation loss of the global model")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", default="dp,none,int8,int4")
+    parser.add_argument("--variants", default="dp,none,int8,int4,topk0.02")
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("-H", type=int, default=50)
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("-H", type=int, default=500)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--seeds", default="0", help="comma-separated; every variant runs once per seed")
     parser.add_argument("--rate-mbit", type=float, default=100.0)
     parser.add_argument("--delay-ms", type=float, default=50.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--throttle", type=float, default=1.0,
+                        help="peers sleep (F−1)× each step's compute: on a few cores, frees CPU for the transport")
+    parser.add_argument("--no-calibration", dest="calibrate", action="store_false",
+                        help="skip timing plain TCP all-to-all with the bytes of a round")
+    parser.add_argument("--no-curves", dest="curves", action="store_false", help="skip the per-round evaluation")
+    parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--dp-steps", type=int, default=20, help="measured steps of the data-parallel baseline")
     parser.add_argument("--log-dir", type=Path, default=Path("runs/bandwidth"))
+    parser.add_argument("--fresh", action="store_true", help="forget the runs already in LOG_DIR/report.json")
+    parser.add_argument("--report-only", action="store_true", help="re-analyse LOG_DIR/report.json, run nothing")
     args = parser.parse_args()
-    results = {}
+    seeds = [int(s) for s in args.seeds.split(",")]
+    if args.report_only:
+        return report(json.loads((args.log_dir / "report.json").read_text()), args, seeds)
+    saved = args.log_dir / "report.json"  # runs accumulate: a variant rerun for a seed replaces that seed's run
+    results = json.loads(saved.read_text()) if saved.exists() and not args.fresh else {}
     with Testbed(args.peers, Link(args.rate_mbit, args.delay_ms)) as tb:
         for variant in args.variants.split(","):
-            run = run_dp if variant == "dp" else run_variant
-            results[variant] = run(tb, args, args.log_dir / variant) if variant == "dp" else \
-                run(tb, variant, args, args.log_dir / variant)
-            print(variant, json.dumps(results[variant]), flush=True)
+            if variant == "dp":  # bytes per token only: it sets the scale, its loss is not compared
+                runs = [run_dp(tb, args, args.log_dir / "dp")]
+            else:
+                kept = [r for r in results.get(variant, {}).get("runs", []) if r.get("seed") not in seeds]
+                runs = kept + [run_variant(tb, variant, seed, args, args.log_dir / f"{variant}-seed{seed}")
+                               for seed in seeds]
+            results[variant] = combine(runs, args.rounds)
+            if args.calibrate and results[variant].get("full_round_bytes_sent"):
+                results[variant]["tcp_over_link_bound"] = tcp_over_link_bound(
+                    tb, results[variant]["full_round_bytes_sent"], args)
+            print(variant, json.dumps({k: v for k, v in results[variant].items() if k != "runs"}), flush=True)
+            (args.log_dir / "report.json").write_text(json.dumps(results, indent=1))
+    report(results, args, seeds)
+
+
+def report(results: dict, args, seeds: list[int]) -> None:
+    for variant, result in results.items():
+        if variant != "dp":
+            for seed, run in zip(seeds, result["runs"]):  # reports written before runs carried their seed
+                run.setdefault("seed", seed)
+            result.update({k: v for k, v in combine(result["runs"], args.rounds).items() if k != "runs"})
+    paired_with_fp32(results)
     (args.log_dir / "report.json").write_text(json.dumps(results, indent=1))
-    keys = ["step_seconds", "bytes_per_step_both_ways", "merged_rounds", "bytes_per_round_sent", "bytes_per_round_both_ways", "bytes_per_token", "sync_seconds",
-            "allreduce_over_link_bound", "utilization", "wall_seconds", "final_val"]
+    print_table(results, args, seeds)
+    if args.curves:
+        plot_curves({v: r for v, r in results.items() if v != "dp"}, args.log_dir / "val_loss.png",
+                    args.H * args.batch_size * args.seq_len)
+
+
+def print_table(results: dict, args, seeds: list[int]) -> None:
+    keys = ["step_seconds", "bytes_per_step_both_ways", "merged_rounds", "bytes_per_round_sent",
+            "bytes_per_round_both_ways", "bytes_per_token", "sync_seconds", "allreduce_over_link_bound",
+            "tcp_over_link_bound",
+            "utilization", "wall_seconds", "seeds_at_last_version", "final_val", "final_val_spread",
+            "val_vs_fp32_pct", "val_vs_fp32_pct_range"]
     print(f"\n{args.peers} peers, {args.rate_mbit} Mbit/s, {args.delay_ms} ms one way, H={args.H}, "
-          f"{args.rounds} rounds, model {args.model}")
+          f"{args.rounds} rounds, batch {args.batch_size}x{args.seq_len}, model {args.model}")
     print(f"{'':<28}" + "".join(f"{v:>14}" for v in results))
+    print(f"{'seeds':<28}" + "".join(f"{','.join(str(r.get('seed', '-')) for r in v.get('runs', [])) or '-':>14}"
+                                     for k, v in results.items()))
     for key in keys:
         print(f"{key:<28}" + "".join(f"{_fmt(r.get(key)):>14}" for r in results.values()))
     dp = results.get("dp", {}).get("bytes_per_token")
     if dp:  # the goal is stated against (a): bytes per token of data parallelism, both ways
-        print(f"{'bytes per token vs dp':<28}" + "".join(
-            f"{_fmt(r['bytes_per_token'] / dp) if r.get('bytes_per_token') else '-':>14}" for r in results.values()))
+        print(f"{'dp / bytes per token':<28}" + "".join(
+            f"{_fmt(dp / r['bytes_per_token']) if r.get('bytes_per_token') else '-':>14}" for r in results.values()))
 
 
 def _fmt(v) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_fmt(x) for x in v) + "]"
+    return f"{v:.4g}" if isinstance(v, float) else str(v) if v is not None else "-"
 
 
 if __name__ == "__main__":

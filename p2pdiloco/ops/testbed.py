@@ -84,6 +84,24 @@ class Testbed:
         """Run a command inside peer i's namespace: `[*tb.exec_prefix(i), 'python', ...]`."""
         return ["ip", "netns", "exec", self.ns(i)]
 
+    def all_to_all_seconds(self, size: int, port: int = 5099) -> float:
+        """Every peer sends `size` bytes of plain TCP to every other peer at once (p2pdiloco.ops.flows); the
+        slowest peer's seconds until all its data arrived. What this testbed's links give a bare transport."""
+        flows = [sys.executable, "-m", "p2pdiloco.ops.flows"]
+        servers = [subprocess.Popen([*self.exec_prefix(i), *flows, "serve", str(port), str(self.peers - 1)],
+                                    stdout=subprocess.PIPE, text=True) for i in range(self.peers)]
+        try:
+            if any(s.stdout.readline().strip() != "ready" for s in servers):
+                raise TestbedError("a flow server did not start")
+            senders = [subprocess.Popen([*self.exec_prefix(i), *flows, "send", str(size), str(port),
+                                         *(self.address(j) for j in range(self.peers) if j != i)],
+                                        stdout=subprocess.PIPE, text=True) for i in range(self.peers)]
+            return max(float(p.communicate(timeout=600)[0]) for p in senders)
+        finally:
+            for s in servers:
+                s.kill()
+                s.wait()
+
     # ---- lifecycle ------------------------------------------------------------------------------------------
     def __enter__(self) -> "Testbed":
         self.start()

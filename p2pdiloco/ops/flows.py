@@ -1,0 +1,67 @@
+"""Plain TCP flows between testbed peers: what the links deliver to a transport that does nothing but send.
+
+The benchmarks measure an all-reduce against the link bound 2·(N−1)/N·S/B; TCP itself never reaches B (headers,
+slow start, queueing at the rate limiter), so they also time this calibration, in the same run: every peer sends
+`size` bytes to every other peer at once, as a reduce-scatter does.
+
+    python -m p2pdiloco.ops.flows serve PORT N_SENDERS     # prints "ready", returns once N senders are done
+    python -m p2pdiloco.ops.flows send SIZE PORT ADDR...   # prints the seconds until every peer has it all
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+
+BLOCK = 1 << 20
+
+
+def serve(port: int, senders: int) -> None:
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("0.0.0.0", port))
+    server.listen(senders)
+    print("ready", flush=True)
+    threads = []
+    for _ in range(senders):
+        conn, _ = server.accept()
+        threads.append(threading.Thread(target=_drain, args=(conn,)))
+        threads[-1].start()
+    for t in threads:
+        t.join()
+
+
+def _drain(conn: socket.socket) -> None:
+    while conn.recv(BLOCK):
+        pass
+    conn.sendall(b"k")  # everything arrived: the sender's clock stops at this acknowledgement
+    conn.close()
+
+
+def send(size: int, port: int, addresses: list[str]) -> float:
+    block = b"x" * BLOCK
+
+    def one(address: str) -> None:
+        conn = socket.create_connection((address, port), timeout=120)
+        for start in range(0, size, BLOCK):
+            conn.sendall(block[: min(BLOCK, size - start)])
+        conn.shutdown(socket.SHUT_WR)
+        conn.recv(1)
+        conn.close()
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=one, args=(a,)) for a in addresses]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.monotonic() - started
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "serve":
+        serve(int(sys.argv[2]), int(sys.argv[3]))
+    else:
+        print(f"{send(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]):.4f}", flush=True)
