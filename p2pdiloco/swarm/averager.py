@@ -261,9 +261,10 @@ def _transfer_of(request: averaging_pb2.DownloadData, context: P2PContext) -> Op
 
 
 def gather_record(peer: str, name: str, version: int, tokens: int, steps: int, body: torch.Tensor,
-                  digest: str, budget: float, norms: Sequence[float] = ()) -> dict:
+                  digest: str, budget: float, norms: Sequence[float] = (), wire_format=None) -> dict:
     """This member's metadata for the round, all-gathered during matchmaking (kept small: ~4 bytes per
-    16K parameters for the block maxima, one float per tensor for RDA norms)."""
+    16K parameters for the block statistic, one float per tensor for RDA norms). The statistic is the block
+    maximum (the exact path needs it), or what the compressed format agrees its scales from."""
+    statistic = exact.block_maxabs(body) if wire_format is None else wire_format.block_statistic(body)
     return dict(peer=peer, name=name, version=version, tokens=int(tokens), steps=int(steps), digest=digest,
-                budget=float(budget), norms=[float(x) for x in norms],
-                maxabs=exact.block_maxabs(body).numpy().tobytes())
+                budget=float(budget), norms=[float(x) for x in norms], maxabs=statistic.numpy().tobytes())

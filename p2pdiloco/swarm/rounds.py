@@ -131,7 +131,7 @@ class SwarmMerger:
         with self.averager.get_tensors() as (buffer,):
             buffer[: self.n] = body
         gather = gather_record(self.peer, c.name, c.version, c.tokens, c.steps, body, c.digest, island.budget,
-                               norms)
+                               norms, self.averager.wire_format(1) if self.bits else None)
         control = self._control = self.averager.step(
             gather=gather, weight=1.0, timeout=island.find_timeout, scheduled_time=get_dht_time() + island.grace,
             allow_retries=False, wait=False)
