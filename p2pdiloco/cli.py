@@ -164,6 +164,34 @@ def bootstrap(**options):
         raise click.ClickException(str(e)) from None
 
 
+@cli.command()
+@swarm_options
+@click.option("--watch", is_flag=True, help="Refresh in place every --interval seconds until Ctrl-C.")
+@click.option("--interval", type=click.FloatRange(min=0.5), default=2.0, show_default=True,
+              help="Seconds between refreshes with --watch.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (one line per refresh with --watch).")
+def status(watch, interval, as_json, **options):
+    """Show the live swarm: each peer's version, speed, loss, island, traffic; the swarm's totals.
+
+    Joins the DHT as a client through --initial-peers and trains nothing.
+    """
+    from p2pdiloco.ops.status import run_status
+    from p2pdiloco.swarm.node import SwarmConnectError
+
+    try:
+        swarm = build_config(options).swarm
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
+    if not swarm.initial_peers:
+        raise click.UsageError("status needs --initial-peers: the address of any live peer of the swarm")
+    try:
+        run_status(swarm, as_json=as_json, watch=watch, interval=interval, echo=click.echo)
+    except SwarmConnectError as e:
+        raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
 @cli.command(context_settings=dict(ignore_unknown_options=True))
 @click.option("--peers", "-n", type=int, default=3, show_default=True, help="Training peers to start.")
 @click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/swarm"),

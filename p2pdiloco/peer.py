@@ -247,6 +247,7 @@ class Peer:
         self.rounds = self.merged_rounds = 0
         self.last_island = 1
         self.compute_seconds = 0.0
+        self.bytes_sent = 0  # by our averager, over every round of this process
         self.training_ended = None
         self.round_losses: list[float] = []
         self.window = dict(start=time.monotonic(), losses=[], seconds=0.0)
@@ -305,8 +306,8 @@ class Peer:
                                loss=sum(w["losses"]) / WINDOW, tokens_per_s=rate, step_seconds=w["seconds"] / WINDOW,
                                in_flight=self.diloco.in_flight is not None, **self._goodput_fields())
             if self.heartbeat is not None:
-                self.heartbeat.record.inner_step = self.diloco.trainer.total_steps
-                self.heartbeat.record.tokens_per_s = rate
+                self.heartbeat.note(inner_step=self.diloco.trainer.total_steps, tokens_per_s=rate,
+                                    loss=sum(w["losses"]) / WINDOW)
             w.update(start=time.monotonic(), losses=[], seconds=0.0)
 
     def _goodput_fields(self) -> dict:
@@ -364,6 +365,8 @@ class Peer:
                                 f"in {o.seconds:.1f}s, {settled.steps_in_flight} steps in flight, "
                                 f"consensus distance {distance:.3g}")
         self.round_losses = []
+        self.bytes_sent += o.bytes_sent or 0
+        self.heartbeat.note(rounds=self.rounds, island=len(o.members), bytes_sent=self.bytes_sent)
 
     # ---- leaving ----------------------------------------------------------------------------------------
     def request_stop(self, *_args) -> None:

@@ -22,6 +22,7 @@ MAX_DIGEST = 64
 MIN_DIGEST = 6
 MAX_VERSION = 1 << 53  # versions, steps and tokens stay exact as JSON numbers and floats
 MAX_NORMS = 1 << 16  # one RDA norm per tensor
+MAX_ISLAND = 1 << 16
 
 
 @dataclass
@@ -36,6 +37,12 @@ class PeerRecord:
     inner_step: int = 0
     tokens_per_s: float = 0.0
     sketch: list = field(default_factory=list)  # p2pdiloco.core.consensus.sketch of its Θ
+    # for people watching the swarm (p2pdiloco status); no round decision reads them
+    loss: float = 0.0  # mean training loss of its last window of inner steps
+    rounds: int = 0  # rounds it has settled (merged or not)
+    island: int = 0  # members of its last round's island (1: alone)
+    bytes_sent: int = 0  # by its averager, over all its rounds
+    client_mode: bool = False  # reachable only through others (cannot accept connections)
 
     @property
     def key(self) -> tuple[int, str]:
@@ -89,6 +96,12 @@ def _float(value: Any, name: str, lo: float = 0.0, hi: float = math.inf) -> floa
     return float(value)
 
 
+def _bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise Malformed(f"{name} must be true or false, got {_short(value)}")
+    return value
+
+
 def _floats(value: Any, name: str, max_len: int, lo: float = -math.inf) -> tuple[float, ...]:
     if not isinstance(value, (list, tuple)) or len(value) > max_len:
         raise Malformed(f"{name} must be a list of at most {max_len} numbers")
@@ -112,7 +125,8 @@ def _fields(value: Any, known: Sequence[str], required: Sequence[str]) -> dict:
     return value
 
 
-_PEER_FIELDS = ("peer", "name", "version", "digest", "ready", "inner_step", "tokens_per_s", "sketch")
+_PEER_FIELDS = ("peer", "name", "version", "digest", "ready", "inner_step", "tokens_per_s", "sketch", "loss", "rounds",
+                "island", "bytes_sent", "client_mode")
 
 
 def parse_peer_record(value: Any) -> Optional[PeerRecord]:
@@ -130,7 +144,11 @@ def _peer_record(value: Any) -> PeerRecord:
                       ready=_int(v.get("ready", -1), "ready", lo=-1),
                       inner_step=_int(v.get("inner_step", 0), "inner_step"),
                       tokens_per_s=_float(v.get("tokens_per_s", 0.0), "tokens_per_s"),
-                      sketch=list(_floats(v.get("sketch", []), "sketch", SKETCH_DIM)))
+                      sketch=list(_floats(v.get("sketch", []), "sketch", SKETCH_DIM)),
+                      loss=_float(v.get("loss", 0.0), "loss"), rounds=_int(v.get("rounds", 0), "rounds"),
+                      island=_int(v.get("island", 0), "island", hi=MAX_ISLAND),
+                      bytes_sent=_int(v.get("bytes_sent", 0), "bytes_sent"),
+                      client_mode=_bool(v.get("client_mode", False), "client_mode"))
 
 
 _MEMBER_FIELDS = ("peer", "name", "version", "digest", "tokens", "steps", "budget", "norms", "maxabs")

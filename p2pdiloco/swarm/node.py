@@ -36,9 +36,10 @@ def dht_kwargs(cfg: SwarmConfig) -> dict:
     return kwargs
 
 
-def start_dht(cfg: SwarmConfig) -> DHT:
-    """Start (and bootstrap) a DHT node in a background process, bounded by `cfg.connect_timeout`."""
-    kwargs = dht_kwargs(cfg)
+def start_dht(cfg: SwarmConfig, client_mode: bool = False) -> DHT:
+    """Start (and bootstrap) a DHT node in a background process, bounded by `cfg.connect_timeout`. A client
+    (`client_mode`) asks others and serves nothing: onlookers such as `p2pdiloco status`."""
+    kwargs = dict(dht_kwargs(cfg), client_mode=client_mode)
     initial = list(cfg.initial_peers) or None
     pool = concurrent.futures.ThreadPoolExecutor(1)
     future = pool.submit(_without_sigint, DHT, initial_peers=initial, start=True,

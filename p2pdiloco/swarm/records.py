@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from typing import Optional
 
 from hivemind import DHT
 from hivemind.utils import get_dht_time
@@ -31,11 +32,23 @@ def bounded(future, timeout: float):
 
 
 def fetch_records(dht: DHT, run_id: str, timeout: float = DHT_CALL_TIMEOUT) -> list[PeerRecord]:
+    return [record for record, _ in fetch_records_seen(dht, run_id, timeout)]
+
+
+def fetch_records_seen(dht: DHT, run_id: str,
+                       timeout: float = DHT_CALL_TIMEOUT) -> list[tuple[PeerRecord, Optional[float]]]:
+    """Every live, well-formed peer record with the seconds since its peer last published it (None: unknown)."""
     found = bounded(dht.get(records_key(run_id), latest=True, return_future=True), timeout)
     if found is None or not isinstance(found.value, dict):
         return []
-    parsed = [parse_peer_record(getattr(item, "value", None)) for item in found.value.values()]
-    return [r for r in parsed if r is not None]
+    now, seen = get_dht_time(), []
+    for item in found.value.values():
+        record = parse_peer_record(getattr(item, "value", None))
+        expiration = getattr(item, "expiration_time", None)
+        if record is not None:
+            age = max(0.0, now - (expiration - TTL)) if isinstance(expiration, (int, float)) else None
+            seen.append((record, age))
+    return seen
 
 
 class Heartbeat:
@@ -51,9 +64,14 @@ class Heartbeat:
         self._thread.start()
 
     def update(self, **fields) -> None:
+        """Change our record and publish it now (what rounds decide on: version, readiness)."""
+        self.note(**fields)
+        self._changed.set()
+
+    def note(self, **fields) -> None:
+        """Change our record; it goes out with the next beat (progress for onlookers: no extra DHT store)."""
         with self._lock:
             self.record = dataclasses.replace(self.record, **fields)
-        self._changed.set()
 
     def records(self) -> list[PeerRecord]:
         """Every live peer's record as of the last beat (at most HEARTBEAT seconds old)."""

@@ -1,0 +1,153 @@
+"""`p2pdiloco status`: the live swarm as its peers publish it on the DHT, seen by a client that trains nothing.
+
+Every training peer keeps a record fresh on the DHT (p2pdiloco.swarm.records, every 2 s, expiring after 6 s); a
+status client joins the DHT in client mode (it serves nothing and is never asked to), reads them through the
+same validating parser every peer uses, and shows one row per peer plus the swarm's totals. A SIGKILLed peer
+stops refreshing its record and drops out once the record expires.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from p2pdiloco.core.consensus import consensus_distance
+from p2pdiloco.protocol.remote import PeerRecord
+
+
+@dataclass(frozen=True)
+class PeerView:
+    name: str
+    peer: str  # the peer id's last 8 characters: enough to tell peers apart
+    version: int
+    tokens_per_s: float
+    loss: Optional[float]  # None until its first window of inner steps
+    island: int
+    rounds: int
+    bytes_sent: int
+    client_mode: bool
+    seen_seconds_ago: Optional[float]  # since it last published its record (None: the DHT did not say)
+    ready: bool  # looking for an island right now
+
+
+@dataclass(frozen=True)
+class SwarmView:
+    run_id: str
+    peers: list[PeerView]
+    tokens_per_s: float
+    newest_version: int
+    version_spread: int
+    consensus_distance: float
+    rounds_per_minute: Optional[float] = None  # global versions per minute, once two views are compared
+    at: float = field(default_factory=time.monotonic)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self) | {"n_peers": len(self.peers)}
+
+
+def view_of(run_id: str, seen: list[tuple[PeerRecord, Optional[float]]], before: Optional[SwarmView] = None) -> SwarmView:
+    """The swarm from its peers' records (with the seconds since each was published); `before`, an earlier view,
+    gives the rate of global versions."""
+    records = [r for r, _ in seen]
+    peers = sorted((_peer_view(r, age) for r, age in seen), key=lambda p: (p.name, p.peer))
+    versions = [r.version for r in records]
+    newest = max(versions, default=0)
+    view = SwarmView(run_id=run_id, peers=peers, tokens_per_s=sum(p.tokens_per_s for p in peers),
+                     newest_version=newest, version_spread=newest - min(versions, default=0),
+                     consensus_distance=consensus_distance([(r.version, r.digest, r.sketch) for r in records
+                                                            if r.sketch]))
+    if before is not None and view.at > before.at:
+        rate = 60.0 * (view.newest_version - before.newest_version) / (view.at - before.at)
+        view = dataclasses.replace(view, rounds_per_minute=max(rate, 0.0))
+    return view
+
+
+def _peer_view(r: PeerRecord, age: Optional[float]) -> PeerView:
+    return PeerView(name=r.name, peer=r.peer[-8:], version=r.version, tokens_per_s=r.tokens_per_s,
+                    loss=r.loss if r.inner_step else None, island=r.island, rounds=r.rounds,
+                    bytes_sent=r.bytes_sent, client_mode=r.client_mode, seen_seconds_ago=None if age is None else round(age, 1),
+                    ready=r.ready >= 0)
+
+
+def table(view: SwarmView):
+    """A rich renderable: one row per peer, the totals in the caption."""
+    from rich.table import Table
+
+    rpm = "-" if view.rounds_per_minute is None else f"{view.rounds_per_minute:.2f}"
+    t = Table(title=f"swarm {view.run_id!r}: {len(view.peers)} peers",
+              caption=f"{view.tokens_per_s:,.0f} tokens/s · version {view.newest_version} "
+                      f"(spread {view.version_spread}) · {rpm} rounds/min · consensus distance "
+                      f"{view.consensus_distance:.3g}")
+    for column in ("name", "id", "version", "tokens/s", "loss", "island", "rounds", "sent", "mode", "seen"):
+        t.add_column(column, justify="left" if column in ("name", "id", "mode") else "right")
+    for p in view.peers:
+        t.add_row(p.name, p.peer, str(p.version), f"{p.tokens_per_s:,.0f}",
+                  "-" if p.loss is None else f"{p.loss:.3f}", str(p.island or "-"), str(p.rounds),
+                  _bytes(p.bytes_sent), ("client" if p.client_mode else "full") + (" · ready" if p.ready else ""),
+                  "-" if p.seen_seconds_ago is None else f"{p.seen_seconds_ago:.0f}s ago")
+    return t
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+RATE_WINDOW = 60.0  # seconds of views the rounds-per-minute figure is taken over
+
+
+def run_status(cfg, as_json: bool, watch: bool, interval: float, echo=print, max_views: Optional[int] = None) -> None:
+    """Join the DHT as a client, show the swarm once (or every `interval` seconds with `watch`), leave."""
+    import json
+
+    from p2pdiloco.swarm.node import start_dht
+    from p2pdiloco.swarm.records import fetch_records_seen
+
+    dht = start_dht(cfg, client_mode=True)
+    try:
+        views: list[SwarmView] = []
+
+        def observe() -> SwarmView:
+            recent = [v for v in views if v.at >= time.monotonic() - RATE_WINDOW]
+            view = view_of(cfg.run_id, fetch_records_seen(dht, cfg.run_id), recent[0] if recent else None)
+            views[:] = recent + [view]
+            return view
+
+        if not watch:
+            view = observe()
+            echo(json.dumps(view.as_dict()) if as_json else _render(table(view)))
+            return
+        if as_json:  # one JSON line per refresh: for scripts and log shippers
+            for _ in _ticks(interval, max_views):
+                echo(json.dumps(observe().as_dict()))
+            return
+        from rich.live import Live
+
+        with Live(table(observe()), auto_refresh=False) as live:
+            for _ in _ticks(interval, max_views):
+                live.update(table(observe()), refresh=True)
+    finally:
+        dht.shutdown()
+
+
+def _ticks(interval: float, limit: Optional[int]):
+    n = 0
+    while limit is None or n < limit:
+        yield n
+        n += 1
+        time.sleep(interval)
+
+
+def _render(renderable) -> str:
+    import io
+
+    from rich.console import Console
+
+    console = Console(width=120, file=io.StringIO())
+    console.print(renderable)
+    return console.file.getvalue().rstrip()

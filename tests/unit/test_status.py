@@ -1,0 +1,46 @@
+"""The swarm view `p2pdiloco status` shows, from peer records: rows, totals, and records it must refuse."""
+
+import dataclasses
+import json
+
+from p2pdiloco.ops.status import SwarmView, _render, table, view_of
+from p2pdiloco.protocol.remote import PeerRecord, parse_peer_record
+
+
+def record(name, version, digest="d" * 8, **fields):
+    return PeerRecord(peer=f"Qm{name * 10}", name=name, version=version, digest=digest, **fields)
+
+
+def test_the_view_sums_the_swarm_and_measures_disagreement_only_between_different_states():
+    seen = [(record("a", 5, inner_step=40, tokens_per_s=100.0, loss=2.5, island=3, rounds=5, bytes_sent=10_000,
+                    sketch=[1.0, 0.0]), 0.5),
+            (record("b", 5, inner_step=40, tokens_per_s=150.0, loss=2.4, island=3, rounds=5, sketch=[1.0, 0.0]), 1.5),
+            (record("c", 3, digest="e" * 8, tokens_per_s=50.0, sketch=[0.0, 1.0]), 2.0)]
+    view = view_of("run", seen)
+    assert [p.name for p in view.peers] == ["a", "b", "c"] and view.tokens_per_s == 300.0
+    assert view.newest_version == 5 and view.version_spread == 2 and view.consensus_distance > 0
+    assert view.peers[2].loss is None  # no inner step yet: no loss to show, not a fake 0
+    assert view_of("run", seen[:2]).consensus_distance == 0  # same digest: the same state
+    json.dumps(view.as_dict())  # what --json prints
+
+
+def test_rounds_per_minute_come_from_two_views_of_the_newest_version():
+    before = view_of("run", [(record("a", 10), 0.0)])
+    later = view_of("run", [(record("a", 13), 0.0)], before=dataclasses.replace(before, at=before.at - 30.0))
+    assert abs(later.rounds_per_minute - 6.0) < 0.01 and before.rounds_per_minute is None
+
+
+def test_the_table_has_a_row_per_peer_and_the_totals():
+    view = view_of("run", [(record("alpha", 2, inner_step=1, loss=3.25, bytes_sent=2_500_000, island=2), 1.0),
+                           (record("beta", 2), 4.0)])
+    text = _render(table(view))
+    assert "alpha" in text and "beta" in text and "3.250" in text and "2.5 MB" in text and "2 peers" in text
+    assert isinstance(view, SwarmView)
+
+
+def test_status_fields_from_the_network_are_validated_like_every_other_field():
+    good = dataclasses.asdict(record("a", 1, loss=2.0, island=3, rounds=4, bytes_sent=5, client_mode=True))
+    assert parse_peer_record(good) is not None
+    for field, bad in (("loss", float("nan")), ("loss", -1.0), ("island", -1), ("rounds", "7"),
+                       ("bytes_sent", 2.5), ("client_mode", "yes"), ("client_mode", 1)):
+        assert parse_peer_record(dict(good, **{field: bad})) is None, (field, bad)
