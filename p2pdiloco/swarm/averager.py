@@ -130,7 +130,8 @@ class ExactAverager(DecentralizedAverager):
             delta = buffer[: self.n_elements].clone()
         scales = codec.agreed_scales(maxabs, self.bits)
         fmt = self.wire_format(len(island.members))
-        enc = codec.encode(delta, plan.weights[my_index], scales, self.bits, fmt)
+        # codec work in a worker thread: the event loop keeps serving other members' pushes meanwhile
+        enc = await asyncio.to_thread(codec.encode, delta, plan.weights[my_index], scales, self.bits, fmt)
         # hivemind's contract at this seam (its PowerSGD averager does the same): the group's future holds the
         # runner that serves its all-reduce parts; ours has none, our parts travel through rpc_codes_*
         running = self._running_groups.get(group_info.group_id)
@@ -146,8 +147,9 @@ class ExactAverager(DecentralizedAverager):
         except Exception as e:  # a part that never came, a refused or malformed part: the round rolls back
             logger.warning(f"compressed round in group {group_info.group_id.hex()[:8]} failed: {e!r}")
             return self._reduced(island, plan, group_info, False, f"compressed all-reduce failed: {e}", started)
+        merged = await asyncio.to_thread(codec.dequantize, total, scales)  # Σ wᵢΔᵢ, the same bits everywhere
         with self.get_tensors() as (buffer,):
-            buffer[: self.n_elements] = codec.dequantize(total, scales)  # Σ wᵢΔᵢ, the same bits everywhere
+            buffer[: self.n_elements] = merged
         reduced = self._reduced(island, plan, group_info, True, "ok", started)
         return dataclasses.replace(reduced, codec_scales=scales)
 

@@ -60,19 +60,37 @@ class Reduction:
     result: Optional[bytes] = None
     error: str = ""
 
+    settling: bool = False  # its sum is being computed (off the event loop)
+
     def settle_if_complete(self) -> None:
-        if self.ready.is_set() or self.spec is None or self.own is None:
-            return
+        if self._due():
+            self._finish(*self._sum())
+
+    async def settle_soon(self) -> None:
+        """`settle_if_complete` with the decoding and summing in a worker thread: while a large part is summed,
+        the event loop keeps moving the other streams of the round."""
+        if self._due():
+            self.settling = True
+            self._finish(*await asyncio.to_thread(self._sum))
+
+    def _due(self) -> bool:
+        return (not self.ready.is_set() and not self.settling and self.spec is not None and self.own is not None
+                and set(self.spec[0]) <= set(self.payloads))
+
+    def _sum(self) -> tuple[Optional[bytes], str]:
         senders, length, fmt = self.spec
-        if not set(senders) <= set(self.payloads):
-            return
         total = self.own.to(torch.int64).clone()
         for sender in senders:
             try:  # the exact packed length, codes within ±L, top-k counts and indices: anything else fails
                 total += fmt.decode(self.payloads[sender], length)
             except ValueError as e:
-                return self.fail(f"{sender[-6:]} sent a malformed part: {e}")
-        self.result = fmt.encode_sum(total)
+                return None, f"{sender[-6:]} sent a malformed part: {e}"
+        return fmt.encode_sum(total), ""
+
+    def _finish(self, result: Optional[bytes], error: str) -> None:
+        if error:
+            return self.fail(error)
+        self.result = result
         self.ready.set()
 
     def fail(self, why: str) -> None:
@@ -112,7 +130,7 @@ class CodesExchange:
         if reduction.spec is not None and sender not in reduction.spec[0]:
             return "not a member of this group"  # else a stranger's part would sit beside the members' ones
         reduction.payloads[sender] = b"".join(chunks)
-        reduction.settle_if_complete()
+        await reduction.settle_soon()
         return ""
 
     async def serve(self, request: averaging_pb2.DownloadData, timeout: float) -> AsyncIterator[bytes]:
@@ -137,18 +155,19 @@ class CodesExchange:
         start, end = ranges[me]
         mine.spec = ([str(p) for i, p in enumerate(peers) if i != me], end - start, fmt)
         mine.own = codes[start:end]
-        mine.settle_if_complete()
-        pushes = [self._push(stub_of(peers[j]), group_id, fmt.encode(codes[a:b], selected[a:b]))
+        pushes = [self._push(stub_of(peers[j]), group_id, fmt, codes[a:b], selected[a:b])
                   for j, (a, b) in enumerate(ranges) if j != me]
         fetches = [self._fetch(stub_of(peers[j]), group_id, b - a, fmt) if j != me
                    else self._own_sum(mine, timeout) for j, (a, b) in enumerate(ranges)]
         try:
-            results = await asyncio.wait_for(asyncio.gather(*pushes, *fetches), timeout)
+            results = await asyncio.wait_for(asyncio.gather(mine.settle_soon(), *pushes, *fetches), timeout)
         finally:
             self.reductions.pop(group_id, None)
-        return torch.cat([r for r in results[len(pushes):]])
+        return torch.cat([r for r in results[1 + len(pushes):]])
 
-    async def _push(self, stub, group_id: bytes, data: bytes) -> None:
+    async def _push(self, stub, group_id: bytes, fmt, codes: torch.Tensor, selected: torch.Tensor) -> None:
+        data = await asyncio.to_thread(fmt.encode, codes, selected)  # packing one part overlaps pushing another
+
         async def messages():
             header = serializer.dumps(dict(group=group_id))
             for i, start in enumerate(range(0, max(len(data), 1), CHUNK)):
@@ -168,7 +187,7 @@ class CodesExchange:
                 raise CodesError(f"a reducer failed: {serializer.loads(message.metadata)}")
             chunks.append(message.tensor_part.buffer)
         try:  # a reducer that died mid-stream leaves a short sum: it fails here like a malformed one
-            return fmt.decode_sum(b"".join(chunks), length)
+            return await asyncio.to_thread(fmt.decode_sum, b"".join(chunks), length)
         except ValueError as e:
             raise CodesError(f"a reducer's sum arrived incomplete or malformed: {e}") from None
 
@@ -177,7 +196,7 @@ class CodesExchange:
         if mine.error:
             raise CodesError(mine.error)
         _, length, fmt = mine.spec
-        return fmt.decode_sum(mine.result, length)
+        return await asyncio.to_thread(fmt.decode_sum, mine.result, length)
 
 
 def _header(blob: bytes) -> dict:
