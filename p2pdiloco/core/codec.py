@@ -127,11 +127,6 @@ class ErrorFeedback:
         self.residual = (intended.double() - sent.double()).float()
 
 
-def weighted_maxabs(delta: torch.Tensor, weight: float) -> torch.Tensor:
-    """What a member gathers so the group can agree on scales: block maxima of w·Δ."""
-    return block_maxabs(delta.double() * weight).float()
-
-
 # ---- the lossless stage: every packed part goes on the wire through it ----------------------------------------
 RAW, DEFLATED = 0, 1  # the first byte of a wire payload
 
@@ -193,10 +188,8 @@ class DenseFormat:
         if levels(self.bits) > 1:
             return block_maxabs(x)
         selected = self.select(x)
-        n = n_blocks(x.numel()) * BLOCK
-        magnitude = torch.nn.functional.pad((x.abs() * selected).double(), (0, n - x.numel())).view(-1, BLOCK)
-        count = torch.nn.functional.pad(selected.double(), (0, n - x.numel())).view(-1, BLOCK).sum(dim=1)
-        return (magnitude.sum(dim=1) / count.clamp(min=1)).float()
+        magnitude = _blocked((x.abs() * selected).double()).sum(dim=1)
+        return (magnitude / _blocked(selected.double()).sum(dim=1).clamp(min=1)).float()
 
     def encode(self, codes: torch.Tensor, selected: torch.Tensor) -> bytes:
         return deflate(pack(codes, self.bits))

@@ -66,18 +66,18 @@ def group_scales(maxabs: Sequence[torch.Tensor], group_size: int) -> torch.Tenso
     return scales_for(maxabs, levels(group_size))
 
 
-def per_element(scales: torch.Tensor, n: int) -> torch.Tensor:
+def _per_element(scales: torch.Tensor, n: int) -> torch.Tensor:
     return scales.repeat_interleave(BLOCK)[:n]
 
 
 def quantize(delta: torch.Tensor, weight: float, scales: torch.Tensor) -> torch.Tensor:
     """round(w·Δ / scale) as fp32 integers. |result| ≤ levels since w ≤ 1 and |Δ| ≤ the block maximum."""
-    q = torch.round(delta.double() * weight / per_element(scales, delta.numel()))
+    q = torch.round(delta.double() * weight / _per_element(scales, delta.numel()))
     return q.float()
 
 
 def dequantize(total: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return (total.double() * per_element(scales, total.numel())).float()
+    return (total.double() * _per_element(scales, total.numel())).float()
 
 
 def recover_sum(mean: torch.Tensor, group_size: int) -> tuple[torch.Tensor, float]:

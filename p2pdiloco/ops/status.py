@@ -44,7 +44,8 @@ class SwarmView:
     at: float = field(default_factory=time.monotonic)
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self) | {"n_peers": len(self.peers)}
+        """For --json: `at` is this client's monotonic clock, meaningless to anyone else."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "at"} | {"n_peers": len(self.peers)}
 
 
 def view_of(run_id: str, seen: list[tuple[PeerRecord, Optional[float]]], before: Optional[SwarmView] = None) -> SwarmView:

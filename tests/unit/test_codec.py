@@ -33,10 +33,11 @@ def test_packing_refuses_what_does_not_fit_and_unpacking_checks_the_length():
 def test_the_lossless_stage_shrinks_codes_that_crowd_around_zero_and_never_grows_random_bytes():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4 * BLOCK, generator=g) * torch.rand(4 * BLOCK, generator=g) ** 4  # heavy tails, like Δ
-    scales = codec.agreed_scales([codec.weighted_maxabs(x, 1.0)], 4)
+    scales = codec.agreed_scales([codec.block_maxabs(x)], 4)
     raw = codec.pack(codec.quantize(x, scales, 4), 4)
     wire = codec.deflate(raw)
     assert len(wire) < 0.8 * len(raw) and codec.inflate(wire, len(raw)) == raw
+    assert codec.DenseFormat(4, 1).encode(codec.quantize(x, scales, 4), None) == wire  # the formats use it
     noise = torch.randint(0, 256, (4096,), generator=g, dtype=torch.uint8).numpy().tobytes()
     assert codec.deflate(noise) == bytes([codec.RAW]) + noise  # one tag byte is all it costs
 
@@ -55,7 +56,7 @@ def test_inflating_is_bounded_by_what_the_part_may_take():
 def test_each_codec_round_trips_within_half_a_step(name):
     bits = codec.BITS[name]
     x = torch.randn(3 * BLOCK + 7, generator=torch.Generator().manual_seed(0))
-    scales = codec.agreed_scales([codec.weighted_maxabs(x, 1.0)], bits)
+    scales = codec.agreed_scales([codec.block_maxabs(x)], bits)
     codes = codec.quantize(x, scales, bits)
     assert int(codes.abs().max()) == codec.levels(bits)  # the block maximum maps to the largest code
     err = (codec.dequantize(codes, scales) - x).abs()
@@ -93,7 +94,7 @@ def test_a_groups_codes_sum_exactly_and_every_member_decodes_the_same_bits(name)
     g = torch.Generator().manual_seed(1)
     deltas = [torch.randn(n, generator=g) * (i + 1) for i in range(members)]
     weights = [0.1, 0.15, 0.2, 0.25, 0.3]
-    maxabs = [codec.weighted_maxabs(d, w) for d, w in zip(deltas, weights)]  # gathered
+    maxabs = [codec.block_maxabs(d).double() * w for d, w in zip(deltas, weights)]  # gathered, times w
     scales = codec.agreed_scales(maxabs, bits)
     encoded = [codec.encode(d, w, scales, bits) for d, w in zip(deltas, weights)]
     total = sum(e.codes.to(torch.int64) for e in encoded)
@@ -124,7 +125,7 @@ def test_error_feedback_makes_applied_updates_track_the_uncompressed_sum():
         truth += delta
         for fb, acc in ((feedback, sent_with), (None, sent_without)):
             intended = fb.compensate(delta) if fb else delta
-            scales = codec.agreed_scales([codec.weighted_maxabs(intended, 1.0)], bits)
+            scales = codec.agreed_scales([codec.block_maxabs(intended)], bits)
             enc = codec.encode(intended, 1.0, scales, bits)
             if fb:
                 fb.record(intended, enc.sent)
@@ -137,7 +138,7 @@ def test_error_feedback_makes_applied_updates_track_the_uncompressed_sum():
 def test_top_k_error_feedback_carries_the_unselected_values_whole():
     x = torch.randn(BLOCK, generator=torch.Generator().manual_seed(3))
     fmt = codec.TopKFormat(2, 1, 0.01)
-    scales = codec.agreed_scales([codec.weighted_maxabs(x, 0.5)], 2)
+    scales = codec.agreed_scales([codec.block_maxabs(x).double() * 0.5], 2)
     enc = codec.encode(x, 0.5, scales, 2, fmt)
     assert int(enc.selected.sum()) == fmt.k(BLOCK) and bool((enc.codes[~enc.selected] == 0).all())
     assert torch.equal(enc.sent[~enc.selected], torch.zeros(int((~enc.selected).sum())))  # all of it rides along

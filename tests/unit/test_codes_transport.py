@@ -85,7 +85,7 @@ def topk_parts(seed=0, n=2 * 16384 + 100, members=3, fraction=0.02):
     g = torch.Generator().manual_seed(seed)
     fmt = codec.TopKFormat(2, members, fraction)
     xs = [torch.randn(n, generator=g) for _ in range(members)]
-    scales = codec.agreed_scales([codec.weighted_maxabs(x, 1.0) for x in xs], 2)
+    scales = codec.agreed_scales([codec.block_maxabs(x) for x in xs], 2)
     parts = []
     for x in xs:
         selected = fmt.select(x)
