@@ -219,6 +219,25 @@ def swarm(peers, log_dir, stagger, resume, join_args):
 
 
 @cli.command()
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path),
+              help="Where the PNGs and report.html go (default: FIRST_RUN_DIR/report).")
+def report(run_dirs, out):
+    """Plots and a self-contained report.html from the peers' metrics (the JSONL in each RUN_DIR, a --log-dir).
+
+    Several RUN_DIRs are drawn side by side (e.g. a clean run and one with a hostile peer).
+    """
+    from p2pdiloco.ops.report import ReportError, write_report
+
+    try:
+        made = write_report(run_dirs, out or run_dirs[0] / "report")
+    except ReportError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"{len(made.pngs)} charts in {made.html.parent}")
+    click.echo(f"report: {made.html}")
+
+
+@cli.command()
 @click.option("--mode", type=click.Choice(["all", *SIM_MODES]), default="all",
               show_default=True, help="Which mode to simulate; all: every mode side by side.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON: goodput and uptime (per mode with --mode all).")

@@ -16,6 +16,7 @@ WEIGHTINGS = ("tokens2", "tokens", "uniform")  # p2pdiloco.core.outer.merge_weig
 APPLICATIONS = ("delayed", "eager")  # how a peer trains while its round is in flight (p2pdiloco.training.diloco)
 MODES = ("decoupled", "sync")
 COMPRESSIONS = ("none", "int8", "int4", "int2")  # p2pdiloco.core.codec
+METRICS_SINKS = ("tensorboard", "wandb")  # optional, besides the JSONL every peer writes (p2pdiloco.runtime.metrics)
 
 
 class ConfigError(ValueError):
@@ -204,9 +205,19 @@ class PeerConfig:
                                    "never).")
     keep_checkpoints: int = option(3, "How many checkpoints to keep.")
     name: Optional[str] = option(None, "Label for logs and metrics (default: end of the peer id).")
+    metrics: str = option("", "Metrics sinks besides JSONL, comma-separated: tensorboard, wandb (each an optional "
+                          "extra; W&B honours WANDB_MODE=offline).", metavar="SINKS")
+
+    @property
+    def metrics_sinks(self) -> tuple[str, ...]:
+        return tuple(s.strip() for s in self.metrics.split(",") if s.strip())
 
     def __post_init__(self):
         model_config(self.model)
+        unknown = [s for s in self.metrics_sinks if s not in METRICS_SINKS]
+        if unknown:
+            raise ConfigError(f"--metrics: unknown sink {unknown[0]!r}; choose from {', '.join(METRICS_SINKS)} "
+                              f"(JSONL is always written)")
         if self.data is not None and not Path(self.data).exists():
             raise ConfigError(f"--data {self.data}: no such file or folder")
         for name in ("max_rounds", "max_time"):

@@ -20,7 +20,8 @@ from p2pdiloco.protocol.outcomes import Contribution
 from p2pdiloco.training.inner import InnerTrainer, evaluate, flat_params, load_flat_params
 from p2pdiloco.runtime.faults import FaultPlan
 from p2pdiloco.runtime.lifeline import start_lifeline
-from p2pdiloco.runtime.metrics import JsonlSink, Progress
+from p2pdiloco.runtime import schema
+from p2pdiloco.runtime.metrics import Progress, open_sinks
 from p2pdiloco.training.model import build_model, rda_segments
 from p2pdiloco.core.state import GlobalState
 from p2pdiloco.protocol.timing import RoundClock
@@ -126,8 +127,9 @@ class Peer:
             self.stop.set()
             return
         self.diloco.merger, self.diloco.peer = self.merger, self.peer_id
-        self.metrics.write("joined", peer=self.name, peer_id=self.peer_id, inner_step=self.diloco.trainer.total_steps,
-                           unmerged_steps=self.diloco.unmerged_steps, seconds=time.monotonic() - self.started)
+        self.metrics.write(schema.Joined(peer=self.name, peer_id=self.peer_id, inner_step=self.diloco.trainer.total_steps,
+                                         unmerged_steps=self.diloco.unmerged_steps,
+                                         seconds=time.monotonic() - self.started))
         loaded, self._joined_state = self._joined_state, None
         if loaded is not None:
             self._adopt(loaded, "joining")
@@ -146,7 +148,7 @@ class Peer:
         self.dht = node.start_dht(cfg.swarm)
         self.peer_id = node.peer_id(self.dht)
         self.name = self.name or self.peer_id[-6:]
-        self.metrics = self.metrics or JsonlSink(cfg.log_dir / f"{self.name}.jsonl")
+        self._open_metrics()
         addresses = cfg.log_dir / f"{self.name}.addrs"
         node.write_addresses(self.dht, addresses)
         if not cfg.swarm.initial_peers:
@@ -167,7 +169,15 @@ class Peer:
         trainer = InnerTrainer(self.model, stream, cfg.inner, self.device, cfg.throttle)
         self.diloco = DiLoCo(trainer, self.state, merger, self.peer_id, self.name, self.clock,
                              eager=cfg.outer.application == "eager")
-        self.metrics = self.metrics or JsonlSink(cfg.log_dir / f"{self.name}.jsonl")
+        self._open_metrics()
+
+    def _open_metrics(self) -> None:
+        """Once our name is known (a warm start knows it before connecting, a cold one only after)."""
+        if self.metrics is None:
+            cfg = self.cfg
+            self.metrics = open_sinks(cfg.metrics_sinks, cfg.log_dir, self.name, cfg.swarm.run_id,
+                                      config=dict(model=cfg.model, inner_steps=cfg.inner.steps,
+                                                  compression=cfg.swarm.compression, mode=cfg.swarm.mode))
 
     def _resync(self, why: str) -> bool:
         """Download the newest global state from live peers (validated: never trust the network)."""
@@ -191,7 +201,8 @@ class Peer:
     def _adopt(self, loaded, why: str) -> None:
         self.diloco.adopt(*loaded)
         log.info("%s: resynced (%s) to version %d", self.name, why, self.state.version)
-        self.metrics.write("resync", peer=self.name, why=why, version=self.state.version, digest=self.state.digest)
+        self.metrics.write(schema.Resync(peer=self.name, why=why, version=self.state.version,
+                                         digest=self.state.digest))
 
     # ---- checkpoints -----------------------------------------------------------------------------------
     @property
@@ -204,7 +215,7 @@ class Peer:
         meta, tensors = self.diloco.checkpoint_state()
         meta.update(model=self.cfg.model, n_params=self.n_params, run_id=self.cfg.swarm.run_id, why=why)
         path = checkpoint.save(self.checkpoint_folder, meta, tensors, keep=self.cfg.keep_checkpoints)
-        self.metrics.write("checkpoint", peer=self.name, version=meta["version"], path=str(path), why=why)
+        self.metrics.write(schema.Checkpoint(peer=self.name, version=meta["version"], path=str(path), why=why))
 
     def _find_checkpoint(self):
         found = checkpoint.load_latest(self.checkpoint_folder, self.n_params, report=log.warning)
@@ -219,8 +230,8 @@ class Peer:
     def _restore_checkpoint(self, found) -> None:
         self.diloco.restore_checkpoint_state(found.meta, found.tensors)
         log.info("%s: resumed from checkpoint %s (version %d)", self.name, found.path, self.state.version)
-        self.metrics.write("restore", peer=self.name, version=self.state.version, digest=self.state.digest,
-                           path=str(found.path), inner_step=self.diloco.trainer.total_steps)
+        self.metrics.write(schema.Restore(peer=self.name, version=self.state.version, digest=self.state.digest,
+                                          path=str(found.path), inner_step=self.diloco.trainer.total_steps))
 
     def _publish_state(self) -> None:
         self.own_sketch = sketch(self.state.params)
@@ -239,9 +250,9 @@ class Peer:
         self.started = time.monotonic()
         # with evaluations off (chaos runs, benchmarks) a (re)starting peer goes straight to training
         initial_val = self._evaluate_global() if cfg.eval_every else None
-        self.metrics.write("start", peer=self.name, peer_id=self.peer_id, n_params=self.n_params,
-                           val_loss=initial_val, version=self.state.version, corpus=self.corpus.description,
-                           mode=cfg.swarm.mode)
+        self.metrics.write(schema.Start(peer=self.name, peer_id=self.peer_id, n_params=self.n_params,
+                                        val_loss=initial_val, version=self.state.version,
+                                        corpus=self.corpus.description, mode=cfg.swarm.mode))
         self.progress = Progress(self.name, cfg.inner.steps)
         self.progress.start_round(0, self.state.version)
         self.rounds = self.merged_rounds = 0
@@ -262,16 +273,20 @@ class Peer:
         # utilization while training: leaving (the last round's wait, checkpoint, final evaluation) is not
         # part of it; `seconds` is the whole stay
         training = (self.training_ended or time.monotonic()) - self.started
-        summary = dict(peer=self.name, rounds=self.rounds, merged_rounds=self.merged_rounds,
-                       version=self.state.version, initial_val=initial_val, final_val=final_val,
-                       digest=self.state.digest, seconds=wall, training_seconds=training,
-                       compute_seconds=self.compute_seconds, utilization=self.compute_seconds / max(training, 1e-9),
-                       tokens=self.diloco.trainer.total_steps * self.diloco.trainer.tokens_per_step)
-        self.metrics.write("summary", **summary)
+        summary = schema.Summary(peer=self.name, rounds=self.rounds, merged_rounds=self.merged_rounds,
+                                 version=self.state.version, initial_val=initial_val, final_val=final_val,
+                                 digest=self.state.digest, seconds=wall, training_seconds=training,
+                                 compute_seconds=self.compute_seconds,
+                                 utilization=self.compute_seconds / max(training, 1e-9), tokens=self._tokens_trained)
+        self.metrics.write(summary)
         log.info("%s: done after %d rounds (version %d): val loss %s -> %.4f, compute %.0f%% of wall time",
                  self.name, self.rounds, self.state.version, _fmt_loss(initial_val), final_val,
-                 100 * summary["utilization"])
-        return summary
+                 100 * summary.utilization)
+        return summary.to_dict()
+
+    @property
+    def _tokens_trained(self) -> int:
+        return self.diloco.trainer.total_steps * self.diloco.trainer.tokens_per_step
 
     def _round_wait_on_leaving(self) -> float:
         """How long the round in flight may still take once training ends. At max rounds/time it may finish.
@@ -302,9 +317,10 @@ class Peer:
         rate = len(w["losses"]) * self.diloco.trainer.tokens_per_step / max(time.monotonic() - w["start"], 1e-9)
         self.progress.step(loss, rate, island=self.last_island)
         if len(w["losses"]) == WINDOW:
-            self.metrics.write("window", peer=self.name, step=self.diloco.trainer.total_steps,
-                               loss=sum(w["losses"]) / WINDOW, tokens_per_s=rate, step_seconds=w["seconds"] / WINDOW,
-                               in_flight=self.diloco.in_flight is not None, **self._goodput_fields())
+            self.metrics.write(schema.Window(peer=self.name, step=self.diloco.trainer.total_steps,
+                                             tokens=self._tokens_trained, loss=sum(w["losses"]) / WINDOW,
+                                             tokens_per_s=rate, step_seconds=w["seconds"] / WINDOW,
+                                             in_flight=self.diloco.in_flight is not None, **self._goodput_fields()))
             if self.heartbeat is not None:
                 self.heartbeat.note(inner_step=self.diloco.trainer.total_steps, tokens_per_s=rate,
                                     loss=sum(w["losses"]) / WINDOW)
@@ -315,7 +331,7 @@ class Peer:
         return dict(compute_seconds=self.compute_seconds, merged_seconds=self.diloco.merged_seconds)
 
     def _on_contribute(self, c: Contribution) -> None:
-        self.metrics.write("contribute", peer=self.name, version=c.version, tokens=c.tokens, steps=c.steps)
+        self.metrics.write(schema.Contribute(peer=self.name, version=c.version, tokens=c.tokens, steps=c.steps))
 
     def _on_round(self, settled: Settled | None) -> None:
         if settled is None:
@@ -341,10 +357,10 @@ class Peer:
         versions = [r.version for r in others] + [self.state.version]
         distance = consensus_distance(states)
         wall = time.monotonic() - self.started
-        self.metrics.write(
-            "round", peer=self.name, round=self.rounds, version=self.state.version, applied=settled.applied,
+        self.metrics.write(schema.Round(
+            peer=self.name, round=self.rounds, version=self.state.version, applied=settled.applied,
             reason=o.reason, loss=sum(self.round_losses) / max(len(self.round_losses), 1), val_loss=val,
-            tokens=c.tokens, from_version=c.version,
+            tokens=c.tokens, tokens_trained=self._tokens_trained, from_version=c.version,
             unmerged_tokens=settled.unmerged_tokens, steps_in_flight=settled.steps_in_flight,
             outcome=o.kind, members=[m.name or m.peer for m in o.members],
             member_tokens=[m.tokens for m in o.members], member_versions=[m.version for m in o.members],
@@ -358,7 +374,7 @@ class Peer:
             fork_distance=consensus_distance(states, same_version=True),
             version_spread=max(versions) - min(versions), live_peers=len(versions), recovered_tokens=self.diloco.recovered_tokens,
             **self._goodput_fields(), utilization=self.compute_seconds / max(wall, 1e-9), wall=wall,
-            digest=self.state.digest)
+            digest=self.state.digest))
         val_text = f" val {val:.4f}" if val is not None else ""
         self.progress.end_round(f"round {self.rounds}: {'merged' if settled.applied else 'not merged'} "
                                 f"({o.reason}, island {len(o.members)}) v{self.state.version}{val_text} "

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from p2pdiloco.ops.testbed import Link, Testbed
+from p2pdiloco.runtime.schema import Round, Start, Summary, of_kind, read_records
 
 
 def codec_flags(variant: str) -> list[str]:
@@ -82,32 +83,32 @@ def first_address(log_dir: Path, timeout: float) -> str:
 def summarize(log_dir: Path, args, wall: float, codes: list) -> dict:
     rounds, summaries, evals = [], [], {}  # rounds: merged ones with more than one member
     for path in sorted(log_dir.glob("p*.jsonl")):
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        rounds += [r for r in records if r.get("kind") == "round" and r["applied"] and len(r["members"]) > 1]
-        summaries += [r for r in records if r.get("kind") == "summary"]
-        for r in records:  # the global model's validation loss per version (equal on every peer that holds it)
-            if r.get("val_loss") is not None and r.get("kind") in ("start", "round"):
-                evals.setdefault(r["version"], []).append(r["val_loss"])
-    sent = [r["bytes_sent"] for r in rounds if r.get("bytes_sent")]
-    received = [r["bytes_received"] for r in rounds if r.get("bytes_received")]
-    tokens = [r["tokens"] for r in rounds]
+        records = read_records(path)
+        rounds += [r for r in of_kind(records, Round) if r.applied and len(r.members) > 1]
+        summaries += of_kind(records, Summary)
+        for r in of_kind(records, (Start, Round)):  # the global model's val loss per version (equal on every peer)
+            if r.val_loss is not None:
+                evals.setdefault(r.version, []).append(r.val_loss)
+    sent = [r.bytes_sent for r in rounds if r.bytes_sent]
+    received = [r.bytes_received for r in rounds if r.bytes_received]
+    tokens = [r.tokens for r in rounds]
     per_round = statistics.median([s + r for s, r in zip(sent, received)]) if sent else float("nan")
     return dict(exit_codes=codes, merged_rounds=len(rounds), wall_seconds=wall,
                 bytes_per_round_sent=statistics.median(sent) if sent else None,
                 bytes_per_round_both_ways=per_round,
                 bytes_per_token=per_round / statistics.median(tokens) if tokens else None,
-                sync_seconds=statistics.median([r["sync_seconds"] for r in rounds]) if rounds else None,
+                sync_seconds=statistics.median([r.sync_seconds for r in rounds]) if rounds else None,
                 allreduce_over_link_bound=link_bound_ratio(full_rounds(rounds, args.peers), args),
-                full_round_bytes_sent=median_or_none([r["bytes_sent"] for r in full_rounds(rounds, args.peers)]),
-                utilization=statistics.mean(s["utilization"] for s in summaries) if summaries else None,
-                final_val=statistics.mean(s["final_val"] for s in summaries) if summaries else None,
+                full_round_bytes_sent=median_or_none([r.bytes_sent for r in full_rounds(rounds, args.peers)]),
+                utilization=statistics.mean(s.utilization for s in summaries) if summaries else None,
+                final_val=statistics.mean(s.final_val for s in summaries) if summaries else None,
                 val_curve=sorted((v, statistics.mean(losses)) for v, losses in evals.items()))
 
 
 def full_rounds(rounds: list, peers: int) -> list:
     """Rounds of the whole swarm: the transport figures compare like with like (a 2-member island sends less and
     a peer serving a late joiner its state at the same time sends more)."""
-    return [r for r in rounds if len(r["members"]) == peers]
+    return [r for r in rounds if len(r.members) == peers]
 
 
 def median_or_none(values: list):
@@ -119,8 +120,8 @@ def link_bound_ratio(rounds: list, args) -> float | None:
     """A round's all-reduce time over the link bound: the larger of what this peer sent and received, at link
     rate (for a reduce-scatter + all-gather among N that is 2·(N−1)/N of the payload, each way)."""
     link = args.rate_mbit * 1e6 / 8
-    ratios = [r["sync_seconds"] / (max(r["bytes_sent"], r["bytes_received"]) / link) for r in rounds
-              if r.get("bytes_sent") and r.get("sync_seconds")]
+    ratios = [r.sync_seconds / (max(r.bytes_sent, r.bytes_received) / link) for r in rounds
+              if r.bytes_sent and r.sync_seconds]
     return statistics.median(ratios) if ratios else None
 
 

@@ -19,7 +19,7 @@ import statistics
 from pathlib import Path
 
 from p2pdiloco.ops.launcher import run_local_swarm
-from p2pdiloco.runtime.metrics import read_jsonl
+from p2pdiloco.runtime.schema import read_records
 
 N_PEERS = 4
 SLOW = N_PEERS - 1  # the last peer is the slow one
@@ -34,37 +34,37 @@ def run(mode: str, a, log_dir: Path) -> list[list[dict]]:
     args = ["--model", a.model, "--threads", "1", "-H", str(a.inner_steps), "--max-time", str(a.seconds),
             "--eval-every", "0", *MODES[mode], "--run-id", f"bench-{mode}", "--sync-wait", "600", *a.extra]
     run_local_swarm(N_PEERS, log_dir, args, stagger=0.2, per_peer_args={SLOW: ["--throttle", str(a.slow_factor)]})
-    return [read_jsonl(log_dir / f"peer{i}.jsonl") for i in range(N_PEERS)]
+    return [read_records(log_dir / f"peer{i}.jsonl") for i in range(N_PEERS)]
 
 
 def of_kind(records: list[dict], kind: str) -> list[dict]:
-    return [r for r in records if r["kind"] == kind]
+    return [r for r in records if r.kind == kind]
 
 
 def report(records: list[list[dict]]) -> dict:
     summaries = [of_kind(r, "summary")[-1] for r in records]
     rounds = of_kind(records[0], "round")
-    merged = [r for r in rounds if r["applied"]]
+    merged = [r for r in rounds if r.applied]
     all_rounds = [r for peer in records for r in of_kind(peer, "round")]
-    distance = [(round(r["wall"]), round(r["consensus_distance"], 4)) for r in rounds]
+    distance = [(round(r.wall), round(r.consensus_distance, 4)) for r in rounds]
     return dict(
-        fast_peer_utilization=[round(s["utilization"], 3) for s in summaries[:SLOW]],
-        slow_peer_utilization=round(summaries[SLOW]["utilization"], 3),
-        versions=max(s["version"] for s in summaries),
-        tokens_trained=sum(s["tokens"] for s in summaries),
-        tokens_merged_per_round=round(statistics.mean(r["tokens_merged"] for r in merged)) if merged else 0,
-        mean_island=round(statistics.mean(len(r["members"]) for r in merged), 2) if merged else 0,
-        slow_peer_rounds_merged=sum(1 for r in of_kind(records[SLOW], "round") if r["applied"]),
-        rounds_not_merged=sum(1 for r in all_rounds if not r["applied"]),
+        fast_peer_utilization=[round(s.utilization, 3) for s in summaries[:SLOW]],
+        slow_peer_utilization=round(summaries[SLOW].utilization, 3),
+        versions=max(s.version for s in summaries),
+        tokens_trained=sum(s.tokens for s in summaries),
+        tokens_merged_per_round=round(statistics.mean(r.tokens_merged for r in merged)) if merged else 0,
+        mean_island=round(statistics.mean(len(r.members) for r in merged), 2) if merged else 0,
+        slow_peer_rounds_merged=sum(1 for r in of_kind(records[SLOW], "round") if r.applied),
+        rounds_not_merged=sum(1 for r in all_rounds if not r.applied),
         consensus_distance_over_time=distance,
         consensus_distance_max=max((d for _, d in distance), default=0.0),
         # disagreement proper: live peers at the same version with different states (forks), and how far
         # behind the most stale live peer was (the slow peer contributes from older versions, then catches up)
-        fork_distance_max=max((r["fork_distance"] for r in all_rounds), default=0.0),
-        rounds_with_fork=sum(r["fork_distance"] > 0 for r in all_rounds),
-        version_spread_max=max((r["version_spread"] for r in all_rounds), default=0),
-        final_digests=len({s["digest"] for s in summaries}),
-        val_loss=[round(s["final_val"], 4) for s in summaries],
+        fork_distance_max=max((r.fork_distance for r in all_rounds), default=0.0),
+        rounds_with_fork=sum(r.fork_distance > 0 for r in all_rounds),
+        version_spread_max=max((r.version_spread for r in all_rounds), default=0),
+        final_digests=len({s.digest for s in summaries}),
+        val_loss=[round(s.final_val, 4) for s in summaries],
     )
 
 

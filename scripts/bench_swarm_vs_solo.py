@@ -14,26 +14,26 @@ import tempfile
 from pathlib import Path
 
 from p2pdiloco.ops.launcher import run_local_swarm
-from p2pdiloco.runtime.metrics import read_jsonl
+from p2pdiloco.runtime.schema import read_records
 
 
 def run(n_peers: int, seconds: float, model: str, log_dir: Path) -> list[list[dict]]:
     args = ["--model", model, "--threads", "1", "-H", "25", "--max-time", str(seconds), "--run-id", f"bench{n_peers}"]
     run_local_swarm(n_peers, log_dir, args, stagger=0.2)
-    return [read_jsonl(log_dir / f"peer{i}.jsonl") for i in range(n_peers)]
+    return [read_records(log_dir / f"peer{i}.jsonl") for i in range(n_peers)]
 
 
 def final_val(records: list[list[dict]]) -> float:
-    return min(r[-1]["final_val"] for r in ([x for x in rec if x["kind"] == "summary"] for rec in records))
+    return min(r[-1].final_val for r in ([x for x in rec if x.kind == "summary"] for rec in records))
 
 
 def tokens_curve(records: list[list[dict]]) -> list[tuple[int, float]]:
     """(total tokens merged by the swarm, val loss) after each committed version, from peer0's view."""
-    rounds = [r for r in records[0] if r["kind"] == "round" and r["applied"] and r["val_loss"] is not None]
+    rounds = [r for r in records[0] if r.kind == "round" and r.applied and r.val_loss is not None]
     total, curve = 0, []
     for r in rounds:
-        total += sum(r["member_tokens"])
-        curve.append((total, r["val_loss"]))
+        total += sum(r.member_tokens)
+        curve.append((total, r.val_loss))
     return curve
 
 

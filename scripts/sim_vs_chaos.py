@@ -14,15 +14,15 @@ from dataclasses import replace
 from pathlib import Path
 
 from p2pdiloco.ops.chaos import ChaosPlan
-from p2pdiloco.runtime.metrics import read_jsonl
+from p2pdiloco.runtime.schema import Round, Window, of_kind, read_records
 from p2pdiloco.sim.params import YEAR, SimParams
 from p2pdiloco.sim.run import simulate
 
 
 def measured(run_dir: Path) -> dict:
-    records = [r for path in sorted(run_dir.glob("peer*.jsonl")) for r in read_jsonl(path)]
-    steps = [r["step_seconds"] for r in records if r.get("kind") == "window" and "step_seconds" in r]
-    syncs = [r["sync_seconds"] for r in records if r.get("kind") == "round" and r.get("sync_seconds")]
+    records = [r for path in sorted(run_dir.glob("peer*.jsonl")) for r in read_records(path)]
+    steps = [r.step_seconds for r in of_kind(records, Window)]
+    syncs = [r.sync_seconds for r in of_kind(records, Round) if r.sync_seconds]
     report = json.loads((run_dir.parent / "report.json").read_text())["chaos"]
     return dict(step_seconds=statistics.median(steps), sync_seconds=statistics.median(syncs) if syncs else 0.0,
                 join_seconds=report["join_seconds_median"], seconds=report["seconds"], goodput=report["goodput"],

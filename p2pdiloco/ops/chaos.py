@@ -22,7 +22,8 @@ from typing import Optional
 
 from p2pdiloco.ops.launcher import join_command, start_bootstrap, start_process, stop_tree
 from p2pdiloco.runtime.lifeline import descendants
-from p2pdiloco.runtime.metrics import parse_jsonl, read_jsonl
+from p2pdiloco.runtime.metrics import read_jsonl
+from p2pdiloco.runtime.schema import Record, parse_records, read_records
 from p2pdiloco.ops.swarmreport import Life, split_lives, summarize
 
 PHASES = ("training", "in_round", "joining")
@@ -217,12 +218,12 @@ class Chaos:
 
     # ---- observation -----------------------------------------------------------------------------------
     def phase(self, slot: Slot) -> str:
-        records = [r for r in _tail_records(self.log_dir / f"{slot.name}.jsonl") if r["time"] >= slot.spawns[-1]]
-        slot.started = slot.started or any(r["kind"] == "start" for r in records)
+        records = [r for r in _tail_records(self.log_dir / f"{slot.name}.jsonl") if r.time >= slot.spawns[-1]]
+        slot.started = slot.started or any(r.kind == "start" for r in records)
         if not slot.started:
             return "joining"
-        last_contribute = max((r["time"] for r in records if r["kind"] == "contribute"), default=-1.0)
-        last_round = max((r["time"] for r in records if r["kind"] == "round"), default=-1.0)
+        last_contribute = max((r.time for r in records if r.kind == "contribute"), default=-1.0)
+        last_round = max((r.time for r in records if r.kind == "round"), default=-1.0)
         return "in_round" if last_contribute > last_round else "training"
 
     def _event(self, event: str, peer: str, **fields) -> None:
@@ -258,8 +259,7 @@ def lives_from_logs(log_dir: Path) -> list[Life]:
             frozen.setdefault(name, []).append((since.pop(name), e["time"]))
     lives = []
     for name in spawns:
-        path = log_dir / f"{name}.jsonl"
-        records = read_jsonl(path) if path.exists() else []
+        records = read_records(log_dir / f"{name}.jsonl")
         lives += split_lives(name, records, spawns[name], deaths[name], end, frozen.get(name, []))
     return lives
 
@@ -288,7 +288,7 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def _tail_records(path: Path, size: int = 1 << 15) -> list[dict]:
+def _tail_records(path: Path, size: int = 1 << 15) -> list[Record]:
     """The records in the last `size` bytes of a JSONL file (cheap enough to poll several times a second)."""
     if not path.exists():
         return []
@@ -296,4 +296,4 @@ def _tail_records(path: Path, size: int = 1 << 15) -> list[dict]:
         offset = max(0, path.stat().st_size - size)
         f.seek(offset)
         lines = f.read().decode(errors="replace").splitlines()
-    return parse_jsonl(lines[1:] if offset else lines)  # from mid-file, the first line is cut
+    return parse_records(lines[1:] if offset else lines)  # from mid-file, the first line is cut

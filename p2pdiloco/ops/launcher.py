@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from p2pdiloco.runtime.lifeline import descendants, kill_snapshot
-from p2pdiloco.runtime.metrics import read_jsonl
+from p2pdiloco.runtime.schema import Round, Summary, of_kind, read_records
 
 
 class LaunchError(RuntimeError):
@@ -108,7 +108,20 @@ def run_local_swarm(n_peers: int, log_dir: Path, join_args: list[str], stagger: 
             stop_tree(proc)
     summaries = collect_summaries(log_dir, n_peers)
     print_summary(summaries)
+    print_report(log_dir)
     return summaries
+
+
+def print_report(log_dir: Path) -> None:
+    """Write the run's report (LOG_DIR/report) and say where; a run whose report fails is still a run."""
+    from p2pdiloco.ops.report import ReportError, write_report
+
+    try:
+        made = write_report([log_dir], log_dir / "report")
+    except (ReportError, ImportError, OSError) as e:
+        print(f"no report: {e}", flush=True)
+        return
+    print(f"report: {made.html} (and {len(made.pngs)} PNGs beside it)", flush=True)
 
 
 def _raise_interrupt(*_args):
@@ -131,34 +144,30 @@ def _follow(procs: dict, log_dir: Path, n_peers: int) -> None:
     while any(procs[name].poll() is None for name in trainers):
         time.sleep(1.0)
         for name in trainers:
-            path = log_dir / f"{name}.jsonl"
-            if not path.exists():
-                continue
-            records = [r for r in read_jsonl(path) if r["kind"] == "round"]
+            records = of_kind(read_records(log_dir / f"{name}.jsonl"), Round)
             for r in records[seen.get(name, 0):]:
-                val = f"{r['val_loss']:.4f}" if r.get("val_loss") is not None else "  -   "
-                print(f"{name:>7} round {r['round']:>3} v{r['version']:<3} island {len(r['members'])} "
-                      f"loss {r['loss']:.4f} val {val} consensus {r['consensus_distance']:.3g} "
-                      f"{'merged' if r['applied'] else r['reason']}", flush=True)
+                val = f"{r.val_loss:.4f}" if r.val_loss is not None else "  -   "
+                print(f"{name:>7} round {r.round:>3} v{r.version:<3} island {r.island} "
+                      f"loss {r.loss:.4f} val {val} consensus {r.consensus_distance:.3g} "
+                      f"{'merged' if r.applied else r.reason}", flush=True)
             seen[name] = len(records)
 
 
-def collect_summaries(log_dir: Path, n_peers: int) -> dict:
+def collect_summaries(log_dir: Path, n_peers: int) -> dict[str, Optional[Summary]]:
     summaries = {}
     for i in range(n_peers):
-        path = log_dir / f"peer{i}.jsonl"
-        found = [r for r in read_jsonl(path) if r["kind"] == "summary"] if path.exists() else []
+        found = of_kind(read_records(log_dir / f"peer{i}.jsonl"), Summary)
         summaries[f"peer{i}"] = found[-1] if found else None
     return summaries
 
 
-def print_summary(summaries: dict) -> None:
+def print_summary(summaries: dict[str, Optional[Summary]]) -> None:
     print("\npeer      rounds  version  val loss before -> after   compute/wall  state digest")
     for name, s in summaries.items():
         if s is None:
             print(f"{name:<9} (no summary: see its log)")
         else:
-            before = "-" if s["initial_val"] is None else f"{s['initial_val']:.4f}"
-            print(f"{name:<9} {s['rounds']:>6}  {s['version']:>7}  {before:>8} -> {s['final_val']:.4f}"
-                  f"     {100 * s['utilization']:>10.0f}%  {s['digest']}")
-    print(json.dumps({k: (v or {}).get("final_val") for k, v in summaries.items()}))
+            before = "-" if s.initial_val is None else f"{s.initial_val:.4f}"
+            print(f"{name:<9} {s.rounds:>6}  {s.version:>7}  {before:>8} -> {s.final_val:.4f}"
+                  f"     {100 * s.utilization:>10.0f}%  {s.digest}")
+    print(json.dumps({k: v and v.final_val for k, v in summaries.items()}))

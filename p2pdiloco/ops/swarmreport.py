@@ -17,6 +17,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
+from p2pdiloco.runtime.schema import Record, Round, Window
+
 Interval = tuple[float, float]
 
 
@@ -25,30 +27,32 @@ class Life:
     slot: str
     spawned: float
     ended: float  # killed, exited, or the end of the run
-    records: list[dict]
+    records: list[Record]
     frozen: list[Interval] = field(default_factory=list)
 
-    def of_kind(self, kind: str) -> list[dict]:
-        return [r for r in self.records if r["kind"] == kind]
+    def of_kind(self, kind: str) -> list:
+        return [r for r in self.records if r.kind == kind]
 
-    def last_with(self, key: str) -> Optional[dict]:
-        return next((r for r in reversed(self.records) if key in r), None)
+    def cumulative(self, name: str) -> float:
+        """The last value of a life-long counter (compute_seconds, merged_seconds) that windows and rounds carry."""
+        last = next((r for r in reversed(self.records) if isinstance(r, (Window, Round))), None)
+        return getattr(last, name) if last is not None else 0.0
 
     @property
     def training_from(self) -> Optional[float]:
         start = self.of_kind("start")
-        return start[0]["time"] if start else None
+        return start[0].time if start else None
 
 
-def split_lives(slot: str, records: list[dict], spawns: list[float], deaths: list[Optional[float]], end: float,
+def split_lives(slot: str, records: list[Record], spawns: list[float], deaths: list[Optional[float]], end: float,
                 frozen: Iterable[Interval] = ()) -> list[Life]:
     """Cut one slot's records into lives at its spawn times; `deaths[i]` is when life i was killed (None: it
     ran until it exited or the run ended)."""
     lives, frozen = [], list(frozen)
     for i, spawned in enumerate(spawns):
         until = spawns[i + 1] if i + 1 < len(spawns) else float("inf")
-        mine = [r for r in records if spawned <= r["time"] < until]
-        exited = max((r["time"] for r in mine if r["kind"] == "summary"), default=None)
+        mine = [r for r in records if spawned <= r.time < until]
+        exited = max((r.time for r in mine if r.kind == "summary"), default=None)
         ended = min(x for x in (deaths[i], exited, until, end) if x is not None)
         lives.append(Life(slot, spawned, ended, mine, [f for f in frozen if spawned <= f[0] < ended]))
     return lives
@@ -64,8 +68,8 @@ def goodput(lives: list[Life], start: float, end: float) -> dict:
         first_spawn[life.slot] = min(first_spawn.get(life.slot, life.spawned), life.spawned)
     allocated = sum(end - max(t, start) for t in first_spawn.values())
     alive = sum(life.ended - life.spawned - _overlap((life.spawned, life.ended), life.frozen) for life in lives)
-    merged = sum((life.last_with("merged_seconds") or {}).get("merged_seconds", 0.0) for life in lives)
-    compute = sum((life.last_with("compute_seconds") or {}).get("compute_seconds", 0.0) for life in lives)
+    merged = sum(life.cumulative("merged_seconds") for life in lives)
+    compute = sum(life.cumulative("compute_seconds") for life in lives)
     joining = sum(min(life.training_from or life.ended, life.ended) - life.spawned for life in lives)
     frozen = sum(_overlap((life.spawned, life.ended), life.frozen) for life in lives)
     return dict(goodput=merged / max(allocated, 1e-9), goodput_of_alive_time=merged / max(alive, 1e-9),
@@ -80,7 +84,7 @@ def goodput(lives: list[Life], start: float, end: float) -> dict:
 
 def advances(lives: list[Life]) -> list[float]:
     """Times at which the global model reached a new highest version (any peer's merged round)."""
-    rounds = sorted((r["time"], r["version"]) for life in lives for r in life.of_kind("round") if r["applied"])
+    rounds = sorted((r.time, r.version) for life in lives for r in life.of_kind("round") if r.applied)
     times, best = [], -1
     for t, version in rounds:
         if version > best:
@@ -106,17 +110,17 @@ def longest_stalls(lives: list[Life], step_window: int) -> dict:
         if begin is None:
             continue
         windows = life.of_kind("window")
-        marks = [begin] + [w["time"] for w in windows]
+        marks = [begin] + [w.time for w in windows]
         for i in range(1, len(marks)):
             gap = marks[i] - marks[i - 1] - _overlap((marks[i - 1], marks[i]), life.frozen)
-            no_step = max(no_step, gap - step_window * windows[i - 1]["step_seconds"])
-        merges = [begin] + [r["time"] for r in life.of_kind("round") if r["applied"]] + [life.ended]
+            no_step = max(no_step, gap - step_window * windows[i - 1].step_seconds)
+        merges = [begin] + [r.time for r in life.of_kind("round") if r.applied] + [life.ended]
         for a, b in zip(merges, merges[1:]):
             no_merge = max(no_merge, b - a - _overlap((a, b), life.frozen))
     return dict(longest_stall_seconds=max(no_step, 0.0), longest_without_merge_seconds=no_merge)
 
 
-def islands_disagreeing(round_records: Iterable[dict]) -> dict[str, set[tuple[int, str]]]:
+def islands_disagreeing(round_records: Iterable[Round]) -> dict[str, set[tuple[int, str]]]:
     """Islands whose members ended a merged round with different states: a mixed or partial round.
 
     Two islands that merged apart from one version may legitimately hold different states at one version (a
@@ -124,12 +128,12 @@ def islands_disagreeing(round_records: Iterable[dict]) -> dict[str, set[tuple[in
     round (a stale contributor) is left out: it holds the island's result or something newer."""
     by_island: dict[str, set[tuple[int, str]]] = {}
     for r in round_records:
-        if r["applied"] and r["group_id"] and not r["adopted"]:
-            by_island.setdefault(r["group_id"], set()).add((r["version"], r["digest"]))
+        if r.applied and r.group_id and not r.adopted:
+            by_island.setdefault(r.group_id, set()).add((r.version, r.digest))
     return {group: states for group, states in by_island.items() if len(states) > 1}
 
 
-def unresolved_forks(rounds_by_peer: dict[str, list[dict]], within_rounds: int,
+def unresolved_forks(rounds_by_peer: dict[str, list[Round]], within_rounds: int,
                      from_version: int = 0) -> list[tuple[str, int]]:
     """(peer, round) where a peer saw live peers disagree at one version (fork_distance > 0) and still saw a
     disagreement in each of its next `within_rounds` rounds (rounds near the end of a log are not judged,
@@ -138,8 +142,8 @@ def unresolved_forks(rounds_by_peer: dict[str, list[dict]], within_rounds: int,
     for name, rounds in rounds_by_peer.items():
         for i, r in enumerate(rounds[:len(rounds) - within_rounds]):
             later = rounds[i + 1:i + 1 + within_rounds]
-            if r["version"] >= from_version and r["fork_distance"] > 0 and all(x["fork_distance"] > 0 for x in later):
-                stuck.append((name, r["round"]))
+            if r.version >= from_version and r.fork_distance > 0 and all(x.fork_distance > 0 for x in later):
+                stuck.append((name, r.round))
     return stuck
 
 
@@ -149,20 +153,20 @@ def summarize(lives: list[Life], start: float, end: float, step_window: int) -> 
     gaps = [b - a for a, b in zip(times, times[1:])]
     window = 2 * statistics.median(gaps) if gaps else end - start
     at_end = [life for life in lives if life.ended >= end - 1e-6]
-    finals = [life.of_kind("summary")[-1]["final_val"] for life in at_end if life.of_kind("summary")]
+    finals = [life.of_kind("summary")[-1].final_val for life in at_end if life.of_kind("summary")]
     joins = [life.training_from - life.spawned for life in lives if life.training_from is not None]
     last_rounds = [life.of_kind("round")[-1] for life in at_end if life.of_kind("round")]
     return dict(
         **goodput(lives, start, end),
         uptime=uptime(times, start, end, window), uptime_window_seconds=window,
-        versions=max((r["version"] for r in rounds), default=0),
+        versions=max((r.version for r in rounds), default=0),
         **longest_stalls(lives, step_window),
         join_seconds_max=max(joins, default=0.0),
         join_seconds_median=statistics.median(joins) if joins else 0.0,
-        rounds=len(rounds), rounds_merged=sum(r["applied"] for r in rounds),
-        rounds_with_fork=sum(r["fork_distance"] > 0 for r in rounds),
-        max_fork_distance=max((r["fork_distance"] for r in rounds), default=0.0),
-        final_fork_distance=max((r["fork_distance"] for r in last_rounds), default=0.0),
+        rounds=len(rounds), rounds_merged=sum(r.applied for r in rounds),
+        rounds_with_fork=sum(r.fork_distance > 0 for r in rounds),
+        max_fork_distance=max((r.fork_distance for r in rounds), default=0.0),
+        final_fork_distance=max((r.fork_distance for r in last_rounds), default=0.0),
         split_islands=len(islands_disagreeing(rounds)),
         final_val=[round(v, 4) for v in finals],
         final_val_median=statistics.median(finals) if finals else None,

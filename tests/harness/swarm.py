@@ -11,7 +11,7 @@ from pathlib import Path
 from p2pdiloco.ops import swarmreport
 from p2pdiloco.ops.launcher import join_command, start_bootstrap, start_process, stop_tree
 from p2pdiloco.runtime.lifeline import descendants
-from p2pdiloco.runtime.metrics import read_jsonl
+from p2pdiloco.runtime.schema import Record, read_records
 
 # small and fast: every swarm test peer trains the tiny model with one thread
 TINY = ["--model", "tiny", "--batch-size", "8", "--seq-len", "64", "--threads", "1", "--sync-wait", "30"]
@@ -51,10 +51,8 @@ class LocalSwarm:
         for name in names:
             assert self.procs[name].returncode == 0, self.log(name)[-3000:]
 
-    def records(self, name: str, kind: str | None = None) -> list[dict]:
-        path = self.log_dir / f"{name}.jsonl"
-        records = read_jsonl(path) if path.exists() else []
-        return [r for r in records if kind is None or r["kind"] == kind]
+    def records(self, name: str, kind: str | None = None) -> list[Record]:
+        return [r for r in read_records(self.log_dir / f"{name}.jsonl") if kind is None or r.kind == kind]
 
     def address_of(self, name: str) -> str:
         return (self.log_dir / f"{name}.addrs").read_text().split()[0]
@@ -68,7 +66,7 @@ class LocalSwarm:
 
     def version(self, name: str) -> int:
         rounds = self.records(name, "round")
-        return rounds[-1]["version"] if rounds else -1
+        return rounds[-1].version if rounds else -1
 
     def log(self, name: str) -> str:
         path = self.log_dir / f"{name}.log"
@@ -114,5 +112,5 @@ def digests_by_version(swarm: LocalSwarm, names) -> dict[int, set[str]]:
     seen: dict[int, set[str]] = {}
     for name in names:
         for r in swarm.records(name, "round") + swarm.records(name, "resync"):
-            seen.setdefault(r["version"], set()).add(r["digest"])
+            seen.setdefault(r.version, set()).add(r.digest)
     return seen

@@ -34,9 +34,9 @@ def test_chaos_never_stops_training_never_mixes_a_round_and_forks_heal(tmp_path)
     assert not swarmreport.unresolved_forks(rounds, within_rounds=2), report
     quiet_from = chaos.start + PLAN.seconds - PLAN.quiet_tail
     for life in lives:
-        tail = [r for r in life.of_kind("round") if r["time"] >= quiet_from]
+        tail = [r for r in life.of_kind("round") if r.time >= quiet_from]
         if life.ended >= chaos.end - 1e-6 and tail:
-            assert any(r["fork_distance"] == 0.0 for r in tail), (life.slot, tail)
+            assert any(r.fork_distance == 0.0 for r in tail), (life.slot, tail)
     # most of the inner-step time peers computed reached the global model: kills cost only the work since the
     # last merge (goodput proper also pays for restarts, ~3 CPU-seconds of imports each, so it depends on how
     # oversubscribed the machine is: scripts/chaos.py reports it with its breakdown)

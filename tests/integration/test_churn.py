@@ -25,16 +25,16 @@ def test_late_join_bootstrap_death_graceful_leave_and_restart(tmp_path):
 
         # a late joiner gets the exact current state, and its next contribution is merged
         swarm.start_peer("late", *ARGS)
-        swarm.wait_for(lambda: any(r["applied"] and len(r["members"]) > 1 for r in swarm.records("late", "round")),
+        swarm.wait_for(lambda: any(r.applied and len(r.members) > 1 for r in swarm.records("late", "round")),
                        120, "the late joiner's first merged round")
         joined = swarm.records("late", "resync")[0]
-        assert joined["why"] == "joining" and joined["version"] >= 2
+        assert joined.why == "joining" and joined.version >= 2
 
         # the first node dies: the others go on, and a newcomer joins through a live peer
         swarm.procs["bootstrap"].kill()
         swarm.procs["bootstrap"].wait()
         swarm.start_peer("newcomer", *ARGS, via=swarm.address_of("late"))
-        swarm.wait_for(lambda: any(r["applied"] and len(r["members"]) > 1
+        swarm.wait_for(lambda: any(r.applied and len(r.members) > 1
                                    for r in swarm.records("newcomer", "round")), 150, "the newcomer to merge")
 
         # SIGTERM: a leaves within 10 s and writes a checkpoint
@@ -45,26 +45,26 @@ def test_late_join_bootstrap_death_graceful_leave_and_restart(tmp_path):
         took = time.monotonic() - start
         assert took < 10.0, f"graceful leave took {took:.1f} s"
         assert swarm.procs["a"].returncode == 0, swarm.log("a")[-2000:]
-        ckpt = [r for r in swarm.records("a", "checkpoint") if r["why"] == "leaving"]
-        assert ckpt and ckpt[-1]["version"] >= left_at_version
+        ckpt = [r for r in swarm.records("a", "checkpoint") if r.why == "leaving"]
+        assert ckpt and ckpt[-1].version >= left_at_version
         newest = checkpoint.list_checkpoints(tmp_path / "checkpoints" / "churn" / "a")[0]
-        assert str(newest) == ckpt[-1]["path"]
+        assert str(newest) == ckpt[-1].path
 
         # restart: a resumes the version it saved and trains from it at once, while it connects and fetches
         # the swarm's state; the steps taken meanwhile are rebased onto that state and merged, not lost
         swarm.start_peer("a", *ARGS, via=swarm.address_of("b"))
         swarm.wait_for(lambda: len(swarm.records("a", "restore")) == 1, 60, "a to restore its checkpoint")
         restored = swarm.records("a", "restore")[0]
-        assert restored["version"] == ckpt[-1]["version"]
+        assert restored.version == ckpt[-1].version
         before = len(swarm.records("a", "round"))
-        swarm.wait_for(lambda: any(r["applied"] and len(r["members"]) > 1
+        swarm.wait_for(lambda: any(r.applied and len(r.members) > 1
                                    for r in swarm.records("a", "round")[before:]), 150, "a to merge after restart")
         joined = swarm.records("a", "joined")[-1]
-        assert joined["inner_step"] > restored["inner_step"], (restored, joined)  # trained while connecting
+        assert joined.inner_step > restored.inner_step, (restored, joined)  # trained while connecting
         resync = swarm.records("a", "resync")[-1]
-        assert resync["why"] == "joining" and resync["version"] >= restored["version"]
-        first = [r for r in swarm.records("a", "contribute") if r["time"] > joined["time"]][0]
-        assert first["steps"] >= joined["unmerged_steps"]  # those steps are in its first contribution
+        assert resync.why == "joining" and resync.version >= restored.version
+        first = [r for r in swarm.records("a", "contribute") if r.time > joined.time][0]
+        assert first.steps >= joined.unmerged_steps  # those steps are in its first contribution
 
         names = ["a", "b", "late", "newcomer"]
         for name in names:
@@ -109,10 +109,10 @@ def test_joiner_gets_the_state_when_its_donor_dies_mid_transfer(tmp_path):
         assert f"'{donor_id}': 1" in fetched[0], fetched  # the part the donor served before dying is kept
         assert f"re-fetched after ['{donor_id}']" in fetched[0], fetched  # the one it died on came from `other`
         joined = swarm.records(joiner, "resync")[0]
-        assert joined["why"] == "joining" and joined["version"] >= 2
-        known = {(r["version"], r["digest"]) for r in swarm.records("other", "round") + swarm.records("donor", "round")}
-        assert (joined["version"], joined["digest"]) in known  # exactly a state the swarm held
-        swarm.wait_for(lambda: any(r["applied"] and len(r["members"]) > 1 for r in swarm.records(joiner, "round")),
+        assert joined.why == "joining" and joined.version >= 2
+        known = {(r.version, r.digest) for r in swarm.records("other", "round") + swarm.records("donor", "round")}
+        assert (joined.version, joined.digest) in known  # exactly a state the swarm held
+        swarm.wait_for(lambda: any(r.applied and len(r.members) > 1 for r in swarm.records(joiner, "round")),
                        120, "the joiner's first merged round")
         names = [n for n in swarm.procs if n not in ("bootstrap", "donor")]
         for name in names:
@@ -133,7 +133,7 @@ def test_whole_swarm_restarted_from_checkpoints_continues_where_it_stopped(tmp_p
         swarm.wait(names, timeout=30)
         assert swarm.procs["b"].returncode == 0, swarm.log("b")[-3000:]
         assert "terminate called" not in swarm.log("b")  # no helper of b died of the Ctrl-C and took it down
-        saved = {n: [r for r in swarm.records(n, "checkpoint") if r["why"] == "leaving"][-1] for n in names}
+        saved = {n: [r for r in swarm.records(n, "checkpoint") if r.why == "leaving"][-1] for n in names}
         rounds_before = {n: len(swarm.records(n, "round")) for n in names}
 
         # everything goes down, the meeting point too; the swarm comes back from its peers' disks alone
@@ -144,20 +144,20 @@ def test_whole_swarm_restarted_from_checkpoints_continues_where_it_stopped(tmp_p
             swarm.start_peer(name, *ARGS)
         swarm.wait_for(lambda: all(swarm.records(n, "restore") for n in names), 90, "both peers to restore")
         for name in names:
-            assert swarm.records(name, "restore")[0]["version"] == saved[name]["version"]
+            assert swarm.records(name, "restore")[0]["version"] == saved[name].version
         # each trains from its checkpoint while it connects; the one that saved the newer version finds nobody
         # ahead and does not wait out the download deadline for a state nobody has
         swarm.wait_for(lambda: all(swarm.records(n, "joined") for n in names), 60, "both peers to connect")
         for name in names:
             assert swarm.records(name, "joined")[0]["seconds"] < 30, swarm.records(name, "joined")
-        stopped_at = max(s["version"] for s in saved.values())
-        swarm.wait_for(lambda: any(r["applied"] and len(r["members"]) == 2
+        stopped_at = max(s.version for s in saved.values())
+        swarm.wait_for(lambda: any(r.applied and len(r.members) == 2
                                    for r in swarm.records("a", "round")[rounds_before["a"]:]), 120,
                        "the restarted swarm to merge")
-        after = [r for r in swarm.records("a", "round")[rounds_before["a"]:] if r["applied"]]
-        assert after[0]["version"] > min(s["version"] for s in saved.values()), after  # on from there, not 0
-        together = next(r for r in after if len(r["members"]) == 2)
-        assert together["version"] >= stopped_at + 1, together
+        after = [r for r in swarm.records("a", "round")[rounds_before["a"]:] if r.applied]
+        assert after[0].version > min(s.version for s in saved.values()), after  # on from there, not 0
+        together = next(r for r in after if len(r.members) == 2)
+        assert together.version >= stopped_at + 1, together
         for name in names:
             swarm.procs[name].send_signal(signal.SIGTERM)
         swarm.wait(names, timeout=30)

@@ -16,17 +16,17 @@ def test_int4_rounds_leave_members_bitwise_equal_with_an_eighth_of_the_bytes(tmp
             swarm.start_peer(name, "-H", "15", "--max-rounds", "5", "--compression", "int4")
         swarm.wait_clean(names, timeout=400)
         rounds = [r for name in names for r in swarm.records(name, "round")]
-        merged = [r for r in rounds if r["applied"] and len(r["members"]) > 1]
+        merged = [r for r in rounds if r.applied and len(r.members) > 1]
         assert len(merged) >= 6, rounds
         for version, digests in digests_by_version(swarm, names).items():
             assert len(digests) == 1, f"peers disagree at version {version}: {digests}"
         assert islands_disagreeing(swarm, names) == {}
         # fp32 butterfly model vs measured: int4 codes out, 8-bit sums back (plus libp2p framing)
-        ratios = sorted(r["bytes_sent"] / r["allreduce_bytes_model"] for r in merged)
+        ratios = sorted(r.bytes_sent / r.allreduce_bytes_model for r in merged)
         assert ratios[len(ratios) // 2] < 0.3, ratios
         summaries = [swarm.records(name, "summary")[-1] for name in names]
         for s in summaries:
-            assert s["final_val"] < s["initial_val"] - 2.0, s
+            assert s.final_val < s.initial_val - 2.0, s
 
 
 def test_a_member_killed_mid_compressed_round_makes_the_others_roll_back_not_split(tmp_path):
@@ -40,7 +40,7 @@ def test_a_member_killed_mid_compressed_round_makes_the_others_roll_back_not_spl
         assert swarm.procs["victim"].wait(30) == -9, swarm.log("victim")[-2000:]  # died as planned, mid-round
         survivors = [r for name in names[:2] for r in swarm.records(name, "round")]
         # the round the victim died in: the survivors could not get its part, so they rolled back together
-        assert any(not r["applied"] and "compressed all-reduce failed" in r["reason"] for r in survivors), survivors
+        assert any(not r.applied and "compressed all-reduce failed" in r.reason for r in survivors), survivors
         assert islands_disagreeing(swarm, names[:2]) == {}
         for version, digests in digests_by_version(swarm, names[:2]).items():
             assert len(digests) == 1, f"survivors disagree at version {version}: {digests}"
@@ -52,9 +52,9 @@ def test_top_k_rounds_with_2_bit_codes_stay_bitwise_equal_on_a_sliver_of_the_byt
         for name in names:
             swarm.start_peer(name, "-H", "15", "--max-rounds", "4", "--compression", "int2", "--topk", "0.02")
         swarm.wait_clean(names, timeout=400)
-        merged = [r for name in names for r in swarm.records(name, "round") if r["applied"] and len(r["members"]) > 1]
-        assert len(merged) >= 4, [r["reason"] for name in names for r in swarm.records(name, "round")]
+        merged = [r for name in names for r in swarm.records(name, "round") if r.applied and len(r.members) > 1]
+        assert len(merged) >= 4, [r.reason for name in names for r in swarm.records(name, "round")]
         for version, digests in digests_by_version(swarm, names).items():
             assert len(digests) == 1, f"peers disagree at version {version}: {digests}"
-        ratios = sorted(r["bytes_sent"] / r["allreduce_bytes_model"] for r in merged)
+        ratios = sorted(r.bytes_sent / r.allreduce_bytes_model for r in merged)
         assert ratios[len(ratios) // 2] < 0.05, ratios  # vs the fp32 butterfly: ~0.3 bits out, ~1 bit back

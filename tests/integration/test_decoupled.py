@@ -14,11 +14,11 @@ def test_lone_peer_with_quorum_one_trains_alone_without_blocking(tmp_path):
         swarm.wait(["solo"], timeout=120)
         assert swarm.procs["solo"].returncode == 0, swarm.log("solo")[-3000:]
     rounds = swarm.records("solo", "round")
-    assert [r["reason"] for r in rounds] == ["solo"] * 4 and rounds[-1]["version"] == 4
+    assert [r.reason for r in rounds] == ["solo"] * 4 and rounds[-1].version == 4
     # nobody to wait for: no grace window, no matchmaking; the round settles within a step or two
-    assert all(r["round_seconds"] < 1.0 and r["steps_in_flight"] <= 2 for r in rounds), rounds
+    assert all(r.round_seconds < 1.0 and r.steps_in_flight <= 2 for r in rounds), rounds
     summary = swarm.records("solo", "summary")[-1]
-    assert summary["final_val"] < summary["initial_val"] - 1.0
+    assert summary.final_val < summary.initial_val - 1.0
 
 
 def test_stale_contributor_is_merged_then_catches_up(tmp_path):
@@ -29,11 +29,11 @@ def test_stale_contributor_is_merged_then_catches_up(tmp_path):
         swarm.start_peer("slow", "-H", "10", "--max-rounds", "3", "--max-staleness", "20", "--throttle", "4")
         swarm.wait_clean(names, timeout=400)
     slow_rounds = swarm.records("slow", "round")
-    stale = [r for r in slow_rounds if r["applied"] and r["from_version"] < max(r["member_versions"])]
+    stale = [r for r in slow_rounds if r.applied and r.from_version < max(r.member_versions)]
     assert stale, slow_rounds  # it contributed from an older version than its island's newest member...
     for r in stale:  # ...its work was merged, and it now holds the island's newer state
-        assert r["adopted"] and r["version"] >= max(r["member_versions"]) + 1, r
-        assert "slow" in r["members"] and r["fork_distance"] == 0.0
+        assert r.adopted and r.version >= max(r.member_versions) + 1, r
+        assert "slow" in r.members and r.fork_distance == 0.0
     for version, digests in digests_by_version(swarm, names).items():
         assert len(digests) == 1, f"peers disagree at version {version}: {digests}"
 
@@ -53,13 +53,13 @@ def test_two_islands_formed_apart_reconcile(tmp_path):
     by_version = digests_by_version(swarm, names)
     assert any(len(d) > 1 for v, d in by_version.items() if v <= heal), by_version  # they did fork
     rounds = {name: swarm.records(name, "round") for name in names}
-    assert any(r["adopted"] for rs in rounds.values() for r in rs)  # the losing lineage moved over
+    assert any(r.adopted for rs in rounds.values() for r in rs)  # the losing lineage moved over
     # within the bound after healing: every disagreement at one version is gone within two rounds of the peer
     # that saw it, no island ever ends a round split, and islands now mix a- and b-peers
     assert not unresolved_forks(swarm, names, within_rounds=2, from_version=heal), rounds
     assert not islands_disagreeing(swarm, names)
-    mixed = [r for rs in rounds.values() for r in rs if r["applied"]
-             and {m[0] for m in r["members"]} == {"a", "b"}]
+    mixed = [r for rs in rounds.values() for r in rs if r.applied
+             and {m[0] for m in r.members} == {"a", "b"}]
     assert mixed, rounds
     last = [rs[-1] for rs in rounds.values()]
-    assert min(r["version"] for r in last) > heal, last
+    assert min(r.version for r in last) > heal, last

@@ -20,27 +20,27 @@ def test_three_peers_stay_bitwise_equal_and_learn(tmp_path):
         swarm.wait_clean(names, timeout=400)
         rounds = {name: swarm.records(name, "round") for name in names}
         # the hook ran: every merged round in a group was verified by the exact all-reduce
-        merged_in_group = [r for rs in rounds.values() for r in rs if r["applied"] and len(r["members"]) > 1]
+        merged_in_group = [r for rs in rounds.values() for r in rs if r.applied and len(r.members) > 1]
         assert len(merged_in_group) >= 6, rounds
         for r in merged_in_group:  # every member applied tokens²/steps weights, from the gathered records
-            assert r["weights"] == pytest.approx(merge_weights(r["member_tokens"], r["member_steps"], "tokens2"))
+            assert r.weights == pytest.approx(merge_weights(r.member_tokens, r.member_steps, "tokens2"))
         # traffic is measured on each peer's averager process: a round moves what the butterfly layout predicts
         # (more when the peer also serves its state to one catching up, never less)
-        ratios = sorted(r["bytes_sent"] / r["allreduce_bytes_model"] for r in merged_in_group)
+        ratios = sorted(r.bytes_sent / r.allreduce_bytes_model for r in merged_in_group)
         assert ratios[0] > 0.8 and 0.8 < ratios[len(ratios) // 2] < 1.25, ratios
         # after every committed round, all peers at that version hold bit-identical global parameters
         for version, digests in digests_by_version(swarm, names).items():
             assert len(digests) == 1, f"peers disagree at version {version}: {digests}"
         # all-reduce deadlines follow the measured link: loopback is far faster than the declared 10 Mbit/s
-        deadlines = [r["deadline_seconds"] for r in sorted(merged_in_group, key=lambda r: r["version"])]
+        deadlines = [r.deadline_seconds for r in sorted(merged_in_group, key=lambda r: r.version)]
         assert deadlines[-1] < deadlines[0] / 2, deadlines
         summaries = [swarm.records(name, "summary")[-1] for name in names]
         final = {}
         for s in summaries:  # peers that end at the same version end bit-identical
-            final.setdefault(s["version"], set()).add(s["digest"])
+            final.setdefault(s.version, set()).add(s.digest)
         assert all(len(d) == 1 for d in final.values()), summaries
         for s in summaries:
-            assert s["final_val"] < s["initial_val"] - 2.0, s  # byte-level loss starts ~5.5 (ln 256)
+            assert s.final_val < s.initial_val - 2.0, s  # byte-level loss starts ~5.5 (ln 256)
 
 
 def test_sigkill_during_allreduce_leaves_survivors_equal_and_training(tmp_path):
@@ -67,6 +67,6 @@ def test_sigkill_during_allreduce_leaves_survivors_equal_and_training(tmp_path):
         assert not unresolved_forks(swarm, survivors, within_rounds=2)
         # the kill hit the round at version 1; the survivors still merged together afterwards (with K=1 a
         # survivor that finds nobody ready within its grace window may also apply a round alone)
-        later = [r for r in swarm.records("a", "round") if r["version"] >= 3 and r["applied"]]
-        assert any(len(r["members"]) >= 2 for r in later), swarm.records("a", "round")
-        assert not any("victim" in r["members"] for r in later)
+        later = [r for r in swarm.records("a", "round") if r.version >= 3 and r.applied]
+        assert any(len(r.members) >= 2 for r in later), swarm.records("a", "round")
+        assert not any("victim" in r.members for r in later)

@@ -4,10 +4,11 @@ import pytest
 
 from p2pdiloco.ops.swarmreport import (advances, goodput, islands_disagreeing, longest_stalls, split_lives,
                                    unresolved_forks, uptime)
+from p2pdiloco.runtime.schema import from_dict
 
 
 def rec(kind, t, **fields):
-    return dict(kind=kind, time=t, **fields)
+    return from_dict(dict(kind=kind, time=t, **fields))
 
 
 def window(t, compute, merged, step_seconds=1.0):
