@@ -102,7 +102,7 @@ def test_joiner_gets_the_state_when_its_donor_dies_mid_transfer(tmp_path):
                 continue
         assert swarm.procs["donor"].returncode == -signal.SIGKILL
         assert f"dying while sharing state with {joiner_ids[attempt]}" in swarm.log("donor")
-        donor_id = swarm.records("donor", "start")[0]["peer_id"]
+        donor_id = swarm.records("donor", "start")[0].peer_id
         swarm.wait_for(lambda: swarm.records(joiner, "resync"), 60, "the joiner to get the state")
         fetched = [line for line in swarm.log(joiner).splitlines() if "donor(s), parts" in line]
         assert fetched, swarm.log(joiner)[-3000:]
@@ -144,12 +144,12 @@ def test_whole_swarm_restarted_from_checkpoints_continues_where_it_stopped(tmp_p
             swarm.start_peer(name, *ARGS)
         swarm.wait_for(lambda: all(swarm.records(n, "restore") for n in names), 90, "both peers to restore")
         for name in names:
-            assert swarm.records(name, "restore")[0]["version"] == saved[name].version
+            assert swarm.records(name, "restore")[0].version == saved[name].version
         # each trains from its checkpoint while it connects; the one that saved the newer version finds nobody
         # ahead and does not wait out the download deadline for a state nobody has
         swarm.wait_for(lambda: all(swarm.records(n, "joined") for n in names), 60, "both peers to connect")
         for name in names:
-            assert swarm.records(name, "joined")[0]["seconds"] < 30, swarm.records(name, "joined")
+            assert swarm.records(name, "joined")[0].seconds < 30, swarm.records(name, "joined")
         stopped_at = max(s.version for s in saved.values())
         swarm.wait_for(lambda: any(r.applied and len(r.members) == 2
                                    for r in swarm.records("a", "round")[rounds_before["a"]:]), 120,
