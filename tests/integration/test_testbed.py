@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from p2pdiloco.ops.testbed import Link, Testbed, TestbedError
+from p2pdiloco.runtime.schema import Round, of_kind, read_records
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180),
               pytest.mark.skipif(os.geteuid() != 0, reason="the testbed needs root (network namespaces)")]
@@ -109,7 +110,6 @@ def test_bad_links_are_refused():
 def test_peers_on_separate_hosts_behind_slow_links_merge_compressed_rounds_and_stay_equal(tmp_path):
     """Three peers, each in its own namespace behind 20 Mbit/s links with 20 ms one way: members that never met
     before the round still reach each other (libp2p learns their addresses), and int4 rounds stay exact."""
-    import json
     import time
 
     with Testbed(3, Link(rate_mbit=20, delay_ms=20), prefix="p2pdt-swarm") as tb:
@@ -134,12 +134,12 @@ def test_peers_on_separate_hosts_behind_slow_links_merge_compressed_rounds_and_s
                 if p.poll() is None:
                     p.kill()
     assert codes == [0, 0, 0], [(tmp_path / f"p{i}.log").read_text()[-2000:] for i in range(3)]
-    records = [json.loads(line) for i in range(3) for line in (tmp_path / f"p{i}.jsonl").read_text().splitlines()]
-    merged = [r for r in records if r.get("kind") == "round" and r["applied"] and len(r["members"]) > 1]
-    assert len(merged) >= 4, [r.get("reason") for r in records if r.get("kind") == "round"]
+    rounds = [r for i in range(3) for r in of_kind(read_records(tmp_path / f"p{i}.jsonl"), Round)]
+    merged = [r for r in rounds if r.applied and len(r.members) > 1]
+    assert len(merged) >= 4, [r.reason for r in rounds]
     by_version = {}
     for r in merged:
-        by_version.setdefault(r["version"], set()).add(r["digest"])
+        by_version.setdefault(r.version, set()).add(r.digest)
     assert all(len(d) == 1 for d in by_version.values()), by_version
 
 
