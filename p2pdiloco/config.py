@@ -98,6 +98,12 @@ class OuterConfig:
     weighting: str = option("tokens2", "Merge weights: tokens²/steps (Decoupled DiLoCo), tokens, or uniform.",
                             choices=WEIGHTINGS)
     rda: bool = option(False, "Radial-directional averaging of non-embedding tensors.")
+    max_weight_ratio: float = option(
+        2.0, "No member's merge weight above this multiple of its island's median, whatever tokens it claims "
+        "(0: no cap). Every peer of a swarm must use the same.")
+    max_scale_ratio: float = option(
+        2.0, "No member's block maxima above this multiple of its island's median, so no member can coarsen "
+        "everyone's quantization (0: no clip). Every peer of a swarm must use the same.")
     application: str = option(
         "delayed", "While a round is in flight, train on from the local model and rebase onto the merge when it "
         "lands (delayed), or from an estimate of the next global model (eager).", choices=APPLICATIONS)
@@ -110,6 +116,10 @@ class OuterConfig:
             raise ConfigError(f"weighting must be one of {', '.join(WEIGHTINGS)}, got {self.weighting!r}")
         if not 0.0 <= self.momentum < 1.0:
             raise ConfigError(f"outer momentum must be in [0, 1), got {self.momentum}")
+        for name in ("max_weight_ratio", "max_scale_ratio"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and (value == 0 or value >= 1)):
+                raise ConfigError(f"{name.replace('_', ' ')} must be 0 (off) or a ratio >= 1, got {value}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,6 +164,9 @@ class SwarmConfig:
     topk: Optional[float] = option(
         None, "Send only this fraction of each block, the largest values (SparseLoCo-style; needs --compression, "
         "e.g. int2; error feedback carries the rest).")
+    robust_merge: bool = option(
+        False, "For swarms that expect attackers: each reducer also leaves out parts whose codes sit at the range's "
+        "edge (scaled beyond the claimed maxima) or point away from the others' (needs --compression).")
     fault_plan: str = option("", "Test-only fault plan (p2pdiloco.runtime.faults).", hidden=True,
                              envvar="P2PDILOCO_FAULT_PLAN")
 
@@ -172,6 +185,9 @@ class SwarmConfig:
         if self.topk is not None and not (0 < self.topk < 1 and self.compression != "none"):
             raise ConfigError(f"--topk must be in (0, 1) and needs --compression int8|int4|int2, got {self.topk} "
                               f"with {self.compression}")
+        if self.robust_merge and self.compression == "none":
+            raise ConfigError("--robust-merge needs --compression int8|int4|int2: it filters the parts of the "
+                              "compressed reduce-scatter")
         if self.quorum > self.max_island:
             raise ConfigError(f"quorum ({self.quorum}) cannot exceed max island size ({self.max_island})")
         _positive_float(self, "sync_wait", "bandwidth_mbps", "connect_timeout")

@@ -364,7 +364,7 @@ class Peer:
             unmerged_tokens=settled.unmerged_tokens, steps_in_flight=settled.steps_in_flight,
             outcome=o.kind, members=[m.name or m.peer for m in o.members],
             member_tokens=[m.tokens for m in o.members], member_versions=[m.version for m in o.members],
-            member_steps=[m.steps for m in o.members], excluded=o.excluded,
+            member_steps=[m.steps for m in o.members], excluded=o.excluded, bounded=o.bounded,
             weights=o.weights, tokens_merged=sum(m.tokens for m in o.members),
             group_id=o.group_id, round_seconds=o.seconds, quorum_seconds=o.quorum_seconds,
             sync_seconds=o.sync_seconds, deadline_seconds=o.deadline_seconds, grace_seconds=o.grace_seconds,

@@ -70,9 +70,10 @@ def _per_element(scales: torch.Tensor, n: int) -> torch.Tensor:
     return scales.repeat_interleave(BLOCK)[:n]
 
 
-def quantize(delta: torch.Tensor, weight: float, scales: torch.Tensor) -> torch.Tensor:
-    """round(w·Δ / scale) as fp32 integers. |result| ≤ levels since w ≤ 1 and |Δ| ≤ the block maximum."""
-    q = torch.round(delta.double() * weight / _per_element(scales, delta.numel()))
+def quantize(delta: torch.Tensor, weight: float, scales: torch.Tensor, limit: int) -> torch.Tensor:
+    """round(w·Δ / scale) as fp32 integers, clamped to ±limit: the group may have clipped our block maxima
+    (p2pdiloco.protocol.island), and a sum of values beyond it would not stay exact."""
+    q = torch.round(delta.double() * weight / _per_element(scales, delta.numel())).clamp_(-limit, limit)
     return q.float()
 
 
@@ -128,7 +129,7 @@ def encode(delta: torch.Tensor, weight: float, maxabs: Sequence[torch.Tensor], m
            group_id: bytes, tail_len: int) -> Encoded:
     group_size = len(maxabs)
     scales = group_scales(maxabs, group_size)
-    q = quantize(delta, weight, scales)
+    q = quantize(delta, weight, scales, levels(group_size))
     seed = rho_seed(group_id)
     tail = torch.zeros(tail_len)
     tail[my_index * SLOT : my_index * SLOT + LIMBS] = encode_checksum(checksum(q, seed))

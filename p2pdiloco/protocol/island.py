@@ -1,14 +1,56 @@
-"""Who in a formed island is merged, and how much each counts: decided alike by every member from the
-gathered records, so all of them encode with the same weights and agree on the same deadline."""
+"""Who in a formed island is merged, how much each counts, and on what scales: decided alike by every member
+from the gathered records, so all of them encode with the same weights and scales and agree on one deadline.
+
+Nothing a member claims is taken at face value (volunteers are strangers):
+- its merge weight is capped at `weight_ratio` × the island's median weight, so claiming 1000× the tokens it
+  trained buys it at most that multiple of a typical member's say;
+- its block statistics (the maxima the group's quantization scales come from) are clipped per block to
+  `scale_ratio` × the island's median, so one member cannot set scales so coarse that everyone else's
+  pseudo-gradient rounds to zero. Every sender's codes are clamped to the agreed range, and reducers refuse
+  codes beyond it: whatever a member sends, it moves each value by at most its capped weight's share of the
+  clipped scale.
+The median is the lower one: with two members, an outlier is bounded by the other, not by their average.
+
+A member that failed a round (its part or its sum never came, or came malformed) is blamed by those it failed.
+Each member gathers whom it blames (its PenaltyBox); a member blamed by more than half of the others is left
+out of the merge: it neither sends nor reduces a part. A hostile minority cannot leave out an honest member.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
+
+from p2pdiloco.core.exact import n_blocks
 from p2pdiloco.core.outer import merge_weights
-from p2pdiloco.protocol.remote import Island
+from p2pdiloco.protocol.remote import MAX_BLAME, Island
 from p2pdiloco.protocol.timing import agreed_deadline
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """How far one member may stand out from its island (0: no bound). The same on every peer of a swarm."""
+
+    weight_ratio: float = 2.0
+    scale_ratio: float = 2.0
+
+
+@dataclass
+class PenaltyBox:
+    """Whom this peer blames, and until when (seconds on the caller's clock)."""
+
+    seconds: float = 600.0
+    until: dict = field(default_factory=dict)
+
+    def blame(self, peers, now: float) -> None:
+        for peer in peers:
+            self.until[peer] = now + self.seconds
+
+    def active(self, now: float) -> list[str]:
+        self.until = {p: t for p, t in self.until.items() if t > now}
+        return sorted(self.until, key=self.until.get, reverse=True)[:MAX_BLAME]
 
 
 @dataclass(frozen=True)
@@ -16,15 +58,89 @@ class IslandPlan:
     weights: Optional[list[float]]  # one per group member, 0 for the excluded; None: nothing to merge
     deadline: float  # the all-reduce deadline, seconds
     reason: str = ""  # why there is nothing to merge
+    maxabs: list = field(default_factory=list)  # per member: its block statistics, clipped (zeros if excluded)
+    bounded: dict = field(default_factory=dict)  # member index → what was capped, for the logs
+    left_out: dict = field(default_factory=dict)  # member index → why (blamed by most others)
+
+    @property
+    def included(self) -> list[int]:
+        """The members whose contribution is merged (the others' parts are not summed)."""
+        return [i for i, w in enumerate(self.weights or []) if w > 0]
 
 
-def plan_island(island: Island, weighting: str, cap: float) -> IslandPlan:
+def plan_island(island: Island, weighting: str, cap: float, n_params: int, bounds: Bounds = Bounds()
+                ) -> IslandPlan:
+    deadline = agreed_deadline([m.budget for m in island.accepted], cap)
+    left_out = blamed_by_majority(island)
+    if left_out:
+        island = Island(tuple(None if i in left_out else m for i, m in enumerate(island.members)),
+                        tuple(left_out.get(i, why) for i, why in enumerate(island.rejected)))
     accepted = island.accepted
-    deadline = agreed_deadline([m.budget for m in accepted], cap)
     if not accepted:
-        return IslandPlan(None, deadline, "no member's record was well-formed")
+        return IslandPlan(None, deadline, "no member's record was well-formed, or every member was blamed",
+                          left_out=left_out)
     try:
-        weights = iter(merge_weights([m.tokens for m in accepted], [m.steps for m in accepted], weighting))
+        raw = merge_weights([m.tokens for m in accepted], [m.steps for m in accepted], weighting)
     except ValueError as e:  # no tokens at all
-        return IslandPlan(None, deadline, str(e))
-    return IslandPlan([0.0 if m is None else next(weights) for m in island.members], deadline)
+        return IslandPlan(None, deadline, str(e), left_out=left_out)
+    index = [i for i, m in enumerate(island.members) if m is not None]
+    capped, weight_notes = cap_to_median(raw, bounds.weight_ratio)
+    weights = [0.0] * len(island.members)
+    for i, w in zip(index, capped):
+        weights[i] = w
+    stats = [torch.frombuffer(bytearray(m.maxabs), dtype=torch.float32) for m in accepted]
+    clipped, clipped_blocks = clip_to_block_median(stats, bounds.scale_ratio)
+    maxabs = [torch.zeros(n_blocks(n_params))] * len(island.members)
+    for i, m in zip(index, clipped):
+        maxabs[i] = m
+    notes: dict[int, str] = {}
+    for k, why in weight_notes.items():
+        notes[index[k]] = why
+    for k, count in clipped_blocks.items():
+        notes[index[k]] = "; ".join(filter(None, [notes.get(index[k]), f"{count} block maxima clipped"]))
+    return IslandPlan(weights, deadline, maxabs=maxabs, bounded=notes, left_out=left_out)
+
+
+def blamed_by_majority(island: Island) -> dict[int, str]:
+    """Member index → why, for the members that more than half of the other well-formed members blame."""
+    accepted = [(i, m) for i, m in enumerate(island.members) if m is not None]
+    out = {}
+    for i, m in accepted:
+        blamers = sum(m.peer in other.blame for j, other in accepted if j != i)
+        if blamers and 2 * blamers > len(accepted) - 1:
+            out[i] = f"blamed by {blamers} of the {len(accepted) - 1} others for a failed round"
+    return out
+
+
+def lower_median(values: list[float]) -> float:
+    return sorted(values)[(len(values) - 1) // 2]
+
+
+def cap_to_median(weights: list[float], ratio: float) -> tuple[list[float], dict[int, str]]:
+    """Normalised weights with none above `ratio` × the lower median, renormalised (which can push another
+    weight over the bound again: repeated until none is, at most once per member)."""
+    if ratio <= 0 or len(weights) < 2:
+        return weights, {}
+    weights, notes = list(weights), {}
+    for _ in weights:
+        bound = ratio * lower_median([w for w in weights if w > 0] or [0.0])
+        over = [k for k, w in enumerate(weights) if w > bound * (1 + 1e-12)]
+        if not over or bound <= 0:
+            break
+        for k in over:
+            notes[k] = f"merge weight capped at {ratio:g}× the island's median"
+            weights[k] = bound
+        total = sum(weights)
+        weights = [w / total for w in weights]
+    return weights, notes
+
+
+def clip_to_block_median(stats: list[torch.Tensor], ratio: float) -> tuple[list[torch.Tensor], dict[int, int]]:
+    """Each member's per-block statistic clipped to `ratio` × the lower median across members, per block."""
+    if ratio <= 0 or len(stats) < 2:
+        return stats, {}
+    stacked = torch.stack(stats)  # (members, blocks)
+    bound = stacked.sort(dim=0).values[(len(stats) - 1) // 2] * ratio
+    over = stacked > bound
+    clipped = torch.minimum(stacked, bound)
+    return list(clipped), {k: int(n) for k, n in enumerate(over.sum(dim=1).tolist()) if n}

@@ -45,6 +45,7 @@ class RoundOutcome:
     members: list[Member] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)  # each member's merge weight (sums to 1)
     excluded: dict[str, str] = field(default_factory=dict)  # member peer id → why it was not merged
+    bounded: dict[str, str] = field(default_factory=dict)  # member peer id → which of its claims were capped
     group_id: str = ""
     seconds: float = 0.0  # ready → outcome
     quorum_seconds: float = 0.0  # ready → K−1 others ready

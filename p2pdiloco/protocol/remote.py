@@ -23,6 +23,7 @@ MIN_DIGEST = 6
 MAX_VERSION = 1 << 53  # versions, steps and tokens stay exact as JSON numbers and floats
 MAX_NORMS = 1 << 16  # one RDA norm per tensor
 MAX_ISLAND = 1 << 16
+MAX_BLAME = 64  # peers one member may blame at once
 
 
 @dataclass
@@ -62,6 +63,7 @@ class Member:
     budget: float  # the all-reduce deadline it asks for (from its measured link)
     norms: tuple[float, ...] = ()  # RDA: one norm per tensor segment
     maxabs: bytes = b""  # fp32 block maxima of its pseudo-gradient (p2pdiloco.core.exact)
+    blame: frozenset = frozenset()  # peers whose part or sum failed it in a recent round
 
     @property
     def key(self) -> tuple[int, str]:
@@ -152,6 +154,7 @@ def _peer_record(value: Any) -> PeerRecord:
 
 
 _MEMBER_FIELDS = ("peer", "name", "version", "digest", "tokens", "steps", "budget", "norms", "maxabs")
+_OPTIONAL_MEMBER_FIELDS = ("blame",)
 
 
 @dataclass(frozen=True)
@@ -164,7 +167,10 @@ class Expect:
 
 def parse_member(value: Any, expect: Expect) -> Member:
     """A gathered member record; raises Malformed with the reason."""
-    v = _fields(value, _MEMBER_FIELDS, _MEMBER_FIELDS)
+    v = _fields(value, _MEMBER_FIELDS + _OPTIONAL_MEMBER_FIELDS, _MEMBER_FIELDS)
+    blame = v.get("blame", [])
+    if not isinstance(blame, (list, tuple)) or len(blame) > MAX_BLAME:
+        raise Malformed(f"blame must be a list of at most {MAX_BLAME} peer ids")
     tokens, steps = _int(v["tokens"], "tokens"), _int(v["steps"], "steps")
     if tokens and not steps:
         raise Malformed("tokens without steps")
@@ -178,7 +184,8 @@ def parse_member(value: Any, expect: Expect) -> Member:
         raise Malformed("maxabs holds a non-finite or negative value")
     return Member(peer=_str(v["peer"], "peer", 1, MAX_ID), name=_str(v["name"], "name", 0, MAX_NAME),
                   version=_int(v["version"], "version"), digest=_str(v["digest"], "digest", MIN_DIGEST, MAX_DIGEST),
-                  tokens=tokens, steps=steps, budget=_budget(v["budget"]), norms=norms, maxabs=maxabs)
+                  tokens=tokens, steps=steps, budget=_budget(v["budget"]), norms=norms, maxabs=maxabs,
+                  blame=frozenset(_str(p, "blame", 1, MAX_ID) for p in blame))
 
 
 def _finite_non_negative(fp32: bytes) -> bool:

@@ -123,6 +123,8 @@ class IslandReduced:
     merged: Optional[torch.Tensor] = None
     excluded: dict = field(default_factory=dict)  # peer (or index) → why its record was rejected
     codec_scales: Optional[torch.Tensor] = None  # compressed rounds: the block scales the group agreed on
+    bounded: dict = field(default_factory=dict)  # peer → what of its claims was capped (p2pdiloco.protocol.island)
+    blamed: frozenset = frozenset()  # members whose part or sum failed this round (we blame them for a while)
 
 
 IslandResult = Union[NoIsland, IslandFailed, IslandReduced]
@@ -272,10 +274,10 @@ class Round:
         if r is not None and kind is Committed:
             fields.update(merged=r.merged, members=list(r.members), weights=list(r.weights), group_id=r.group_id,
                           sync_seconds=r.sync_seconds, deadline_seconds=r.deadline, excluded=dict(r.excluded),
-                          allreduce_bytes_model=allreduce_wire_bytes(self.rules.buffer_elements, len(r.members)))
+                          bounded=dict(r.bounded), allreduce_bytes_model=allreduce_wire_bytes(self.rules.buffer_elements, len(r.members)))
         elif r is not None:
             fields.update(group_id=r.group_id, sync_seconds=r.sync_seconds, deadline_seconds=r.deadline,
-                          excluded=dict(r.excluded))
+                          excluded=dict(r.excluded), bounded=dict(r.bounded))
         return Done(kind(reason=reason, **fields, **extra))
 
     def _common(self, now: float) -> dict:

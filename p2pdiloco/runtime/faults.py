@@ -11,14 +11,18 @@ the requests of those peers only:
   mid-transfer, after the joiner got some parts from it);
 - `slow_sharing@0`: serve each part of our state 0.2 s late (a slow donor: the others get most requests);
 - `partition_until@3`: until this peer holds version 3, it looks for islands under a separate group key, so
-  it can only meet peers with the same fault (two islands that form apart, on one DHT).
+  it can only meet peers with the same fault (two islands that form apart, on one DHT);
+- `hostile_scaled@0`, `hostile_random@0`, `hostile_nan@0`: from version 0 on, this peer lies in every round: it
+  sends 100× its Δ (scaled), noise (random) or NaN instead of it, and claims 1000× the tokens it trained (not
+  with NaN); its block maxima are those of its honest Δ.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-ACTIONS = ("die_in_allreduce", "die_while_sharing", "partition_until", "slow_sharing")
+ACTIONS = ("die_in_allreduce", "die_while_sharing", "partition_until", "slow_sharing", "hostile_scaled",
+           "hostile_random", "hostile_nan")
 
 
 class FaultPlanError(ValueError):

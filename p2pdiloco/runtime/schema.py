@@ -114,7 +114,8 @@ class Round(Record, kind="round"):
     member_tokens: list = field(default_factory=list)
     member_versions: list = field(default_factory=list)
     member_steps: list = field(default_factory=list)
-    excluded: list = field(default_factory=list)
+    excluded: dict = field(default_factory=dict)  # member → why it was not merged
+    bounded: dict = field(default_factory=dict)  # member → which of its claims were capped (weight, maxima)
     weights: list = field(default_factory=list)
     tokens_merged: int = 0
     group_id: Optional[str] = None

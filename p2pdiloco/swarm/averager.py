@@ -27,12 +27,11 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.logging import get_logger
 
 from p2pdiloco.core import codec, exact
-from p2pdiloco.core.exact import n_blocks
-from p2pdiloco.protocol.island import plan_island
+from p2pdiloco.protocol.island import Bounds, plan_island
 from p2pdiloco.protocol.remote import Expect, parse_island
 from p2pdiloco.protocol.round import IslandReduced
 from p2pdiloco.runtime.faults import NO_FAULTS, FaultPlan
-from p2pdiloco.swarm.codes import CodesError, CodesExchange
+from p2pdiloco.swarm.codes import CodesError, CodesExchange, part_ranges
 from p2pdiloco.swarm.statefetch import PartServer, parse_part_request
 from p2pdiloco.protocol.timing import allreduce_wire_bytes
 
@@ -77,12 +76,12 @@ class ExactAverager(DecentralizedAverager):
 
     def __init__(self, n_elements: int, max_group: int, state_provider: StateProvider, weighting: str,
                  allreduce_cap: float, expect: Expect, fault_plan: FaultPlan = NO_FAULTS, bits: int = 0,
-                 topk: Optional[float] = None, **kwargs):
-        self.n_elements, self.max_group, self.weighting = n_elements, max_group, weighting
+                 topk: Optional[float] = None, bounds: Bounds = Bounds(), robust: bool = False, **kwargs):
+        self.n_elements, self.max_group, self.weighting, self.bounds = n_elements, max_group, weighting, bounds
         self.allreduce_cap, self.expect, self.fault_plan = allreduce_cap, expect, fault_plan
         self.bits = bits  # 0: exact fp32 integers through hivemind's all-reduce; else packed codes (swarm.codes)
         self.topk = topk  # send only this fraction of each block (codec.TopKFormat)
-        self._codes = CodesExchange(max_payload=codec.packed_bytes(n_elements, 16) + 1024)
+        self._codes = CodesExchange(max_payload=codec.packed_bytes(n_elements, 16) + 1024, robust=robust)
         self._state_provider = state_provider
         buffer = torch.zeros(n_elements + exact.tail_size(max_group))
         super().__init__([buffer], target_group_size=max_group, **kwargs)
@@ -90,17 +89,21 @@ class ExactAverager(DecentralizedAverager):
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs) -> IslandReduced:
         island = parse_island([self._user_record(blob) for blob in group_info.gathered], self.expect)
         my_index = list(group_info.peer_ids).index(self.peer_id)
-        plan = plan_island(island, self.weighting, self.allreduce_cap)
+        plan = plan_island(island, self.weighting, self.allreduce_cap, self.n_elements, self.bounds)
         started = time.monotonic()
+        if plan.bounded:
+            logger.warning(f"group {group_info.group_id.hex()[:8]}: bounded " + ", ".join(
+                f"{island.members[i].name or island.members[i].peer[-6:]} ({why})" for i, why in plan.bounded.items()))
         if plan.weights is None:  # every member derives the same: nothing to merge, no tensor moves
             return self._reduced(island, plan, group_info, False, plan.reason, started)
         if self.bits:
+            if my_index not in plan.included:  # the others merge without us; our Δ rides along next time
+                return self._reduced(island, plan, group_info, False, "our contribution was not included",
+                                     started)
             return await self._codes_round(island, plan, group_info, my_index, started)
-        maxabs = [torch.frombuffer(bytearray(m.maxabs), dtype=torch.float32) if m is not None
-                  else torch.zeros(n_blocks(self.n_elements)) for m in island.members]
         with self.get_tensors() as (buffer,):
             original = buffer[: self.n_elements].clone()
-            enc = exact.encode(original, plan.weights[my_index], maxabs, my_index,
+            enc = exact.encode(original, plan.weights[my_index], plan.maxabs, my_index,
                                group_info.group_id, buffer.numel() - self.n_elements)
             buffer.copy_(enc.buffer)
         try:
@@ -123,13 +126,12 @@ class ExactAverager(DecentralizedAverager):
     async def _codes_round(self, island, plan, group_info, my_index: int, started: float) -> IslandReduced:
         """Compressed: each member's w·Δ as b-bit codes on block scales agreed from the gathered maxima, summed
         exactly by our own reduce-scatter and all-gather (p2pdiloco.swarm.codes)."""
-        maxabs = [torch.frombuffer(bytearray(m.maxabs), dtype=torch.float32).double() * w if m is not None
-                  else torch.zeros(n_blocks(self.n_elements), dtype=torch.float64)
-                  for m, w in zip(island.members, plan.weights)]
+        included = plan.included  # only they send and reduce parts: an excluded member's codes are never summed
+        maxabs = [plan.maxabs[i].double() * plan.weights[i] for i in included]
         with self.get_tensors() as (buffer,):
             delta = buffer[: self.n_elements].clone()
         scales = codec.agreed_scales(maxabs, self.bits)
-        fmt = self.wire_format(len(island.members))
+        fmt = self.wire_format(len(included))
         # codec work in a worker thread: the event loop keeps serving other members' pushes meanwhile
         enc = await asyncio.to_thread(codec.encode, delta, plan.weights[my_index], scales, self.bits, fmt)
         # hivemind's contract at this seam (its PowerSGD averager does the same): the group's future holds the
@@ -141,17 +143,24 @@ class ExactAverager(DecentralizedAverager):
         if own is not None and self.fault_plan.planned("die_in_allreduce", own.version):
             asyncio.get_running_loop().call_later(0.05, _die)
         try:
-            total = await self._codes.run(group_info.group_id, list(group_info.peer_ids), my_index, enc.codes,
+            peers = [group_info.peer_ids[i] for i in included]
+            total, left_out, dropped = await self._codes.run(group_info.group_id, peers, included.index(my_index), enc.codes,
                                           enc.selected, fmt, lambda peer: self.get_stub(self._p2p, peer, namespace=self.prefix),
                                           plan.deadline)
-        except Exception as e:  # a part that never came, a refused or malformed part: the round rolls back
+        except Exception as e:  # a reducer that served no sum, a part we could not push: the round rolls back
             logger.warning(f"compressed round in group {group_info.group_id.hex()[:8]} failed: {e!r}")
-            return self._reduced(island, plan, group_info, False, f"compressed all-reduce failed: {e}", started)
+            failed = self._reduced(island, plan, group_info, False, f"compressed all-reduce failed: {e}", started)
+            return dataclasses.replace(failed, blamed=frozenset(getattr(e, "culprits", ())))
         merged = await asyncio.to_thread(codec.dequantize, total, scales)  # Σ wᵢΔᵢ, the same bits everywhere
+        reweigh_parts(merged, part_ranges(self.n_elements, len(peers), align=codec.BLOCK), left_out,
+                      {str(group_info.peer_ids[i]): plan.weights[i] for i in included})
         with self.get_tensors() as (buffer,):
             buffer[: self.n_elements] = merged
         reduced = self._reduced(island, plan, group_info, True, "ok", started)
-        return dataclasses.replace(reduced, codec_scales=scales)
+        if dropped:
+            logger.warning(f"group {group_info.group_id.hex()[:8]}: left out of the part we reduce: {dropped}")
+        return dataclasses.replace(reduced, codec_scales=scales, blamed=frozenset(dropped), excluded={
+            **reduced.excluded, **{peer: f"left out of our part: {why}" for peer, why in dropped.items()}})
 
     def wire_format(self, group_size: int):
         if self.topk:
@@ -171,8 +180,8 @@ class ExactAverager(DecentralizedAverager):
                               context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
         """The exact sum of the part we reduce, once every member's codes arrived."""
         try:
-            async for chunk in self._codes.serve(request, timeout=self.allreduce_cap):
-                yield averaging_pb2.DownloadData(tensor_part=runtime_pb2.Tensor(buffer=chunk))
+            async for metadata, chunk in self._codes.serve(request, timeout=self.allreduce_cap):
+                yield averaging_pb2.DownloadData(metadata=metadata, tensor_part=runtime_pb2.Tensor(buffer=chunk))
         except CodesError as e:
             yield averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(dict(error=str(e))))
 
@@ -185,11 +194,13 @@ class ExactAverager(DecentralizedAverager):
 
     @staticmethod
     def _reduced(island, plan, group_info, verified: bool, reason: str, started: float) -> IslandReduced:
-        accepted = [i for i, m in enumerate(island.members) if m is not None]
+        accepted = [i for i, m in enumerate(island.members) if m is not None and i not in plan.left_out]
         weights = tuple(plan.weights[i] for i in accepted) if plan.weights else ()
-        return IslandReduced(verified=verified, reason=reason, members=tuple(island.accepted), weights=weights,
-                             group_id=group_info.group_id.hex(), sync_seconds=time.monotonic() - started,
-                             deadline=plan.deadline, excluded=island.excluded_by_index())
+        excluded = {**island.excluded_by_index(), **{island.members[i].peer: why for i, why in plan.left_out.items()}}
+        return IslandReduced(verified=verified, reason=reason, members=tuple(island.members[i] for i in accepted),
+                             weights=weights, group_id=group_info.group_id.hex(),
+                             sync_seconds=time.monotonic() - started, deadline=plan.deadline, excluded=excluded,
+                             bounded={island.members[i].peer: why for i, why in plan.bounded.items()})
 
     async def _die_mid_allreduce(self, group_info, min_vector_size: int, **kwargs) -> None:
         """Fault injection: start the all-reduce, let some parts go out, then SIGKILL the whole peer."""
@@ -262,11 +273,22 @@ def _transfer_of(request: averaging_pb2.DownloadData, context: P2PContext) -> Op
     return str(context.remote_id), version, digest
 
 
+def reweigh_parts(merged: torch.Tensor, ranges, left_out, weights: dict) -> None:
+    """A part some senders were left out of sums the others' weights only: scale it back to a weighted mean.
+    The names come from the part's reducer, the same for every member, so every member gets the same bits."""
+    for (start, end), out in zip(ranges, left_out):
+        kept = sum(w for peer, w in weights.items() if peer not in out)  # dict order: the group's, everywhere
+        if out and kept > 0:
+            merged[start:end].mul_(torch.tensor(1.0 / kept, dtype=torch.float32))
+
+
 def gather_record(peer: str, name: str, version: int, tokens: int, steps: int, body: torch.Tensor,
-                  digest: str, budget: float, norms: Sequence[float] = (), wire_format=None) -> dict:
+                  digest: str, budget: float, norms: Sequence[float] = (), wire_format=None,
+                  blame: Sequence[str] = ()) -> dict:
     """This member's metadata for the round, all-gathered during matchmaking (kept small: ~4 bytes per
     16K parameters for the block statistic, one float per tensor for RDA norms). The statistic is the block
     maximum (the exact path needs it), or what the compressed format agrees its scales from."""
     statistic = exact.block_maxabs(body) if wire_format is None else wire_format.block_statistic(body)
     return dict(peer=peer, name=name, version=version, tokens=int(tokens), steps=int(steps), digest=digest,
-                budget=float(budget), norms=[float(x) for x in norms], maxabs=statistic.numpy().tobytes())
+                budget=float(budget), norms=[float(x) for x in norms], maxabs=statistic.numpy().tobytes(),
+                blame=list(blame))

@@ -12,6 +12,15 @@ A round, once matchmaking formed the group (N members, in the group's order):
 4. every member fetches each part's sum from its reducer (`rpc_codes_fetch`) and unpacks it.
 A reducer serves a sum only when it is complete, so every member that fetched all parts holds the same bits; a
 member that cannot fetch a part raises, and its round rolls back.
+
+A malformed part (bad length, a code out of range, a corrupt stream), or one that has not come when
+PART_WAIT of the round's deadline has passed, is left out of its reducer's sum: the sender contributes nothing
+to that part, the others' contributions still merge, and the reducer logs who and why. The reducer serves the
+names of those it left out with the sum, so every member rescales that part by the weight that is left (the
+sum stays a weighted mean, not a shrunken one). Every member fetches the same sum and names, so they still
+agree bit for bit. A reducer that serves no sum fails the round for everyone; members
+then blame it (CodesError.culprits), and an island whose majority blames a member leaves it out of the next
+rounds (p2pdiloco.protocol.island).
 """
 
 from __future__ import annotations
@@ -28,12 +37,21 @@ from hivemind.utils.serializer import MSGPackSerializer
 from p2pdiloco.core import codec
 
 CHUNK = 1 << 20  # bytes per stream message (libp2p messages stay well under the daemon's limit)
+PART_WAIT = 0.6  # of the round's deadline: how long a reducer waits for every part before summing those it has
+# --robust-merge: a reducer leaves out a part whose codes mostly sit at ±L (sent beyond the scale its sender
+# claimed: honest codes reach ±L only at their block's maximum), or that does not point the way the others do
+SATURATED = 0.05
+AGREEMENT = 0.25  # of the median cosine between each part and the sum of the others
 MAX_PENDING_GROUPS = 4  # reductions kept at once: a push may arrive before our own matchmaking finished
 serializer = MSGPackSerializer
 
 
 class CodesError(RuntimeError):
-    pass
+    """The round failed; `culprits` are the members whose part or sum did not come or was malformed."""
+
+    def __init__(self, message: str, culprits: frozenset = frozenset()):
+        super().__init__(message)
+        self.culprits = culprits
 
 
 def part_ranges(n: int, members: int, align: int = 1) -> list[tuple[int, int]]:
@@ -59,8 +77,11 @@ class Reduction:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     result: Optional[bytes] = None
     error: str = ""
+    dropped: dict = field(default_factory=dict)  # sender → why its part was left out of the sum
 
     settling: bool = False  # its sum is being computed (off the event loop)
+    cut_off: bool = False  # the wait for missing parts is over: sum those that came
+    robust: bool = False  # leave out saturated and disagreeing parts too (robust_filter)
 
     def settle_if_complete(self) -> None:
         if self._due():
@@ -75,16 +96,30 @@ class Reduction:
 
     def _due(self) -> bool:
         return (not self.ready.is_set() and not self.settling and self.spec is not None and self.own is not None
-                and set(self.spec[0]) <= set(self.payloads))
+                and (self.cut_off or set(self.spec[0]) <= set(self.payloads)))
+
+    async def cut_off_after(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        self.cut_off = True
+        await self.settle_soon()
 
     def _sum(self) -> tuple[Optional[bytes], str]:
         senders, length, fmt = self.spec
-        total = self.own.to(torch.int64).clone()
+        parts = {}
         for sender in senders:
-            try:  # the exact packed length, codes within ±L, top-k counts and indices: anything else fails
-                total += fmt.decode(self.payloads[sender], length)
+            if sender not in self.payloads:
+                self.dropped[sender] = "its part did not come in time"
+                continue
+            try:  # the exact packed length, codes within ±L, top-k counts and indices: anything else is left out
+                parts[sender] = fmt.decode(self.payloads[sender], length)
             except ValueError as e:
-                return None, f"{sender[-6:]} sent a malformed part: {e}"
+                self.dropped[sender] = f"malformed part: {e}"
+        if self.robust:
+            self.dropped.update(robust_filter(parts, self.own.to(torch.int64), codec.levels(fmt.bits)))
+        total = self.own.to(torch.int64).clone()
+        for sender, codes in parts.items():
+            if sender not in self.dropped:
+                total += codes
         return fmt.encode_sum(total), ""
 
     def _finish(self, result: Optional[bytes], error: str) -> None:
@@ -98,18 +133,44 @@ class Reduction:
         self.ready.set()
 
 
+def robust_filter(parts: dict, own: torch.Tensor, levels: int) -> dict:
+    """Sender → why, for the well-formed parts a robust reducer leaves out (our own part is trusted)."""
+    out = {}
+    if levels > 1:
+        for sender, codes in parts.items():
+            saturated = float((codes.abs() == levels).double().mean()) if codes.numel() else 0.0
+            if saturated > SATURATED:
+                out[sender] = f"{saturated:.0%} of its codes at ±{levels}: sent beyond the scale it claimed"
+    kept = {s: c.double() for s, c in parts.items() if s not in out}
+    if len(kept) < 2:  # with one other member there is no majority direction to compare against
+        return out
+    total = own.double() + sum(kept.values())
+    cosines = {s: _cosine(c, total - c) for s, c in kept.items()}
+    bound = AGREEMENT * sorted(cosines.values())[(len(cosines) - 1) // 2]
+    for sender, cos in cosines.items():
+        if cos <= 0 or cos < bound:
+            out[sender] = f"its part points away from the others' (cosine {cos:.3f}, bound {bound:.3f})"
+    return out
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    norms = float(a.norm()) * float(b.norm())
+    return float(a @ b) / norms if norms > 0 else 0.0
+
+
 class CodesExchange:
     """Lives in the averager process: the reductions we serve and the client side of a round."""
 
-    def __init__(self, max_payload: int):
+    def __init__(self, max_payload: int, robust: bool = False):
         self.max_payload = max_payload  # bytes one contribution may take: anything longer is refused
+        self.robust = robust
         self.reductions: dict[bytes, Reduction] = {}
 
     def reduction(self, group_id: bytes) -> Reduction:
         if group_id not in self.reductions:
             while len(self.reductions) >= MAX_PENDING_GROUPS:  # drop the oldest: its round is long over
                 del self.reductions[min(self.reductions, key=lambda g: self.reductions[g].created)]
-            self.reductions[group_id] = Reduction()
+            self.reductions[group_id] = Reduction(robust=self.robust)
         return self.reductions[group_id]
 
     # ---- server side: RPC bodies ----------------------------------------------------------------------------
@@ -133,7 +194,8 @@ class CodesExchange:
         await reduction.settle_soon()
         return ""
 
-    async def serve(self, request: averaging_pb2.DownloadData, timeout: float) -> AsyncIterator[bytes]:
+    async def serve(self, request: averaging_pb2.DownloadData, timeout: float) -> AsyncIterator[tuple[bytes, bytes]]:
+        """(metadata, chunk) pairs of our part's sum: the first names the senders left out of it."""
         header = _header(request.metadata)
         reduction = self.reduction(header["group"])
         try:
@@ -142,28 +204,46 @@ class CodesExchange:
             raise CodesError("the part's sum was not complete in time") from None
         if reduction.error:
             raise CodesError(reduction.error)
-        for start in range(0, len(reduction.result), CHUNK):
-            yield reduction.result[start:start + CHUNK]
+        left_out = serializer.dumps(dict(dropped=sorted(reduction.dropped)))
+        for start in range(0, max(len(reduction.result), 1), CHUNK):
+            yield (left_out if start == 0 else b""), reduction.result[start:start + CHUNK]
 
     # ---- client side: one round ------------------------------------------------------------------------------
     async def run(self, group_id: bytes, peers: list, me: int, codes: torch.Tensor, selected: torch.Tensor, fmt,
-                  stub_of, timeout: float) -> torch.Tensor:
-        """The exact integer sum of every member's codes (0 where the format did not select), or CodesError."""
+                  stub_of, timeout: float) -> tuple[torch.Tensor, list, dict]:
+        """The exact integer sum of every member's codes (0 where the format did not select), or CodesError; per
+        part, the members its reducer left out; and why we left out those we did from our own part."""
         n = codes.numel()
         ranges = part_ranges(n, len(peers), align=codec.BLOCK)
         mine = self.reduction(group_id)
         start, end = ranges[me]
         mine.spec = ([str(p) for i, p in enumerate(peers) if i != me], end - start, fmt)
         mine.own = codes[start:end]
+        others = [j for j in range(len(peers)) if j != me]
         pushes = [self._push(stub_of(peers[j]), group_id, fmt, codes[a:b], selected[a:b])
                   for j, (a, b) in enumerate(ranges) if j != me]
-        fetches = [self._fetch(stub_of(peers[j]), group_id, b - a, fmt) if j != me
+        members = {str(p) for p in peers}
+        fetches = [self._fetch(stub_of(peers[j]), group_id, b - a, fmt, members) if j != me
                    else self._own_sum(mine, timeout) for j, (a, b) in enumerate(ranges)]
+        cut_off = asyncio.ensure_future(mine.cut_off_after(PART_WAIT * timeout))
+        each = [asyncio.wait_for(step, 0.95 * timeout) for step in (*pushes, *fetches)]  # a hung one is a culprit
         try:
-            results = await asyncio.wait_for(asyncio.gather(mine.settle_soon(), *pushes, *fetches), timeout)
+            results = await asyncio.wait_for(asyncio.gather(mine.settle_soon(), *each, return_exceptions=True),
+                                             timeout)
+        except asyncio.TimeoutError:
+            raise CodesError("the round's parts did not all come in time") from None
         finally:
+            cut_off.cancel()
             self.reductions.pop(group_id, None)
-        return torch.cat([r for r in results[1 + len(pushes):]])
+        pushed, fetched = results[1:1 + len(pushes)], results[1 + len(pushes):]
+        # a reducer we could not push to, or whose sum did not come, failed the round; so did our own reduction
+        culprits = frozenset(str(peers[j]) for j, r in zip(others, pushed) if isinstance(r, BaseException)) | \
+            frozenset(str(peers[j]) for j, r in enumerate(fetched) if j != me and isinstance(r, BaseException))
+        failures = [r for r in (*pushed, *fetched) if isinstance(r, BaseException)]
+        if failures:
+            raise CodesError(f"{failures[0]}", culprits | frozenset(mine.dropped))
+        sums, left_out = zip(*fetched)
+        return torch.cat(sums), list(left_out), dict(mine.dropped)
 
     async def _push(self, stub, group_id: bytes, fmt, codes: torch.Tensor, selected: torch.Tensor) -> None:
         data = await asyncio.to_thread(fmt.encode, codes, selected)  # packing one part overlaps pushing another
@@ -179,24 +259,29 @@ class CodesExchange:
             if error:
                 raise CodesError(f"a reducer refused our part: {error}")
 
-    async def _fetch(self, stub, group_id: bytes, length: int, fmt) -> torch.Tensor:
+    async def _fetch(self, stub, group_id: bytes, length: int, fmt, members: set) -> tuple[torch.Tensor, frozenset]:
         request = averaging_pb2.DownloadData(metadata=serializer.dumps(dict(group=group_id)))
-        chunks = []
+        chunks, left_out = [], None
         async for message in await stub.rpc_codes_fetch(request):
             if message.metadata:
-                raise CodesError(f"a reducer failed: {serializer.loads(message.metadata)}")
+                header = _reply(message.metadata)
+                if "error" in header or left_out is not None:
+                    raise CodesError(f"a reducer failed: {header.get('error', 'a second header')}")
+                left_out = _left_out(header.get("dropped"), members)
             chunks.append(message.tensor_part.buffer)
         try:  # a reducer that died mid-stream leaves a short sum: it fails here like a malformed one
-            return await asyncio.to_thread(fmt.decode_sum, b"".join(chunks), length)
+            if left_out is None:
+                raise ValueError("no header")
+            return await asyncio.to_thread(fmt.decode_sum, b"".join(chunks), length), left_out
         except ValueError as e:
             raise CodesError(f"a reducer's sum arrived incomplete or malformed: {e}") from None
 
-    async def _own_sum(self, mine: Reduction, timeout: float) -> torch.Tensor:
+    async def _own_sum(self, mine: Reduction, timeout: float) -> tuple[torch.Tensor, frozenset]:
         await asyncio.wait_for(mine.ready.wait(), timeout)
         if mine.error:
             raise CodesError(mine.error)
         _, length, fmt = mine.spec
-        return await asyncio.to_thread(fmt.decode_sum, mine.result, length)
+        return await asyncio.to_thread(fmt.decode_sum, mine.result, length), frozenset(mine.dropped)
 
 
 def _header(blob: bytes) -> dict:
@@ -207,6 +292,23 @@ def _header(blob: bytes) -> dict:
         return header
     except Exception:
         raise CodesError("malformed request header") from None
+
+
+def _reply(blob: bytes) -> dict:
+    try:
+        header = serializer.loads(blob)
+    except Exception:
+        header = None
+    if not isinstance(header, dict):
+        raise CodesError("a reducer sent a malformed header")
+    return header
+
+
+def _left_out(value, members: set) -> frozenset:
+    """The senders a reducer says it left out: members of this group, or the sum is not trusted."""
+    if not isinstance(value, list) or not all(isinstance(p, str) and p in members for p in value):
+        raise CodesError("a reducer named senders it left out that are not members of the group")
+    return frozenset(value)
 
 
 def _blob(data: bytes):

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import threading
 import time
 from concurrent.futures import InvalidStateError
 from typing import Callable, Optional, Sequence
 
+import torch
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
@@ -23,7 +25,8 @@ from p2pdiloco.core import codec, exact
 from p2pdiloco.core.outer import Segment, rda_directions
 from p2pdiloco.core.state import sharing_priority, validate_state
 from p2pdiloco.protocol.outcomes import Contribution, RoundOutcome, StateTuple
-from p2pdiloco.protocol.remote import Expect, PeerRecord
+from p2pdiloco.protocol.island import Bounds, PenaltyBox
+from p2pdiloco.protocol.remote import MAX_VERSION, Expect, PeerRecord
 from p2pdiloco.protocol.round import (Done, Download, FormIsland, IslandFailed, IslandReduced, IslandResult,
                                       NoIsland, RefreshPeers, Round, RoundRules, WaitForPeers)
 from p2pdiloco.protocol.timing import GracePolicy, RoundClock
@@ -45,6 +48,7 @@ class SwarmMerger:
         self.dht, self.cfg, self.outer, self.n, self.segments = dht, cfg, outer, n_params, list(segments)
         self.heartbeat, self.stop, self.clock, self.overlap_steps = heartbeat, stop, clock, overlap_steps
         self.fault_plan = fault_plan
+        self.penalties = PenaltyBox()  # whom we blame for failed rounds: gathered with our record
         self.closed = threading.Event()  # set on shutdown: a round still waiting gives up at once
         self._control = None  # the averager step of the round in flight, once it is looking for a group
         self.buffer_size = n_params + exact.tail_size(cfg.max_island)
@@ -58,14 +62,18 @@ class SwarmMerger:
             rda_segments=tuple(self.segments) if outer.rda else ())
         # peers with another merge rule or codec never meet
         sparsity = f"top{cfg.topk:g}".replace(".", "p") if cfg.topk else "dense"  # hivemind: no '.' in a prefix
-        merge_rule = f"{outer.weighting}_{'rda' if outer.rda else 'mean'}_{cfg.compression}_{sparsity}"
+        bounds = Bounds(outer.max_weight_ratio, outer.max_scale_ratio)
+        merge_rule = (f"{outer.weighting}_{'rda' if outer.rda else 'mean'}_{cfg.compression}_{sparsity}"
+                      f"_w{bounds.weight_ratio:g}_s{bounds.scale_ratio:g}{'_robust' if cfg.robust_merge else ''}"
+                      ).replace(".", "p")
         self.bits, self.topk = codec.BITS.get(cfg.compression, 0), cfg.topk
         default_feedback = 0 < self.bits <= 4 or bool(cfg.topk)
         feedback = cfg.error_feedback if cfg.error_feedback is not None else default_feedback
         self.feedback = codec.ErrorFeedback() if self.bits and feedback else None
         self.averager = ExactAverager(
             n_params, cfg.max_island, state_provider, outer.weighting, self.limits.allreduce_cap,
-            Expect(n_params, len(self.segments) if outer.rda else 0), fault_plan, self.bits, cfg.topk,
+            Expect(n_params, len(self.segments) if outer.rda else 0), fault_plan, self.bits, cfg.topk, bounds,
+            cfg.robust_merge,
             dht=dht, prefix=f"{cfg.run_id}_{merge_rule}", start=True,
             min_group_size=max(2, cfg.quorum),  # hivemind would "form" a group of 1 at once; K=1 is ours
             min_matchmaking_time=self.limits.matchmaking, request_timeout=self.limits.request,
@@ -128,10 +136,12 @@ class SwarmMerger:
         body, norms = rda_directions(c.delta, self.segments) if self.outer.rda else (c.delta, [])
         if self.feedback is not None:
             body = self.feedback.compensate(body)
+        sent, claimed_tokens = hostile(self.fault_plan, body, c)  # test-only: a lying peer (fault plan)
         with self.averager.get_tensors() as (buffer,):
-            buffer[: self.n] = body
-        gather = gather_record(self.peer, c.name, c.version, c.tokens, c.steps, body, c.digest, island.budget,
-                               norms, self.averager.wire_format(1) if self.bits else None)
+            buffer[: self.n] = sent
+        gather = gather_record(self.peer, c.name, c.version, claimed_tokens, c.steps, body, c.digest, island.budget,
+                               norms, self.averager.wire_format(1) if self.bits else None,
+                               blame=self.penalties.active(time.monotonic()))
         control = self._control = self.averager.step(
             gather=gather, weight=1.0, timeout=island.find_timeout, scheduled_time=get_dht_time() + island.grace,
             allow_retries=False, wait=False)
@@ -148,6 +158,10 @@ class SwarmMerger:
             self._control = None
         if not isinstance(result, IslandReduced):
             return IslandFailed(f"the averager returned {type(result).__name__}")
+        if result.blamed:
+            logger.warning(f"blaming {', '.join(p[-6:] for p in sorted(result.blamed))} for this round "
+                           f"({result.reason}); islands leave out a member that most of its members blame")
+            self.penalties.blame(result.blamed, time.monotonic())
         if not result.verified:
             return result
         if self.feedback is not None and result.codec_scales is not None:
@@ -159,7 +173,7 @@ class SwarmMerger:
         """What of our (compensated) Δ reached the sum: the same codes the averager sent, decoded."""
         weight = next((w for m, w in zip(result.members, result.weights) if m.peer == self.peer), 0.0)
         if weight > 0:
-            fmt = self.averager.wire_format(len(result.members))
+            fmt = self.averager.wire_format(sum(w > 0 for w in result.weights))  # the members that sent codes
             self.feedback.record(body, codec.encode(body, weight, result.codec_scales, self.bits, fmt).sent)
 
     def _traffic(self, before) -> dict:
@@ -230,6 +244,22 @@ class SwarmMerger:
         self.fetcher.close()
         if self.averager.is_alive():
             self.averager.shutdown()
+
+
+def hostile(plan: FaultPlan, body: torch.Tensor, c: Contribution) -> tuple[torch.Tensor, int]:
+    """What a hostile peer sends instead of its Δ, and the tokens it claims (its record's block maxima stay those of
+    its honest Δ, so they look plausible). Only through a test's fault plan, from the given version on."""
+    def on(action: str) -> bool:
+        at = plan.version_of(action)
+        return at is not None and c.version >= at
+
+    if on("hostile_scaled"):
+        return body * 100, min(c.tokens * 1000, MAX_VERSION)
+    if on("hostile_random"):  # noise of the same spread as its Δ
+        return torch.randn_like(body) * body.std(), min(c.tokens * 1000, MAX_VERSION)
+    if on("hostile_nan"):
+        return torch.full_like(body, math.nan), c.tokens
+    return body, c.tokens
 
 
 def result_unless_closed(future, timeout: float, closed: threading.Event, poll: float = 0.25):

@@ -58,9 +58,12 @@ def test_a_reduction_waits_for_every_member_and_never_serves_a_partial_sum():
     (codec.deflate(b"\x00" * 5000), "malformed part"),  # inflates beyond the part's length: refused, not expanded
     (b"\x07" + b"\x00" * 5, "malformed part"),  # an unknown encoding
 ])
-def test_a_contribution_out_of_range_or_of_the_wrong_size_fails_the_part(payload, why):
-    r = reduction(torch.zeros(10, dtype=torch.int64), {"evil": payload})
-    assert r.ready.is_set() and why in r.error and r.result is None
+def test_a_contribution_out_of_range_or_of_the_wrong_size_is_left_out_and_the_others_still_sum(payload, why):
+    fmt = codec.DenseFormat(4, 3)
+    own, honest = torch.full((10,), 2, dtype=torch.int64), torch.full((10,), -3, dtype=torch.int64)
+    r = reduction(own, {"evil": payload, "honest": fmt.encode(honest, None)})
+    assert r.ready.is_set() and not r.error and why in r.dropped["evil"] and set(r.dropped) == {"evil"}
+    assert torch.equal(fmt.decode_sum(r.result, 10), own + honest)  # served to every member alike
 
 
 def test_pushes_are_bounded_and_checked_before_they_are_kept():
@@ -137,3 +140,64 @@ def test_a_strangers_part_is_refused_and_cannot_stall_the_members_sum():
     assert asyncio.run(push("p1", fmt.encode(own + 2, None))) == ""
     assert reduction.ready.is_set() and not reduction.error
     assert torch.equal(fmt.decode_sum(reduction.result, 10), own + 2)
+
+
+def test_a_part_that_never_comes_is_left_out_once_the_wait_is_over():
+    fmt = codec.DenseFormat(4, 3)
+    own, honest = torch.full((10,), 1, dtype=torch.int64), torch.full((10,), 2, dtype=torch.int64)
+    r = Reduction()
+    r.spec, r.own = (["honest", "silent"], 10, fmt), own
+    r.payloads["honest"] = fmt.encode(honest, None)
+
+    async def wait():
+        await r.settle_soon()
+        assert not r.ready.is_set()  # still waiting for the silent member
+        await r.cut_off_after(0.01)
+
+    asyncio.run(wait())
+    assert r.ready.is_set() and "did not come in time" in r.dropped["silent"]
+    assert torch.equal(fmt.decode_sum(r.result, 10), own + honest)
+
+
+def _honest_parts(seed=0, n=4096, members=4):
+    """int4 codes of correlated pseudo-gradients (a shared direction plus each member's own noise)."""
+    g = torch.Generator().manual_seed(seed)
+    common = torch.randn(n, generator=g)
+    xs = [common + 0.7 * torch.randn(n, generator=g) for _ in range(members)]
+    scales = codec.agreed_scales([codec.block_maxabs(x) for x in xs], 4)
+    return [codec.quantize(x, scales, 4).to(torch.int64) for x in xs], scales
+
+
+def test_the_robust_filter_leaves_out_scaled_and_random_parts_and_keeps_honest_ones():
+    from p2pdiloco.swarm.codes import robust_filter
+
+    parts, _ = _honest_parts()
+    own, others = parts[0], {f"h{i}": p for i, p in enumerate(parts[1:], 1)}
+    assert robust_filter(others, own, 7) == {}  # no false positive among honest members
+    g = torch.Generator().manual_seed(9)
+    scaled = (parts[1] * 100).clamp(-7, 7)  # ×100, then clamped to the range a reducer accepts
+    random = torch.randint(-3, 4, parts[1].shape, generator=g)
+    dropped = robust_filter({**others, "scaled": scaled, "random": random}, own, 7)
+    assert set(dropped) == {"scaled", "random"}, dropped
+    assert "beyond the scale" in dropped["scaled"] and "points away" in dropped["random"]
+
+
+def test_a_robust_reduction_sums_only_the_kept_parts():
+    parts, _ = _honest_parts(seed=1, members=3)
+    fmt = codec.DenseFormat(4, 4)
+    flipped = -parts[1]  # a sign-flipping member: in range, plausible size, opposite direction
+    r = Reduction(robust=True)
+    r.spec, r.own = (["h1", "h2", "evil"], parts[0].numel(), fmt), parts[0]
+    r.payloads.update({"h1": fmt.encode(parts[1], None), "h2": fmt.encode(parts[2], None),
+                       "evil": fmt.encode(flipped, None)})
+    r.settle_if_complete()
+    assert set(r.dropped) == {"evil"}
+    assert torch.equal(fmt.decode_sum(r.result, parts[0].numel()), parts[0] + parts[1] + parts[2])
+
+
+def test_a_part_missing_a_sender_is_scaled_back_to_a_weighted_mean():
+    from p2pdiloco.swarm.averager import reweigh_parts
+
+    merged = torch.tensor([0.6, 0.6, 0.6, 0.6])  # two parts; the second reducer left out "c" (weight 0.4)
+    reweigh_parts(merged, [(0, 2), (2, 4)], [frozenset(), frozenset({"c"})], {"a": 0.3, "b": 0.3, "c": 0.4})
+    assert merged.tolist() == pytest.approx([0.6, 0.6, 1.0, 1.0])

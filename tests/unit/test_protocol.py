@@ -231,7 +231,7 @@ def test_a_hostile_member_claiming_a_far_newer_state_is_excluded_and_never_downl
                   maxabs=maxabs)
     hostile = dict(honest, peer="evil", name="evil", version=2 ** 60, digest="zzzzzz", tokens=10 ** 30)
     island = parse_island([honest, hostile, dict(honest, peer="b", name="b")], Expect(8))
-    plan = plan_island(island, "tokens2", cap=60.0)
+    plan = plan_island(island, "tokens2", 60.0, 8)
     assert plan.weights == [0.5, 0.0, 0.5] and "1" in island.excluded_by_index()
     rnd = new_round()
     to_island(rnd, [record("b"), record("evil")])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from p2pdiloco.core import exact
-from p2pdiloco.protocol.island import plan_island
+from p2pdiloco.protocol.island import Bounds, plan_island
 from p2pdiloco.protocol.remote import Expect, Malformed, parse_island, parse_member, parse_peer_record
 
 N = 3 * exact.BLOCK + 5
@@ -53,8 +53,8 @@ def test_rda_norms_must_match_the_swarms_segments_and_be_finite():
 def test_a_hostile_budget_cannot_hang_or_cut_short_the_round():
     assert parse_member(good(budget=math.nan), EXPECT).budget == math.inf
     island = parse_island([good(budget=5.0), good(peer="b", budget=-3)], EXPECT)
-    assert plan_island(island, "tokens2", cap=60.0).deadline == 60.0
-    assert plan_island(parse_island([good(budget=5.0), good(peer="b", budget=7.0)], EXPECT), "tokens2", 60.0).deadline == 7.0
+    assert plan_island(island, "tokens2", 60.0, N).deadline == 60.0
+    assert plan_island(parse_island([good(budget=5.0), good(peer="b", budget=7.0)], EXPECT), "tokens2", 60.0, N).deadline == 7.0
 
 
 def test_malformed_members_are_excluded_from_the_merge_and_the_others_still_merge():
@@ -62,14 +62,14 @@ def test_malformed_members_are_excluded_from_the_merge_and_the_others_still_merg
                           EXPECT)
     assert [m is None for m in island.members] == [False, True, True, False]
     assert island.excluded_by_index().keys() == {"1", "2"}
-    plan = plan_island(island, "tokens2", cap=60.0)
+    plan = plan_island(island, "tokens2", 60.0, N, Bounds(weight_ratio=0, scale_ratio=0))
     assert plan.weights[1] == plan.weights[2] == 0.0
     assert sum(plan.weights) == pytest.approx(1.0) and plan.weights[0] == pytest.approx(0.8)
 
 
 def test_an_island_with_nothing_to_merge_says_why():
-    assert plan_island(parse_island([None, 3], EXPECT), "tokens2", 60.0).weights is None
-    plan = plan_island(parse_island([good(tokens=0, steps=0)], EXPECT), "tokens2", 60.0)
+    assert plan_island(parse_island([None, 3], EXPECT), "tokens2", 60.0, N).weights is None
+    plan = plan_island(parse_island([good(tokens=0, steps=0)], EXPECT), "tokens2", 60.0, N)
     assert plan.weights is None and "no tokens" in plan.reason
 
 
@@ -88,7 +88,7 @@ def test_fuzzed_member_and_peer_records_never_raise_out_of_the_parser():
                 record[key] = rng.choice(specials)
         island = parse_island([member, good()], EXPECT)  # never raises
         assert island.members[1] is not None
-        plan_island(island, rng.choice(["tokens2", "tokens", "uniform"]), 60.0)
+        plan_island(island, rng.choice(["tokens2", "tokens", "uniform"]), 60.0, N)
         parsed = parse_peer_record(peer)
         assert parsed is None or isinstance(parsed.version, int)
 

@@ -1,0 +1,43 @@
+"""A lying peer among honest ones (a test fault plan makes one peer hostile from its first round): it can cost
+the honest peers at most one round, and what it sends never decides their merge."""
+
+import pytest
+
+from tests.harness.swarm import digests_by_version, local_swarm
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
+HONEST = ["a", "b", "c"]
+ARGS = ["-H", "10", "--max-rounds", "5", "--compression", "int4", "--quorum", "2", "--eval-every", "0"]
+
+
+def run_with_a_liar(tmp_path, run_id: str, fault: str, *extra: str):
+    with local_swarm(tmp_path, run_id) as swarm:
+        for name in HONEST:
+            swarm.start_peer(name, *ARGS, *extra)
+        swarm.start_peer("liar", *ARGS, *extra, env={"P2PDILOCO_FAULT_PLAN": f"{fault}@0"})
+        swarm.wait_clean(HONEST, timeout=400)
+        for version, states in digests_by_version(swarm, HONEST).items():
+            assert len(states) == 1, f"honest peers disagree at version {version}: {states}"
+        return {name: swarm.records(name, "round") for name in HONEST}, swarm.records("liar", "start")[0].peer_id
+
+
+def test_a_peer_sending_nan_costs_the_honest_peers_at_most_one_round(tmp_path):
+    """Its codes cannot even be packed, so it never sends its parts nor serves its sum: the first round fails (or
+    its parts are left out once the wait is over), its members blame it, and later islands leave it out."""
+    rounds, liar = run_with_a_liar(tmp_path, "nan", "hostile_nan")
+    for name, rs in rounds.items():
+        assert len(rs) == 5 and sum(not r.applied for r in rs) <= 1, [(r.applied, r.reason) for r in rs]
+        assert not any(r.applied and "liar" in r.members for r in rs[1:])  # left out after the first round
+        assert any(liar in r.excluded and "blamed" in r.excluded[liar] for r in rs), [r.excluded for r in rs]
+
+
+def test_a_scaled_liar_claiming_1000x_its_tokens_is_left_out_by_a_robust_merge(tmp_path):
+    """×100 its Δ, 1000× its tokens: its weight is capped and, with --robust-merge, each reducer sees its codes
+    pinned at ±L and leaves them out; the honest peers merge every round and then leave it out altogether."""
+    rounds, liar = run_with_a_liar(tmp_path, "scaled", "hostile_scaled", "--robust-merge")
+    for name, rs in rounds.items():
+        assert all(r.applied for r in rs), [(r.applied, r.reason) for r in rs]
+        first = next(r for r in rs if "liar" in r.members)
+        assert "merge weight capped" in first.bounded[liar], first.bounded
+        assert "beyond the scale it claimed" in first.excluded.get(liar, ""), first.excluded
+        assert not any("liar" in r.members for r in rs[rs.index(first) + 1:])

@@ -1,0 +1,143 @@
+"""What one member can do to a merge, whatever it claims: its weight is capped at a multiple of the island's
+median, its block maxima are clipped to a multiple of the island's median, and its codes to the agreed range."""
+
+import pytest
+import torch
+
+from p2pdiloco.core import codec, exact
+from p2pdiloco.protocol.island import Bounds, cap_to_median, clip_to_block_median, plan_island
+from p2pdiloco.protocol.remote import Expect, parse_island
+
+N = 4 * codec.BLOCK
+
+
+def member(peer: str, delta: torch.Tensor, tokens: int = 4096, steps: int = 32, maxabs=None) -> dict:
+    stat = exact.block_maxabs(delta) if maxabs is None else maxabs
+    return dict(peer=peer, name=peer, version=3, digest="abcdef", tokens=tokens, steps=steps, budget=10.0,
+                norms=[], maxabs=stat.numpy().tobytes())
+
+
+def test_a_member_claiming_1000x_the_tokens_gets_at_most_the_capped_share():
+    deltas = [torch.randn(N) for _ in range(4)]
+    records = [member(f"h{i}", d) for i, d in enumerate(deltas[:3])] + [member("evil", deltas[3], tokens=4096 * 1000)]
+    plan = plan_island(parse_island(records, Expect(N)), "tokens2", 60.0, N)
+    honest, evil = plan.weights[:3], plan.weights[3]
+    assert sum(plan.weights) == pytest.approx(1.0)
+    assert evil == pytest.approx(2 * honest[0]) and honest[0] == honest[1] == honest[2]  # 2/5, not 0.999999
+    assert "merge weight capped" in plan.bounded[3] and set(plan.bounded) == {3}
+    unbounded = plan_island(parse_island(records, Expect(N)), "tokens2", 60.0, N, Bounds(0, 0))
+    assert unbounded.weights[3] > 0.999  # what one liar decided before
+
+
+@pytest.mark.parametrize("weights", [[0.97, 0.01, 0.01, 0.01], [0.5, 0.5], [0.9, 0.1], [0.4, 0.3, 0.2, 0.1],
+                                     [0.2, 0.2, 0.2, 0.2, 0.2], [0.6, 0.39, 0.01]])
+def test_capped_weights_sum_to_one_and_none_exceeds_the_bound(weights):
+    capped, _ = cap_to_median(weights, 2.0)
+    assert sum(capped) == pytest.approx(1.0)
+    median = sorted(capped)[(len(capped) - 1) // 2]
+    assert max(capped) <= 2.0 * median * (1 + 1e-9)
+    order = sorted(range(len(weights)), key=weights.__getitem__)
+    assert sorted(range(len(capped)), key=capped.__getitem__) == order or len(set(capped)) < len(capped)
+
+
+def test_between_two_members_the_outlier_is_bounded_by_the_other_not_by_their_mean():
+    capped, notes = cap_to_median([0.999, 0.001], 2.0)
+    assert capped == pytest.approx([2 / 3, 1 / 3]) and set(notes) == {0}
+
+
+def test_claimed_block_maxima_are_clipped_to_the_islands_median_per_block():
+    honest = [torch.tensor([1.0, 2.0, 0.0]), torch.tensor([1.5, 1.0, 0.0]), torch.tensor([0.5, 3.0, 0.0])]
+    hostile = torch.tensor([1e6, 2.0, 5.0])
+    clipped, counts = clip_to_block_median(honest + [hostile], 4.0)
+    # per block, the lower median of the four is 1.0, 2.0 and 0.0: the hostile member is held to 4× that
+    assert clipped[3].tolist() == [4.0, 2.0, 0.0] and counts == {3: 2}
+    assert all(torch.equal(a, b) for a, b in zip(clipped[:3], honest))  # honest maxima are untouched
+
+
+def test_a_member_cannot_wipe_out_the_others_precision_with_huge_maxima():
+    torch.manual_seed(0)
+    deltas = [torch.randn(N) * 1e-3 for _ in range(3)]
+    huge = exact.block_maxabs(torch.full((N,), 1e3))  # claims maxima a million times the others'
+    clean = [member(f"h{i}", d) for i, d in enumerate(deltas)]
+
+    def honest_error(records, bounds):
+        plan = plan_island(parse_island(records, Expect(N)), "tokens2", 60.0, N, bounds)
+        scales = codec.agreed_scales([m.double() * w for m, w in zip(plan.maxabs, plan.weights)], 4)
+        sent = codec.encode(deltas[0], plan.weights[0], scales, 4).sent
+        return float((sent - deltas[0]).norm() / deltas[0].norm())
+
+    attacked = clean + [member("evil", torch.zeros(N), maxabs=huge)]
+    assert honest_error(attacked, Bounds(0, 0)) == pytest.approx(1.0)  # unclipped: every honest value rounds to 0
+    bounds = Bounds()
+    # clipped: the scales can be at most scale_ratio× coarser than the honest ones, and so can the error
+    assert honest_error(attacked, bounds) <= 1.1 * bounds.scale_ratio * honest_error(clean, bounds)
+
+
+def test_a_scaled_lying_member_moves_the_merge_by_at_most_its_capped_share_of_the_clipped_range():
+    """Three honest members and one that sends ×100 its Δ while claiming 1000× its tokens and honest maxima: in
+    the int4 sum (every sender's codes within ±L, as reducers enforce) it moves each value by at most its capped
+    weight times its clipped block maximum."""
+    torch.manual_seed(1)
+    deltas = [torch.randn(N) for _ in range(4)]
+    records = [member(f"h{i}", d) for i, d in enumerate(deltas[:3])] + [
+        member("evil", deltas[3], tokens=4096 * 1000)]
+    plan = plan_island(parse_island(records, Expect(N)), "tokens2", 60.0, N)
+    scales = codec.agreed_scales([m.double() * w for m, w in zip(plan.maxabs, plan.weights)], 4)
+    sent = [deltas[0], deltas[1], deltas[2], deltas[3] * 100]  # the liar scales what it actually sends
+    encoded = [codec.encode(d, w, scales, 4) for d, w in zip(sent, plan.weights)]
+    merged = codec.dequantize(sum(e.codes for e in encoded), scales)
+    honest = sum(d * w for d, w in zip(deltas[:3], plan.weights[:3]))
+    per_element = lambda blocks: blocks.repeat_interleave(codec.BLOCK)[:N]  # noqa: E731
+    liar_bound = per_element(plan.maxabs[3].double() * plan.weights[3])
+    rounding = per_element(scales) * 3 / 2  # the honest members' own quantization error
+    assert bool(((merged - honest).abs() <= liar_bound + rounding + 1e-6).all())
+    assert plan.weights[3] == pytest.approx(0.4)
+    unbounded = plan_island(parse_island(records, Expect(N)), "tokens2", 60.0, N, Bounds(0, 0))
+    assert unbounded.weights[3] > 0.999  # before: its weight made its ×100 Δ the merge
+
+
+def test_exact_quantize_clamps_to_the_agreed_range():
+    scales = torch.ones(1, dtype=torch.float64)
+    q = exact.quantize(torch.tensor([5.0, -9.0, 2.0]), 1.0, scales, limit=4)
+    assert q.tolist() == [4.0, -4.0, 2.0]
+
+
+def test_a_member_blamed_by_most_others_is_left_out_and_a_blaming_minority_cannot_leave_out_anyone():
+    delta = torch.randn(N)
+    honest = [member(f"h{i}", delta) for i in range(3)]
+    evil = member("evil", delta)
+    blaming = [dict(r, blame=["evil"]) for r in honest]
+    plan = plan_island(parse_island([*blaming[:2], honest[2], evil], Expect(N)), "tokens2", 60.0, N)
+    assert plan.weights[3] == 0.0 and plan.included == [0, 1, 2]  # 2 of its 3 others blame it
+    minority = plan_island(parse_island([blaming[0], honest[1], honest[2], evil], Expect(N)), "tokens2", 60.0, N)
+    assert minority.included == [0, 1, 2, 3]  # one of three is not a majority
+    liar = dict(evil, blame=["h0", "h1", "h2"])  # the hostile member blames every honest one
+    assert plan_island(parse_island([*honest, liar], Expect(N)), "tokens2", 60.0, N).included == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("blame, ok", [(["a"], True), ([], True), (["a"] * 65, False), ("a", False), ([3], False),
+                                       ([""], False), (["x" * 500], False)])
+def test_the_blame_list_is_validated_like_every_remote_field(blame, ok):
+    island = parse_island([dict(member("p", torch.ones(N)), blame=blame)], Expect(N))
+    assert (island.members[0] is not None) == ok
+
+
+def test_blame_expires():
+    from p2pdiloco.protocol.island import PenaltyBox
+
+    box = PenaltyBox(seconds=10.0)
+    box.blame({"x", "y"}, now=100.0)
+    box.blame({"y"}, now=105.0)
+    assert box.active(109.0) == ["y", "x"] and box.active(112.0) == ["y"] and box.active(200.0) == []
+
+
+def test_the_bounds_and_the_robust_merge_are_checked_at_configuration():
+    from p2pdiloco.config import ConfigError, OuterConfig, SwarmConfig
+
+    with pytest.raises(ConfigError, match="needs --compression"):
+        SwarmConfig(robust_merge=True)
+    assert SwarmConfig(robust_merge=True, compression="int4").robust_merge
+    for bad in (0.5, -1.0, float("inf")):
+        with pytest.raises(ConfigError, match="max weight ratio"):
+            OuterConfig(max_weight_ratio=bad)
+    assert OuterConfig(max_weight_ratio=0, max_scale_ratio=0).max_scale_ratio == 0
