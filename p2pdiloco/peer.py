@@ -157,11 +157,31 @@ class Peer:
                      addresses)
         self.heartbeat = Heartbeat(self.dht, cfg.swarm.run_id,
                                    PeerRecord(peer=self.peer_id, name=self.name, version=self.state.version,
-                                              digest=self.state.digest))
+                                              digest=self.state.digest, settings=self._settings()))
         overlap = cfg.swarm.overlap_steps or cfg.inner.steps  # the next contribution is due H steps later
         self.merger = SwarmMerger(self.dht, cfg.swarm, cfg.outer, self.n_params, rda_segments(self.model),
                                   self.heartbeat, self.state.snapshot, self.stop, self.clock, overlap,
                                   FaultPlan.parse(cfg.swarm.fault_plan))
+        if cfg.swarm.initial_peers:
+            self._refuse_a_mismatch()
+
+    def _settings(self) -> dict[str, str]:
+        """What every member of an island must share, published with our record and checked when others join."""
+        cfg, swarm, outer = self.cfg, self.cfg.swarm, self.cfg.outer
+        on = {True: "on", False: "off"}
+        return dict(model=cfg.model, parameters=str(self.n_params), compression=swarm.compression,
+                    topk="off" if swarm.topk is None else f"{swarm.topk:g}", weighting=outer.weighting,
+                    rda=on[outer.rda], max_weight_ratio=f"{outer.max_weight_ratio:g}",
+                    max_scale_ratio=f"{outer.max_scale_ratio:g}", robust_merge=on[swarm.robust_merge])
+
+    def _refuse_a_mismatch(self) -> None:
+        """At join: a setting that cannot merge with the live peers' ends this peer now, saying which."""
+        from p2pdiloco.protocol.compat import mismatch
+        from p2pdiloco.swarm.node import SwarmConnectError
+
+        why = mismatch(self._settings(), self.merger.live_others())
+        if why is not None:
+            raise SwarmConnectError(f"cannot merge with this swarm: {why}")
 
     def _make_diloco(self, seed: int, merger) -> None:
         cfg = self.cfg

@@ -44,6 +44,7 @@ class PeerRecord:
     island: int = 0  # members of its last round's island (1: alone)
     bytes_sent: int = 0  # by its averager, over all its rounds
     client_mode: bool = False  # reachable only through others (cannot accept connections)
+    settings: dict = field(default_factory=dict)  # what must match to merge (p2pdiloco.protocol.compat)
 
     @property
     def key(self) -> tuple[int, str]:
@@ -128,7 +129,8 @@ def _fields(value: Any, known: Sequence[str], required: Sequence[str]) -> dict:
 
 
 _PEER_FIELDS = ("peer", "name", "version", "digest", "ready", "inner_step", "tokens_per_s", "sketch", "loss", "rounds",
-                "island", "bytes_sent", "client_mode")
+                "island", "bytes_sent", "client_mode", "settings")
+MAX_SETTINGS = 32
 
 
 def parse_peer_record(value: Any) -> Optional[PeerRecord]:
@@ -150,7 +152,14 @@ def _peer_record(value: Any) -> PeerRecord:
                       loss=_float(v.get("loss", 0.0), "loss"), rounds=_int(v.get("rounds", 0), "rounds"),
                       island=_int(v.get("island", 0), "island", hi=MAX_ISLAND),
                       bytes_sent=_int(v.get("bytes_sent", 0), "bytes_sent"),
-                      client_mode=_bool(v.get("client_mode", False), "client_mode"))
+                      client_mode=_bool(v.get("client_mode", False), "client_mode"),
+                      settings=_settings(v.get("settings", {})))
+
+
+def _settings(value: Any) -> dict:
+    if not isinstance(value, dict) or len(value) > MAX_SETTINGS:
+        raise Malformed(f"settings must be a dict of at most {MAX_SETTINGS} entries")
+    return {_str(k, "settings key", 1, 32): _str(v, "settings value", 0, 64) for k, v in value.items()}
 
 
 _MEMBER_FIELDS = ("peer", "name", "version", "digest", "tokens", "steps", "budget", "norms", "maxabs")

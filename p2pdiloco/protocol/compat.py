@@ -1,0 +1,29 @@
+"""Whether a joining peer can merge with the swarm: the settings every member of an island must share, compared
+at join time, so a mismatch is refused with a message naming the setting instead of failing round after round.
+
+Peers with another codec or merge rule would never even meet in an island (they look for groups under another
+key), and one with another model would be rejected from every island it met; either way it would train alone
+without knowing why.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Optional, Sequence
+
+from p2pdiloco.protocol.remote import PeerRecord
+
+
+def mismatch(mine: dict[str, str], others: Sequence[PeerRecord]) -> Optional[str]:
+    """Why we cannot merge with the live peers (the first setting where we differ from most of them), or None."""
+    published = [r.settings for r in others if r.settings]
+    if not published:
+        return None
+    for key in sorted(set(mine) | {k for s in published for k in s}):
+        swarm_value, count = Counter(s.get(key, "(not set)") for s in published).most_common(1)[0]
+        ours = mine.get(key, "(not set)")
+        if ours != swarm_value:
+            return (f"this peer's {key} is {ours!r} but the swarm's is {swarm_value!r} ({count} of "
+                    f"{len(published)} live peers): join with the swarm's {key}, or start another swarm with "
+                    f"another --run-id")
+    return None

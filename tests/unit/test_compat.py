@@ -1,0 +1,29 @@
+"""A peer whose settings cannot merge with the swarm's is told which setting differs, at join."""
+
+from p2pdiloco.protocol.compat import mismatch
+from p2pdiloco.protocol.remote import PeerRecord, parse_peer_record
+
+SWARM = dict(model="small", parameters="3000000", compression="int4", topk="off", weighting="tokens2")
+
+
+def live(settings: dict, name: str = "p") -> PeerRecord:
+    return PeerRecord(peer=name, name=name, version=3, digest="abcdef", settings=settings)
+
+
+def test_the_first_differing_setting_is_named_with_ours_and_the_swarms():
+    others = [live(SWARM, "a"), live(SWARM, "b"), live(dict(SWARM, compression="none"), "c")]
+    assert mismatch(SWARM, others) is None  # we agree with most of them
+    why = mismatch(dict(SWARM, compression="none"), others)
+    assert "compression is 'none' but the swarm's is 'int4' (2 of 3 live peers)" in why and "--run-id" in why
+    assert "model is 'tiny'" in mismatch(dict(SWARM, model="tiny"), others)
+
+
+def test_peers_that_publish_no_settings_are_not_compared():
+    assert mismatch(SWARM, [live({})]) is None and mismatch(SWARM, []) is None
+
+
+def test_published_settings_are_validated_like_any_remote_field():
+    base = dict(peer="p", name="n", version=1, digest="abcdef")
+    assert parse_peer_record(dict(base, settings=SWARM)).settings == SWARM
+    for bad in ([1], {"k": 1}, {"": "v"}, {"k" * 40: "v"}, {"k": "v" * 100}, {str(i): "v" for i in range(40)}):
+        assert parse_peer_record(dict(base, settings=bad)) is None
