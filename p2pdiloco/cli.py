@@ -137,11 +137,12 @@ def join(**options):
     from p2pdiloco.peer import run_peer
     from p2pdiloco.runtime.logs import configure_logging
     from p2pdiloco.swarm.node import SwarmConnectError
+    from p2pdiloco.training.checkpoint import CheckpointWriteError
 
     configure_logging(cfg.log_dir / f"{cfg.name}.log" if cfg.name else None)
     try:
         run_peer(cfg)
-    except (SwarmConnectError, DataError) as e:
+    except (SwarmConnectError, DataError, CheckpointWriteError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
         sys.exit(130)

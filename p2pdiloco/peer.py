@@ -56,6 +56,8 @@ class Peer:
         self._join_done = threading.Event()
         self._joined_state = None
         self.join_error: BaseException | None = None
+        self.leave_error: BaseException | None = None
+        self.checkpoint_error: str | None = None  # the last checkpoint write failed: why, and what to do
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -69,6 +71,8 @@ class Peer:
             summary = self._train()
             if self.join_error is not None:
                 raise self.join_error  # after the work of this stay was checkpointed
+            if self.leave_error is not None:
+                raise self.leave_error  # after the summary: a run that could not save ends non-zero
             return summary
         finally:
             self.close()
@@ -234,7 +238,17 @@ class Peer:
             return  # only between rounds (see DiLoCo.checkpoint_state)
         meta, tensors = self.diloco.checkpoint_state()
         meta.update(model=self.cfg.model, n_params=self.n_params, run_id=self.cfg.swarm.run_id, why=why)
-        path = checkpoint.save(self.checkpoint_folder, meta, tensors, keep=self.cfg.keep_checkpoints)
+        try:
+            path = checkpoint.save(self.checkpoint_folder, meta, tensors, keep=self.cfg.keep_checkpoints)
+        except checkpoint.CheckpointWriteError as e:  # the write is undone, the checkpoints already saved stay
+            newest = checkpoint.list_checkpoints(self.checkpoint_folder)
+            self.checkpoint_error = (
+                f"could not write a checkpoint to {self.checkpoint_folder} ({e}); "
+                f"{'the newest saved one, ' + newest[0].name + ', is kept' if newest else 'none was saved before'}:"
+                f" free space there or give --checkpoint-dir another disk")
+            log.error("%s: %s", self.name, self.checkpoint_error)
+            return
+        self.checkpoint_error = None
         self.metrics.write(schema.Checkpoint(peer=self.name, version=meta["version"], path=str(path), why=why))
 
     def _find_checkpoint(self):
@@ -288,6 +302,8 @@ class Peer:
               on_contribute=self._on_contribute)
         if cfg.checkpoint_every:
             self._save_checkpoint("leaving")
+            if self.checkpoint_error:  # said once more, on exit: what this stay trained was not saved
+                self.leave_error = checkpoint.CheckpointWriteError(self.checkpoint_error)
         final_val = self._evaluate_global()
         wall = time.monotonic() - self.started
         # utilization while training: leaving (the last round's wait, checkpoint, final evaluation) is not

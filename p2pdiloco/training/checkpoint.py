@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from p2pdiloco.core.exact import digest
@@ -29,6 +30,10 @@ FORMAT = 1
 
 class CheckpointError(RuntimeError):
     pass
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (a full disk, a quota): the ones already saved are untouched."""
 
 
 @dataclass
@@ -61,8 +66,10 @@ def save(folder: Path, meta: dict, tensors: dict[str, torch.Tensor], keep: int =
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, (OSError, SafetensorError)):  # a full disk, a quota: safetensors reports it as its own
+            raise CheckpointWriteError(getattr(e, "strerror", None) or str(e)) from e
         raise
     for old in list_checkpoints(folder)[keep:]:
         shutil.rmtree(old, ignore_errors=True)

@@ -1,3 +1,7 @@
+import json
+import os
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -139,3 +143,41 @@ def test_profile_with_unknown_key_is_rejected(tmp_path):
     bad.write_text('modle = "tiny"\n')
     result = CliRunner().invoke(cli, ["join", "--profile", str(bad)])
     assert result.exit_code == 2 and "unknown keys: modle" in result.output
+
+
+NEWEST = """
+import json, sys
+from p2pdiloco.training import checkpoint
+found = checkpoint.load_latest(__import__("pathlib").Path(sys.argv[1]), int(sys.argv[2]))
+print(json.dumps(dict(path=found.path.name, sha=found.meta["sha256"])))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="needs root and unshare to mount a small tmpfs: a real full disk")
+def test_a_full_disk_while_checkpointing_is_one_clear_line_and_loses_nothing_saved(tmp_path):
+    """A 28 MB tmpfs holds one 19 MB checkpoint of the tiny model: the first stay saves one, the second stay's
+    checkpoint runs out of space. The second peer says so in one line and exits 1; the first checkpoint is whole."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    folder = disk / "p2pdiloco" / "x"
+    join = [sys.executable, "-m", "p2pdiloco.cli", "join", "--model", "tiny", "--name", "x", "--log-dir",
+            str(tmp_path), "--checkpoint-dir", str(disk), "--threads", "1", "--batch-size", "4", "--seq-len", "32",
+            "--eval-every", "0", "-H", "3", "--max-rounds", "1"]
+    newest = [sys.executable, "-c", NEWEST, str(folder), str(TINY_PARAMS)]
+    script = " ; ".join([f"mount -t tmpfs -o size=28m tmpfs {disk} || exit 99",
+                         f"{shlex.join(join)} > /dev/null 2>&1; echo first=$?",
+                         f"{shlex.join(newest)}",
+                         f"{shlex.join(join)} 2> {tmp_path / 'second.err'} > /dev/null; echo second=$?",
+                         f"{shlex.join(newest)}",
+                         f"ls -a {folder}"])
+    out = subprocess.run(["unshare", "-m", "bash", "-c", script], capture_output=True, text=True, timeout=300)
+    lines = out.stdout.splitlines()
+    assert lines[0] == "first=0" and lines[2] == "second=1", out.stdout + out.stderr
+    before, after = json.loads(lines[1]), json.loads(lines[3])
+    assert before == after  # the checkpoint saved before the disk filled up is still the newest, still whole
+    assert not [name for name in lines[4:] if name.startswith(".tmp-")]  # the failed write left nothing
+    err = (tmp_path / "second.err").read_text()
+    assert f"could not write a checkpoint to {folder}" in err and "No space left on device" in err
+    assert f"the newest saved one, {before['path']}, is kept" in err and "Traceback" not in err
+    assert "free space there or give --checkpoint-dir another disk" in err
