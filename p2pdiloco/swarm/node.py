@@ -39,6 +39,7 @@ def dht_kwargs(cfg: SwarmConfig) -> dict:
 def start_dht(cfg: SwarmConfig, client_mode: bool = False) -> DHT:
     """Start (and bootstrap) a DHT node in a background process, bounded by `cfg.connect_timeout`. A client
     (`client_mode`) asks others and serves nothing: onlookers such as `p2pdiloco status`."""
+    check_addresses(cfg)
     kwargs = dict(dht_kwargs(cfg), client_mode=client_mode)
     initial = list(cfg.initial_peers) or None
     pool = concurrent.futures.ThreadPoolExecutor(1)
@@ -56,6 +57,22 @@ def start_dht(cfg: SwarmConfig, client_mode: bool = False) -> DHT:
         dht.shutdown()
         raise SwarmConnectError(_unreachable(cfg, "no initial peer answered"))
     return dht
+
+
+def check_addresses(cfg: SwarmConfig) -> None:
+    """Every address parses, and an initial peer names its peer id: said before any daemon starts."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    for flag, addresses in (("--initial-peers", cfg.initial_peers), ("--listen", cfg.listen),
+                            ("--announce", cfg.announce)):
+        for address in addresses:
+            try:
+                protocols = [p.name for p in Multiaddr(address).protocols()]
+            except Exception as e:  # the parser raises several types
+                raise SwarmConnectError(f"{flag} {address}: not a valid multiaddr ({e})") from None
+            if flag == "--initial-peers" and "p2p" not in protocols:
+                raise SwarmConnectError(f"{flag} {address}: no /p2p/PEER_ID part; give the whole address a live "
+                                        f"peer printed, e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...")
 
 
 def _without_sigint(make, *args, **kwargs):

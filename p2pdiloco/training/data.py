@@ -43,7 +43,7 @@ def builtin_corpus_dir() -> Path:
 
 
 def text_files(path: Path) -> list[Path]:
-    if path.is_file():
+    if not path.is_dir():
         return [path]
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
     if not files:
@@ -51,9 +51,19 @@ def text_files(path: Path) -> list[Path]:
     return files
 
 
+def _read(path: Path) -> bytes:
+    if not path.is_file():  # a device, a FIFO: reading could block forever
+        raise DataError(f"cannot read {path}: not a regular file (give --data a text file or a folder of them)")
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror or e} (check its permissions, or give --data another "
+                        f"path)") from None
+
+
 def load_corpus(path: Optional[Path] = None, min_bytes: int = 8 * VAL_EVERY * 1024) -> Corpus:
     files = text_files(Path(path) if path is not None else builtin_corpus_dir())
-    raw = b"\n\n".join(f.read_bytes() for f in files)
+    raw = b"\n\n".join(_read(f) for f in files)
     if len(raw) < min_bytes:
         raise DataError(f"corpus has {len(raw)} bytes; at least {min_bytes} are needed for a validation split")
     return split_corpus(np.frombuffer(raw, dtype=np.uint8))

@@ -181,3 +181,18 @@ def test_a_full_disk_while_checkpointing_is_one_clear_line_and_loses_nothing_sav
     assert f"could not write a checkpoint to {folder}" in err and "No space left on device" in err
     assert f"the newest saved one, {before['path']}, is kept" in err and "Traceback" not in err
     assert "free space there or give --checkpoint-dir another disk" in err
+
+
+@pytest.mark.parametrize("address, message", [
+    ("/ip4/999.1.1.1/tcp/1/p2p/" + PEER_ID, "not a valid multiaddr"),
+    ("/ip4/127.0.0.1/tcp/1/p2p/notapeerid", "not a valid multiaddr"),
+    ("/bogus/thing", "not a valid multiaddr"),
+    ("/ip4/127.0.0.1/tcp/1", "no /p2p/PEER_ID part"),
+])
+def test_a_malformed_initial_peer_is_refused_before_any_daemon_starts(tmp_path, address, message):
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "p2pdiloco.cli", "join", "--initial-peers", address, "--model",
+                           "tiny", "--log-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and f"--initial-peers {address}: {message}" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "Daemon" not in proc.stderr
+    assert time.monotonic() - start < 30

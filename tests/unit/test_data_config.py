@@ -1,3 +1,6 @@
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -56,6 +59,15 @@ def test_user_data_path(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="no text files"):
         load_corpus(tmp_path / "empty")
+
+
+def test_unreadable_data_is_a_clear_error_not_a_traceback(tmp_path):
+    with pytest.raises(DataError, match="cannot read /proc/self/mem: "):
+        load_corpus(Path("/proc/self/mem"))  # a file even root cannot read from offset 0
+    fifo = tmp_path / "pipe.txt"
+    os.mkfifo(fifo)
+    with pytest.raises(DataError, match="not a regular file"):  # reading it would block forever
+        load_corpus(fifo)
 
 
 @pytest.mark.parametrize("make, message", [
