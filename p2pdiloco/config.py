@@ -136,6 +136,9 @@ class SwarmConfig:
     announce: tuple[str, ...] = option(
         (), "Public address others should dial (explicit port), e.g. /ip4/PUBLIC_IP/tcp/PORT.", metavar="MADDR",
         group="connect")
+    swarm_key_file: Optional[Path] = option(
+        None, "A file holding the swarm's shared secret: without it, no peer can use the swarm's DHT (to join, "
+        "serve, fetch state or publish records). Or set P2PDILOCO_SWARM_KEY. Never logged.", group="connect")
     identity: Optional[Path] = option(
         None, "Private key file: keeps this peer's id stable across restarts (created if missing).",
         group="connect")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import signal
 from pathlib import Path
 from typing import Optional
@@ -10,6 +11,7 @@ from typing import Optional
 from hivemind import DHT
 
 from p2pdiloco.config import SwarmConfig
+from p2pdiloco.swarm.auth import ENV as SWARM_KEY_ENV, SwarmKeyAuthorizer, SwarmKeyError, load_swarm_key
 
 
 STOP_WAIT = 2.0  # seconds the DHT and averager processes get to stop before they are terminated: a leave
@@ -41,6 +43,12 @@ def start_dht(cfg: SwarmConfig, client_mode: bool = False) -> DHT:
     (`client_mode`) asks others and serves nothing: onlookers such as `p2pdiloco status`."""
     check_addresses(cfg)
     kwargs = dict(dht_kwargs(cfg), client_mode=client_mode)
+    try:
+        key = load_swarm_key(cfg.swarm_key_file)
+    except SwarmKeyError as e:
+        raise SwarmConnectError(str(e)) from None
+    if key is not None:
+        kwargs["authorizer"] = SwarmKeyAuthorizer(key)
     initial = list(cfg.initial_peers) or None
     pool = concurrent.futures.ThreadPoolExecutor(1)
     future = pool.submit(_without_sigint, DHT, initial_peers=initial, start=True,
@@ -95,7 +103,9 @@ def _has_neighbours(dht: DHT) -> bool:
 
 def _unreachable(cfg: SwarmConfig, why: str) -> str:
     peers = ", ".join(cfg.initial_peers) if cfg.initial_peers else "(none)"
-    return f"could not join the swarm through {peers}: {why}"
+    key = "this swarm's key" if cfg.swarm_key_file or os.environ.get(SWARM_KEY_ENV) else "--swarm-key-file"
+    return (f"could not join the swarm through {peers}: {why}. Check that the address is a live peer's and, if "
+            f"the swarm requires a key, that you pass {key}")
 
 
 def visible_addresses(dht: DHT) -> list[str]:
