@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PROFILES = sorted((ROOT / "peers").glob("*.toml"))
 
 
-@pytest.mark.parametrize("command", [[], ["join"], ["bootstrap"], ["swarm"]])
+@pytest.mark.parametrize("command", [[], ["join"], ["bootstrap"], ["swarm"], ["status"], ["report"], ["simulate"]])
 def test_help_of_every_command(command):
     result = CliRunner().invoke(cli, [*command, "--help"])
     assert result.exit_code == 0 and "Usage:" in result.output
