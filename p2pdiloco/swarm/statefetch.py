@@ -23,11 +23,13 @@ import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
+from hivemind.utils.logging import get_logger
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from p2pdiloco.swarm.transfer import MAX_PART, Transfer, TransferError, fetch_parts
 
+logger = get_logger(__name__)
 SNAPSHOT_SECONDS = 5.0  # a donor reuses one snapshot of its state for the parts of one transfer
 serializer = MSGPackSerializer
 
@@ -47,6 +49,23 @@ def parse_part_request(blob: bytes) -> tuple[int, str, int, int]:
 
 def _error(message: str) -> averaging_pb2.DownloadData:
     return averaging_pb2.DownloadData(metadata=serializer.dumps(dict(error=message)))
+
+
+class IncompletePart(TransferError):
+    """A part's stream ended short or its bytes do not make the tensor announced."""
+
+
+def retry_incomplete(fetch_part):
+    """Ask a live donor once more for a part that arrived incomplete. Seen under load on loopback: a part's last
+    stream message went missing while the donor lived on. Without the retry the donor was dropped, and with a
+    co-donor dead too the whole transfer fell back to hivemind's single-donor download."""
+    async def fetch(donor: str, start: int, length: int):
+        try:
+            return await fetch_part(donor, start, length)
+        except IncompletePart as e:
+            logger.info(f"part {start}+{length} from {donor[-6:]} arrived incomplete ({e}); asking again")
+            return await fetch_part(donor, start, length)
+    return fetch
 
 
 class PartServer:
@@ -125,9 +144,12 @@ class StateFetcher:
                 parts.append(message.tensor_part)
             if metadata is None or not parts:
                 raise TransferError("donor sent nothing")
-            return metadata, deserialize_torch_tensor(combine_from_streaming(parts))
+            try:
+                return metadata, deserialize_torch_tensor(combine_from_streaming(parts))
+            except Exception as e:  # bytes that do not make the tensor announced
+                raise IncompletePart(f"{type(e).__name__}: {e}") from None
 
-        return await fetch_parts(donors, key, total, fetch_part, self.part_timeout)
+        return await fetch_parts(donors, key, total, retry_incomplete(fetch_part), self.part_timeout)
 
     def close(self) -> None:
         """Close the replica's connection to the daemon on its own loop first (the daemon stays: it is the

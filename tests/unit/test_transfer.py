@@ -133,3 +133,32 @@ def test_a_donor_keeps_serving_the_state_of_a_transfer_in_progress_after_it_move
         assert ask()["version"] == 7
     now[0] += 1.5 * SNAPSHOT_SECONDS  # idle: the snapshot is gone
     assert "moved on" in ask()["error"]
+
+
+def test_a_part_that_arrives_incomplete_is_asked_for_once_more_from_the_same_live_donor():
+    from p2pdiloco.swarm.statefetch import IncompletePart, retry_incomplete
+
+    calls = []
+
+    async def flaky(donor, start, length):  # the first answer for part 0 lost its last message
+        calls.append((donor, start))
+        if (donor, start) == ("a", 0) and calls.count(("a", 0)) == 1:
+            raise IncompletePart("shape '[1000]' is invalid for input of size 936")
+        return dict(META), STATE[start:start + length].clone()
+
+    t = run(["a"], retry_incomplete(flaky))
+    assert torch.equal(t.flat, STATE) and not t.failed_donors and calls.count(("a", 0)) == 2
+    t = run(["a", "b"], retry_incomplete(donor_pool(dies_after={"a": 2})))  # a dead donor is not retried
+    assert torch.equal(t.flat, STATE) and "a" in t.failed_donors
+
+
+def test_a_part_incomplete_twice_drops_its_donor():
+    from p2pdiloco.swarm.statefetch import IncompletePart, retry_incomplete
+
+    async def broken(donor, start, length):
+        if donor == "bad":
+            raise IncompletePart("always short")
+        return dict(META), STATE[start:start + length].clone()
+
+    t = run(["bad", "b"], retry_incomplete(broken))
+    assert torch.equal(t.flat, STATE) and "always short" in t.failed_donors["bad"]
