@@ -140,7 +140,7 @@ def clip_to_block_median(stats: list[torch.Tensor], ratio: float) -> tuple[list[
     if ratio <= 0 or len(stats) < 2:
         return stats, {}
     stacked = torch.stack(stats)  # (members, blocks)
-    bound = stacked.sort(dim=0).values[(len(stats) - 1) // 2] * ratio
+    bound = stacked.sort(dim=0).values[(len(stats) - 1) // 2] * ratio  # lower_median, per block
     over = stacked > bound
     clipped = torch.minimum(stacked, bound)
     return list(clipped), {k: int(n) for k, n in enumerate(over.sum(dim=1).tolist()) if n}

@@ -46,7 +46,7 @@ class TensorBoardSink:
         self._writer = SummaryWriter(log_dir=str(folder))
 
     def write(self, record: Record) -> None:
-        step = record.step
+        step = record.sink_step
         if step is None:
             return  # events without a step (start, checkpoint, ...) stay in the JSONL
         for name, value in record.numbers().items():
@@ -64,11 +64,10 @@ class WandbSink:
         import wandb
 
         folder.mkdir(parents=True, exist_ok=True)
-        self._run = wandb.init(project="p2pdiloco", name=name, group=group, dir=str(folder), config=config,
-                               reinit="create_new")
+        self._run = wandb.init(project="p2pdiloco", name=name, group=group, dir=str(folder), config=config)
 
     def write(self, record: Record) -> None:
-        if record.step is not None:
+        if record.sink_step is not None:
             self._run.log({f"{record.KIND}/{k}": v for k, v in record.numbers().items()})
 
     def close(self) -> None:

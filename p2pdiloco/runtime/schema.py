@@ -49,7 +49,7 @@ class Record:
                 for v in [getattr(self, f.name)] if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
     @property
-    def step(self) -> Optional[int]:
+    def sink_step(self) -> Optional[int]:
         """The x of this record in a step-indexed sink (None: the record has no natural step)."""
         return None
 
@@ -85,6 +85,10 @@ class Window(Record, kind="window"):
     in_flight: bool = False  # a round ran in the background meanwhile
     compute_seconds: float = 0.0  # inner-step time
     merged_seconds: float = 0.0  # the part of it whose progress reached the global model
+
+    @property
+    def sink_step(self) -> Optional[int]:
+        return self.step
 
 
 @dataclass(kw_only=True)
@@ -145,7 +149,7 @@ class Round(Record, kind="round"):
         return max(1, len(self.members))
 
     @property
-    def step(self) -> Optional[int]:
+    def sink_step(self) -> Optional[int]:
         return self.round
 
 

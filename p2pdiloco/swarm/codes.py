@@ -35,6 +35,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
 from p2pdiloco.core import codec
+from p2pdiloco.protocol.island import lower_median
 
 CHUNK = 1 << 20  # bytes per stream message (libp2p messages stay well under the daemon's limit)
 PART_WAIT = 0.6  # of the round's deadline: how long a reducer waits for every part before summing those it has
@@ -146,7 +147,7 @@ def robust_filter(parts: dict, own: torch.Tensor, levels: int) -> dict:
         return out
     total = own.double() + sum(kept.values())
     cosines = {s: _cosine(c, total - c) for s, c in kept.items()}
-    bound = AGREEMENT * sorted(cosines.values())[(len(cosines) - 1) // 2]
+    bound = AGREEMENT * lower_median(list(cosines.values()))
     for sender, cos in cosines.items():
         if cos <= 0 or cos < bound:
             out[sender] = f"its part points away from the others' (cosine {cos:.3f}, bound {bound:.3f})"

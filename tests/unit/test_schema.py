@@ -42,6 +42,9 @@ def test_every_kind_is_registered_once_and_numbers_skip_flags_and_text():
     numbers = schema.Window(peer="p", step=3, loss=1.5, in_flight=True).numbers()
     assert numbers["step"] == 3 and numbers["loss"] == 1.5
     assert "in_flight" not in numbers and "peer" not in numbers and "time" not in numbers
+    # step-indexed sinks plot windows at their inner step, rounds at their round, and skip the rest
+    assert schema.Window(step=30).sink_step == 30 and schema.Round(round=4, version=9).sink_step == 4
+    assert schema.Start().sink_step is None and schema.Checkpoint().sink_step is None
 
 
 def test_the_peer_writes_metrics_only_through_the_schema():
