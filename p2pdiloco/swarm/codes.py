@@ -43,7 +43,8 @@ PART_WAIT = 0.6  # of the round's deadline: how long a reducer waits for every p
 # claimed: honest codes reach ±L only at their block's maximum), or that does not point the way the others do
 SATURATED = 0.05
 AGREEMENT = 0.25  # of the median cosine between each part and the sum of the others
-MAX_PENDING_GROUPS = 4  # reductions kept at once: a push may arrive before our own matchmaking finished
+MAX_PENDING_GROUPS = 8  # reductions kept at once: a push may arrive before our own matchmaking finished, a
+# fetch after our own round is over (a slower member still needs our part's sum)
 serializer = MSGPackSerializer
 
 
@@ -80,6 +81,7 @@ class Reduction:
     error: str = ""
     dropped: dict = field(default_factory=dict)  # sender → why its part was left out of the sum
 
+    released: bool = False  # our round is over: only the sum is kept, for members still fetching it
     settling: bool = False  # its sum is being computed (off the event loop)
     cut_off: bool = False  # the wait for missing parts is over: sum those that came
     robust: bool = False  # leave out saturated and disagreeing parts too (robust_filter)
@@ -133,6 +135,16 @@ class Reduction:
         self.error = why
         self.ready.set()
 
+    def release(self) -> None:
+        """Our round is over. The sum stays served: another member may not have fetched it yet (it started
+        later, or its fetch was slow to open), and dropping it here would roll that member back while we commit,
+        a split. The contributions are freed; the sum is 1/N of the model at its packed width."""
+        self.released = True
+        self.payloads.clear()
+        self.own = None
+        if not self.ready.is_set():
+            self.fail("the reducer's round ended before its part's sum was complete")
+
 
 def robust_filter(parts: dict, own: torch.Tensor, levels: int) -> dict:
     """Sender → why, for the well-formed parts a robust reducer leaves out (our own part is trusted)."""
@@ -169,10 +181,16 @@ class CodesExchange:
 
     def reduction(self, group_id: bytes) -> Reduction:
         if group_id not in self.reductions:
-            while len(self.reductions) >= MAX_PENDING_GROUPS:  # drop the oldest: its round is long over
-                del self.reductions[min(self.reductions, key=lambda g: self.reductions[g].created)]
+            while len(self.reductions) >= MAX_PENDING_GROUPS:
+                del self.reductions[min(self.reductions, key=self._eviction_order)]
             self.reductions[group_id] = Reduction(robust=self.robust)
         return self.reductions[group_id]
+
+    def _eviction_order(self, group_id: bytes) -> tuple:
+        """Finished rounds go first, then groups we are not (yet) in, oldest first; a round of ours in progress
+        last, so pushes under made-up group ids cannot evict it."""
+        r = self.reductions[group_id]
+        return (not r.released, r.spec is not None, r.created)
 
     # ---- server side: RPC bodies ----------------------------------------------------------------------------
     async def receive(self, requests: AsyncIterator[averaging_pb2.DownloadData], sender: str) -> str:
@@ -187,6 +205,8 @@ class CodesExchange:
         if header is None:
             return "empty push"
         reduction = self.reduction(header["group"])
+        if reduction.released:
+            return "the round of this group is over"
         if sender in reduction.payloads:
             return "duplicate part"
         if reduction.spec is not None and sender not in reduction.spec[0]:
@@ -235,7 +255,7 @@ class CodesExchange:
             raise CodesError("the round's parts did not all come in time") from None
         finally:
             cut_off.cancel()
-            self.reductions.pop(group_id, None)
+            mine.release()
         pushed, fetched = results[1:1 + len(pushes)], results[1 + len(pushes):]
         # a reducer we could not push to, or whose sum did not come, failed the round; so did our own reduction
         culprits = frozenset(str(peers[j]) for j, r in zip(others, pushed) if isinstance(r, BaseException)) | \

@@ -201,3 +201,60 @@ def test_a_part_missing_a_sender_is_scaled_back_to_a_weighted_mean():
     merged = torch.tensor([0.6, 0.6, 0.6, 0.6])  # two parts; the second reducer left out "c" (weight 0.4)
     reweigh_parts(merged, [(0, 2), (2, 4)], [frozenset(), frozenset({"c"})], {"a": 0.3, "b": 0.3, "c": 0.4})
     assert merged.tolist() == pytest.approx([0.6, 0.6, 1.0, 1.0])
+
+
+class LoopbackStub:
+    """A member's rpc_codes_* as another member sees them, in one process; `hold_fetch` delays fetches."""
+
+    def __init__(self, exchange: CodesExchange, caller: str, hold_fetch: asyncio.Event | None = None):
+        self.exchange, self.caller, self.hold_fetch = exchange, caller, hold_fetch
+
+    async def rpc_codes_push(self, messages):
+        error = await self.exchange.receive(messages, self.caller)
+
+        async def answer():
+            yield averaging_pb2.DownloadData(metadata=serializer.dumps(dict(error=error)) if error else b"")
+        return answer()
+
+    async def rpc_codes_fetch(self, request):
+        if self.hold_fetch is not None:
+            await self.hold_fetch.wait()
+
+        async def answer():
+            async for metadata, chunk in self.exchange.serve(request, timeout=1.0):
+                yield averaging_pb2.DownloadData(metadata=metadata, tensor_part=runtime_pb2.Tensor(buffer=chunk))
+        return answer()
+
+
+def test_a_member_that_fetches_after_the_reducer_finished_its_round_still_gets_the_sum():
+    """The reducer's round can end before a slower member asked for its part's sum; the sum must still be
+    served, or that member rolls back while the reducer commits (a split the swarm then has to heal)."""
+    n, fmt = 2 * codec.BLOCK, codec.DenseFormat(4, 2)
+    ex = {name: CodesExchange(max_payload=1 << 20) for name in "ab"}
+    codes = {"a": torch.full((n,), 3, dtype=torch.int64), "b": torch.full((n,), -1, dtype=torch.int64)}
+    selected = torch.ones(n, dtype=torch.bool)
+
+    async def both():
+        a_done = asyncio.Event()
+        stubs = {("a", "b"): LoopbackStub(ex["b"], "a"), ("b", "a"): LoopbackStub(ex["a"], "b", hold_fetch=a_done)}
+
+        async def member(me):
+            other = "b" if me == "a" else "a"
+            result = await ex[me].run(b"g", ["a", "b"], "ab".index(me), codes[me], selected, fmt,
+                                      lambda peer: stubs[(me, peer)], timeout=3.0)
+            if me == "a":
+                a_done.set()
+            return result
+        return await asyncio.gather(member("a"), member("b"))
+
+    (sum_a, *_), (sum_b, *_) = asyncio.run(both())
+    assert torch.equal(sum_a, sum_b) and torch.equal(sum_a, codes["a"] + codes["b"])
+
+
+def test_pushes_under_made_up_group_ids_cannot_evict_a_round_in_progress():
+    exchange = CodesExchange(max_payload=1 << 20)
+    ours = exchange.reduction(b"ours")
+    ours.spec = (["p1"], 10, codec.DenseFormat(4, 2))
+    for i in range(50):
+        exchange.reduction(f"junk{i}".encode())
+    assert exchange.reductions.get(b"ours") is ours
