@@ -142,7 +142,7 @@ def join(**options):
     configure_logging(cfg.log_dir / f"{cfg.name}.log" if cfg.name else None)
     try:
         run_peer(cfg)
-    except (SwarmConnectError, DataError, CheckpointWriteError) as e:
+    except (SwarmConnectError, DataError, CheckpointWriteError, ConfigError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
         sys.exit(130)

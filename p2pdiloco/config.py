@@ -16,6 +16,7 @@ WEIGHTINGS = ("tokens2", "tokens", "uniform")  # p2pdiloco.core.outer.merge_weig
 APPLICATIONS = ("delayed", "eager")  # how a peer trains while its round is in flight (p2pdiloco.training.diloco)
 MODES = ("decoupled", "sync")
 COMPRESSIONS = ("none", "int8", "int4", "int2")  # p2pdiloco.core.codec
+INNER_OPTIMIZERS = ("adamw", "adamw8bit")  # p2pdiloco.training.inner.make_optimizer
 METRICS_SINKS = ("tensorboard", "wandb")  # optional, besides the JSONL every peer writes (p2pdiloco.runtime.metrics)
 
 
@@ -79,9 +80,14 @@ class InnerConfig:
     grad_clip: float = 1.0
     round_seconds: Optional[float] = option(
         None, "Time-budgeted H: contribute every this many seconds instead of every H steps.")
+    optimizer: str = option(
+        "adamw", "Inner optimizer: adamw, or adamw8bit (bitsandbytes' 8-bit AdamW, on CPU and GPU: 2 bytes of "
+        "state per parameter instead of 8).", flag="inner-optimizer", choices=INNER_OPTIMIZERS)
 
     def __post_init__(self):
         _positive(self, "steps", "batch_size", "seq_len")
+        if self.optimizer not in INNER_OPTIMIZERS:
+            raise ConfigError(f"inner optimizer must be one of {', '.join(INNER_OPTIMIZERS)}, got {self.optimizer!r}")
         if self.round_seconds is not None:
             _positive_float(self, "round_seconds")
         _positive_float(self, "lr")

@@ -12,12 +12,12 @@ from pathlib import Path
 import torch
 
 from p2pdiloco.training import checkpoint
-from p2pdiloco.config import PeerConfig, model_config
+from p2pdiloco.config import ConfigError, PeerConfig, model_config
 from p2pdiloco.training.data import BatchStream, load_corpus, stream_seed, validation_batches
 from p2pdiloco.core.consensus import consensus_distance, sketch
 from p2pdiloco.training.diloco import DiLoCo, Settled, train
 from p2pdiloco.protocol.outcomes import Contribution
-from p2pdiloco.training.inner import InnerTrainer, evaluate, flat_params, load_flat_params
+from p2pdiloco.training.inner import InnerTrainer, bitsandbytes, evaluate, flat_params, load_flat_params
 from p2pdiloco.runtime.faults import FaultPlan
 from p2pdiloco.runtime.lifeline import start_lifeline
 from p2pdiloco.runtime import schema
@@ -37,6 +37,11 @@ FINISH_ROUND_WAIT = 120.0  # at max rounds/time: let the last round finish
 JOIN_WAIT_ON_LEAVE = 3.0  # leaving during a warm start's background connection: how long it may finish
 
 
+def mean_loss(losses: list[torch.Tensor]) -> float:
+    """One host read for many steps' losses (each still on the device)."""
+    return float(torch.stack(losses).float().mean()) if losses else 0.0
+
+
 def _fmt_loss(value) -> str:
     return "-" if value is None else f"{value:.4f}"
 
@@ -44,7 +49,16 @@ def _fmt_loss(value) -> str:
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise ConfigError(f"--device {name}: torch sees no CUDA device (torch {torch.__version__}, {build}); "
+                              "use --device cpu, or install a CUDA build of torch")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                              f"numbered from 0")
+    return device
 
 
 class Peer:
@@ -82,6 +96,8 @@ class Peer:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.device = pick_device(cfg.device)
+        if cfg.inner.optimizer == "adamw8bit":
+            bitsandbytes()
         self.corpus = load_corpus(cfg.data)
         self.model = build_model(model_config(cfg.model), cfg.seed).to(self.device)
         self.n_params = sum(p.numel() for p in self.model.parameters())
@@ -262,7 +278,9 @@ class Peer:
         return found
 
     def _restore_checkpoint(self, found) -> None:
-        self.diloco.restore_checkpoint_state(found.meta, found.tensors)
+        note = self.diloco.restore_checkpoint_state(found.meta, found.tensors)
+        if note:
+            log.warning("%s: %s", self.name, note)
         log.info("%s: resumed from checkpoint %s (version %d)", self.name, found.path, self.state.version)
         self.metrics.write(schema.Restore(peer=self.name, version=self.state.version, digest=self.state.digest,
                                           path=str(found.path), inner_step=self.diloco.trainer.total_steps))
@@ -294,8 +312,9 @@ class Peer:
         self.compute_seconds = 0.0
         self.bytes_sent = 0  # by our averager, over every round of this process
         self.training_ended = None
-        self.round_losses: list[float] = []
+        self.round_losses: list[torch.Tensor] = []
         self.window = dict(start=time.monotonic(), losses=[], seconds=0.0)
+        self.window_loss = float("nan")
         train(self.diloco, cfg.inner.steps, self._should_leave, self._on_step, self._on_round,
               synchronous=cfg.swarm.mode == "sync", round_seconds=cfg.inner.round_seconds,
               final_wait=self._round_wait_on_leaving,
@@ -313,7 +332,9 @@ class Peer:
                                  version=self.state.version, initial_val=initial_val, final_val=final_val,
                                  digest=self.state.digest, seconds=wall, training_seconds=training,
                                  compute_seconds=self.compute_seconds,
-                                 utilization=self.compute_seconds / max(training, 1e-9), tokens=self._tokens_trained)
+                                 utilization=self.compute_seconds / max(training, 1e-9), tokens=self._tokens_trained,
+                                 device_peak_bytes=(torch.cuda.max_memory_allocated(self.device)
+                                                    if self.device.type == "cuda" else None))
         self.metrics.write(summary)
         log.info("%s: done after %d rounds (version %d): val loss %s -> %.4f, compute %.0f%% of wall time",
                  self.name, self.rounds, self.state.version, _fmt_loss(initial_val), final_val,
@@ -342,7 +363,8 @@ class Peer:
             self.training_ended = time.monotonic()
         return leave
 
-    def _on_step(self, loss: float, seconds: float) -> None:
+    def _on_step(self, loss: torch.Tensor, seconds: float) -> None:
+        """`loss` stays on the device: on a GPU it is read once per window of steps, never once per step."""
         if self._join_thread is not None and self._join_done.is_set():
             self._finish_warm_join()
         w = self.window
@@ -351,15 +373,17 @@ class Peer:
         w["seconds"] += seconds
         self.round_losses.append(loss)
         rate = len(w["losses"]) * self.diloco.trainer.tokens_per_step / max(time.monotonic() - w["start"], 1e-9)
-        self.progress.step(loss, rate, island=self.last_island)
+        shown = self.window_loss if self.diloco.trainer.on_gpu else float(loss)
+        self.progress.step(shown, rate, island=self.last_island)
         if len(w["losses"]) == WINDOW:
+            self.window_loss = mean_loss(w["losses"])
             self.metrics.write(schema.Window(peer=self.name, step=self.diloco.trainer.total_steps,
-                                             tokens=self._tokens_trained, loss=sum(w["losses"]) / WINDOW,
+                                             tokens=self._tokens_trained, loss=self.window_loss,
                                              tokens_per_s=rate, step_seconds=w["seconds"] / WINDOW,
                                              in_flight=self.diloco.in_flight is not None, **self._goodput_fields()))
             if self.heartbeat is not None:
                 self.heartbeat.note(inner_step=self.diloco.trainer.total_steps, tokens_per_s=rate,
-                                    loss=sum(w["losses"]) / WINDOW)
+                                    loss=self.window_loss)
             w.update(start=time.monotonic(), losses=[], seconds=0.0)
 
     def _goodput_fields(self) -> dict:
@@ -395,7 +419,7 @@ class Peer:
         wall = time.monotonic() - self.started
         self.metrics.write(schema.Round(
             peer=self.name, round=self.rounds, version=self.state.version, applied=settled.applied,
-            reason=o.reason, loss=sum(self.round_losses) / max(len(self.round_losses), 1), val_loss=val,
+            reason=o.reason, loss=mean_loss(self.round_losses), val_loss=val,
             tokens=c.tokens, tokens_trained=self._tokens_trained, from_version=c.version,
             unmerged_tokens=settled.unmerged_tokens, steps_in_flight=settled.steps_in_flight,
             outcome=o.kind, members=[m.name or m.peer for m in o.members],

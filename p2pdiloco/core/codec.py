@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from p2pdiloco.core.exact import BLOCK, block_maxabs, n_blocks, scales_for
+from p2pdiloco.core.exact import BLOCK, block_maxabs, blockwise, n_blocks, scales_for
 
 BITS = {"int8": 8, "int4": 4, "int2": 2}
 
@@ -49,13 +49,20 @@ def _blocked(x: torch.Tensor) -> torch.Tensor:
 def quantize(x: torch.Tensor, scales: torch.Tensor, bits: int, weight: float = 1.0) -> torch.Tensor:
     """Codes of w·x as int32 in [−L, L]; |w·x − code·scale| ≤ scale/2 where |w·x| ≤ L·scale (clamped beyond)."""
     limit = levels(bits)
-    codes = _blocked(x.double()).mul_(weight).div_(scales.double().unsqueeze(1)).round_().clamp_(-limit, limit)
-    return codes.view(-1)[: x.numel()].to(torch.int32)
+    codes = torch.empty(x.numel(), dtype=torch.int32)
+    for part, blocks in blockwise(x.numel()):  # a chunk's float64 temporaries at a time, not the model's
+        chunk = _blocked(x[part].double()).mul_(weight).div_(scales[blocks].double().unsqueeze(1))
+        codes[part] = chunk.round_().clamp_(-limit, limit).view(-1)[: part.stop - part.start]
+    return codes
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """code·scale, rounded once to fp32: every member computes these bits from the same sum."""
-    return _blocked(codes.double()).mul_(scales.double().unsqueeze(1)).view(-1)[: codes.numel()].float()
+    out = torch.empty(codes.numel(), dtype=torch.float32)
+    for part, blocks in blockwise(codes.numel()):
+        chunk = _blocked(codes[part].double()).mul_(scales[blocks].double().unsqueeze(1))
+        out[part] = chunk.view(-1)[: part.stop - part.start]
+    return out
 
 
 def sum_width(bits: int, group_size: int) -> int:

@@ -70,23 +70,42 @@ def _per_element(scales: torch.Tensor, n: int) -> torch.Tensor:
     return scales.repeat_interleave(BLOCK)[:n]
 
 
+def blockwise(n: int, blocks_per_chunk: int = _CHUNK // BLOCK):
+    """(element slice, block slice) pairs covering n elements a few MB at a time: the float64 arithmetic below
+    then needs a chunk's worth of temporaries, not several model-sized ones (a peer's peak memory)."""
+    step = blocks_per_chunk * BLOCK
+    for start in range(0, n, step):
+        yield slice(start, min(n, start + step)), slice(start // BLOCK, (start + step) // BLOCK)
+
+
 def quantize(delta: torch.Tensor, weight: float, scales: torch.Tensor, limit: int) -> torch.Tensor:
     """round(w·Δ / scale) as fp32 integers, clamped to ±limit: the group may have clipped our block maxima
     (p2pdiloco.protocol.island), and a sum of values beyond it would not stay exact."""
-    q = torch.round(delta.double() * weight / _per_element(scales, delta.numel())).clamp_(-limit, limit)
-    return q.float()
+    q = torch.empty(delta.numel(), dtype=torch.float32)
+    for part, blocks in blockwise(delta.numel()):
+        x = delta[part].double().mul_(weight).div_(_per_element(scales[blocks], part.stop - part.start))
+        q[part] = x.round_().clamp_(-limit, limit)
+    return q
 
 
 def dequantize(total: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return (total.double() * _per_element(scales, total.numel())).float()
+    out = torch.empty(total.numel(), dtype=torch.float32)
+    for part, blocks in blockwise(total.numel()):
+        out[part] = total[part].double().mul_(_per_element(scales[blocks], part.stop - part.start))
+    return out
 
 
 def recover_sum(mean: torch.Tensor, group_size: int) -> tuple[torch.Tensor, float]:
-    """The exact integer sum from an all-reduce mean, and the largest distance from an integer seen
-    (near 0 for a clean round; a part averaged over fewer senders usually lands far from integers)."""
-    scaled = mean.double() * group_size
-    total = torch.round(scaled)
-    worst = float((scaled - total).abs().max()) if scaled.numel() else 0.0
+    """The exact integer sum from an all-reduce mean (as fp32: its integers are below 2^24), and the largest
+    distance from an integer seen (near 0 for a clean round; a part averaged over fewer senders usually lands
+    far from integers)."""
+    total = torch.empty(mean.numel(), dtype=torch.float32)
+    worst = 0.0
+    for start in range(0, mean.numel(), _CHUNK):
+        scaled = mean[start:start + _CHUNK].double().mul_(group_size)
+        rounded = scaled.round()
+        worst = max(worst, float(scaled.sub_(rounded).abs_().max()))
+        total[start:start + _CHUNK] = rounded
     return total, worst
 
 
@@ -160,6 +179,10 @@ def decode(reduced: torch.Tensor, n: int, group_size: int, enc: Encoded) -> Deco
     return Decoded(merged, True, "ok")
 
 
-def digest(t: torch.Tensor) -> str:
-    """Short content hash of a tensor, for comparing peers' states bit for bit."""
-    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()[:16]
+def digest(*tensors: torch.Tensor) -> str:
+    """Short content hash of tensors, one after the other (as if concatenated), for comparing peers' states bit
+    for bit. Hashed in place: no concatenated or bytes copy of a model-sized state."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(memoryview(t.detach().contiguous().reshape(-1).numpy()).cast("B"))
+    return h.hexdigest()[:16]

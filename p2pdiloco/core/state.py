@@ -54,7 +54,7 @@ class GlobalState:
         """Hash of Θ and the outer momentum: equal digests mean the next outer step is equal too."""
         with self.lock:
             if self._digest is None:
-                self._digest = digest(torch.cat(self.outer.state_tensors()))
+                self._digest = digest(*self.outer.state_tensors())
             return self._digest
 
     @property
@@ -121,6 +121,6 @@ def validate_state(metadata, tensors, n_params: int, min_version: int) -> Option
         return "tensors do not match this model"
     if not all(bool(torch.isfinite(t).all()) for t in tensors):
         return "tensors contain NaN or infinity"
-    if digest(torch.cat(list(tensors))) != metadata.get("digest"):
+    if digest(*tensors) != metadata.get("digest"):
         return "state does not match the donor's announced digest"
     return None

@@ -190,6 +190,7 @@ class Summary(Record, kind="summary"):
     compute_seconds: float = 0.0
     utilization: float = 0.0
     tokens: int = 0
+    device_peak_bytes: Optional[int] = None  # a GPU peer: torch's peak of allocated device memory
 
 
 def from_dict(data: dict) -> Optional[Record]:

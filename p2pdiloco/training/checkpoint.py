@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from p2pdiloco.core.exact import digest
 
@@ -57,7 +57,7 @@ def save(folder: Path, meta: dict, tensors: dict[str, torch.Tensor], keep: int =
     final = folder / f"v{meta['version']:08d}-{meta['inner_step']:09d}"
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder))
     try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / TENSORS))
+        write_safetensors(tmp / TENSORS, tensors)
         full = dict(meta, format=FORMAT, sha256=_sha256(tmp / TENSORS))
         (tmp / META).write_text(json.dumps(full, indent=1))
         for f in (tmp / TENSORS, tmp / META):
@@ -74,6 +74,34 @@ def save(folder: Path, meta: dict, tensors: dict[str, torch.Tensor], keep: int =
     for old in list_checkpoints(folder)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """The safetensors format (read back by the safetensors library), written one tensor at a time. The
+    library's own save_file first turns every tensor into a bytes copy, so saving a checkpoint briefly doubled
+    a peer's memory; here no tensor is copied unless it lives on a GPU."""
+    header, offset, parts = {}, 0, []
+    for name in sorted(tensors):
+        t = tensors[name].detach()
+        if t.dtype not in SAFETENSORS_DTYPES:
+            raise TypeError(f"cannot save {name} of dtype {t.dtype}")
+        raw = t.cpu().contiguous().reshape(-1).view(torch.uint8)
+        header[name] = dict(dtype=SAFETENSORS_DTYPES[t.dtype], shape=list(t.shape),
+                            data_offsets=[offset, offset + raw.numel()])
+        offset += raw.numel()
+        parts.append(raw)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as the format asks
+    with path.open("wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for raw in parts:
+            f.write(memoryview(raw.numpy()))
 
 
 def list_checkpoints(folder: Path) -> list[Path]:
@@ -101,7 +129,7 @@ def load_one(path: Path, n_params: int) -> Checkpoint:
         t = tensors.get(key)
         if t is None or t.shape != (n_params,) or t.dtype != torch.float32:
             raise CheckpointError(f"{path}: {key} tensor does not match this model ({n_params} parameters)")
-    if digest(torch.cat([tensors["global"], tensors["momentum"]])) != meta.get("digest"):
+    if digest(tensors["global"], tensors["momentum"]) != meta.get("digest"):
         raise CheckpointError(f"{path}: global state does not match its recorded digest")
     return Checkpoint(path, meta, tensors)
 

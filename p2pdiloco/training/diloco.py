@@ -32,7 +32,8 @@ from typing import Callable, Optional, Protocol
 
 import torch
 
-from p2pdiloco.training.inner import InnerTrainer, flat_params, load_flat_params
+from p2pdiloco.training.inner import (InnerTrainer, flat_params, load_flat_params, optimizer_state,
+                                      restore_optimizer_state)
 from p2pdiloco.core.outer import pseudo_gradient
 from p2pdiloco.protocol.outcomes import Contribution, RolledBack, RoundOutcome, Solo
 from p2pdiloco.core.state import GlobalState, contains
@@ -273,33 +274,33 @@ class DiLoCo:
         between rounds: a contribution in flight could still be merged by others after we save."""
         assert self.in_flight is None, "checkpoint between rounds only"
         trainer = self.trainer
-        with self.state.lock:
-            tensors = {"global": self.state.params.clone(), "momentum": self.state.outer.momentum_buffer.clone(),
+        with self.state.lock:  # no copies of Θ: only this (the training) thread changes it, and it is saving
+            tensors = {"global": self.state.params, "momentum": self.state.outer.momentum_buffer,
                        "local": self.local_params()}
             meta = dict(version=self.state.version, digest=self.state.digest, history=self.state.history,
                         last_members=self.state.last_members)
-        for i, p in enumerate(trainer.model.parameters()):
-            moments = trainer.optimizer.state.get(p, {})
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in moments:
-                    tensors[f"adam.{i}.{key}"] = moments[key].reshape(-1).float().cpu()
+        moments, scalars = optimizer_state(trainer.optimizer, trainer.model.parameters())
+        tensors.update(moments)
+        meta.update(inner_optimizer=trainer.cfg.optimizer, inner_scalars=scalars)
         meta.update(unmerged_tokens=self.unmerged_tokens, unmerged_steps=self.unmerged_steps,
                     unmerged_seconds=self.unmerged_seconds, inner_step=trainer.total_steps,
                     stream_position=getattr(trainer.batches, "position", None),
                     stream_seed=getattr(trainer.batches, "seed", None))
         return meta, tensors
 
-    def restore_checkpoint_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    def restore_checkpoint_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> Optional[str]:
+        """Resume from a checkpoint; a note for the log where not everything could be restored."""
         trainer = self.trainer
         self.state.load(dict(version=meta["version"], digest=meta["digest"], history=meta.get("history", []),
                              last_members=meta.get("last_members", [])), [tensors["global"], tensors["momentum"]])
         load_flat_params(trainer.model, tensors["local"])
-        for i, p in enumerate(trainer.model.parameters()):
-            if f"adam.{i}.exp_avg" in tensors:
-                trainer.optimizer.state[p] = dict(
-                    step=torch.tensor(float(meta["inner_step"])),
-                    exp_avg=tensors[f"adam.{i}.exp_avg"].view_as(p).to(p.device).to(p.dtype),
-                    exp_avg_sq=tensors[f"adam.{i}.exp_avg_sq"].view_as(p).to(p.device).to(p.dtype))
+        note = None
+        if meta.get("inner_optimizer", "adamw") == trainer.cfg.optimizer:
+            restore_optimizer_state(trainer.optimizer, trainer.model.parameters(), tensors,
+                                    meta.get("inner_scalars") or {}, step=int(meta["inner_step"]))
+        else:  # the user switched optimizers: the weights carry over, the moments start afresh
+            note = (f"the checkpoint's inner optimizer was {meta.get('inner_optimizer')}, this run's is "
+                    f"{trainer.cfg.optimizer}: its moments start afresh")
         trainer.total_steps = int(meta["inner_step"])
         if meta.get("stream_seed") is not None:  # our own data order, whatever our peer id is this time
             trainer.batches.seed = int(meta["stream_seed"])
@@ -307,6 +308,7 @@ class DiLoCo:
             trainer.batches.position = int(meta["stream_position"])
         self.unmerged_tokens, self.unmerged_steps = meta["unmerged_tokens"], meta["unmerged_steps"]
         self.unmerged_seconds = float(meta.get("unmerged_seconds", 0.0))
+        return note
 
 
 def own_weight(outcome: RoundOutcome, peer: str) -> float:

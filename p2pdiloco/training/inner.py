@@ -1,19 +1,42 @@
-"""The inner loop: H steps of AdamW on this peer's own data stream. No networking here."""
+"""The inner loop: H steps of AdamW (or bitsandbytes' 8-bit AdamW) on this peer's own data stream.
+
+No networking here. On a GPU the inner steps run under bf16 autocast while the parameters, the optimizer's
+master copy, stay fp32, as do the global state, the outer step and the pseudo-gradient (all on the CPU). The loss
+stays on the device: the host reads it only when the metrics need it, not once per step.
+"""
 
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Iterator
 
 import torch
 from torch import nn
 
-from p2pdiloco.config import InnerConfig
+from p2pdiloco.config import ConfigError, InnerConfig
+
+BETAS = (0.9, 0.95)
+ALIAS = "@"  # in a checkpoint's optimizer scalars: this state is the tensor saved under another name
 
 
-def flat_params(model: nn.Module) -> torch.Tensor:
-    """The model's parameters as one fp32 CPU vector (the layout every peer shares)."""
-    return torch.cat([p.detach().float().cpu().reshape(-1) for p in model.parameters()])
+def flat_params(model: nn.Module, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's parameters as one fp32 CPU vector (the layout every peer shares), written into `out` if
+    given. From a GPU, every tensor is copied into one pinned staging vector first (asynchronous copies, one
+    wait), never through a list of per-tensor host copies concatenated afterwards."""
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    on_gpu = params[0].device.type == "cuda"
+    if out is None:
+        out = torch.empty(n, dtype=torch.float32, pin_memory=on_gpu and torch.cuda.is_available())
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            out[offset:offset + p.numel()].view_as(p).copy_(p.detach(), non_blocking=on_gpu)
+            offset += p.numel()
+    if on_gpu:
+        torch.cuda.current_stream(params[0].device).synchronize()
+    return out
 
 
 @torch.no_grad()
@@ -25,37 +48,113 @@ def load_flat_params(model: nn.Module, flat: torch.Tensor) -> None:
     assert offset == flat.numel(), "flat vector does not match the model"
 
 
+def bitsandbytes():
+    """The bitsandbytes module, or a ConfigError saying how to get it. Its import takes seconds and starts
+    threads: a peer calls this while building, before its averager process and the DHT daemon start."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise ConfigError("--inner-optimizer adamw8bit needs bitsandbytes: pip install 'p2pdiloco[8bit]'") from None
+    return bnb
+
+
+def make_optimizer(params, cfg: InnerConfig) -> torch.optim.Optimizer:
+    """The inner optimizer `cfg.optimizer` names, with the project's AdamW hyperparameters."""
+    params = list(params)
+    if cfg.optimizer == "adamw8bit":
+        return bitsandbytes().optim.AdamW8bit(params, lr=cfg.lr, betas=BETAS, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=BETAS, weight_decay=cfg.weight_decay)
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, params) -> tuple[dict[str, torch.Tensor], dict]:
+    """Every per-parameter state of the optimizer, as it is: tensors by `inner.{i}.{key}` (their own dtype,
+    e.g. bitsandbytes' uint8 moments and their quantization maps and block maxima) and plain numbers by
+    parameter index, so a restore is bit-exact whatever the optimizer keeps. A tensor several parameters share
+    (bitsandbytes' quantization maps) is saved once; the others name it (`ALIAS` + key), and share it again."""
+    tensors, scalars, seen = {}, {}, {}
+    for i, p in enumerate(params):
+        for key, value in optimizer.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor):
+                shared = seen.get((value.data_ptr(), value.dtype, value.shape)) if value.numel() else None
+                if shared is not None:
+                    scalars.setdefault(str(i), {})[ALIAS + key] = shared
+                else:
+                    seen[(value.data_ptr(), value.dtype, value.shape)] = f"inner.{i}.{key}"
+                    tensors[f"inner.{i}.{key}"] = value.detach().cpu()
+            elif isinstance(value, (int, float, bool)):
+                scalars.setdefault(str(i), {})[key] = value
+    return tensors, scalars
+
+
+def restore_optimizer_state(optimizer: torch.optim.Optimizer, params, tensors: dict[str, torch.Tensor],
+                            scalars: dict, step: int = 0) -> None:
+    params = list(params)
+    if not any(k.startswith("inner.") for k in tensors):
+        tensors = _from_format_one(tensors, params, step)
+    loaded: dict[str, torch.Tensor] = {}
+    for i, p in enumerate(params):
+        prefix = f"inner.{i}."
+        state = {}
+        for name, t in tensors.items():
+            if name.startswith(prefix):
+                state[name[len(prefix):]] = loaded.setdefault(name, t.to(p.device))
+        for key, value in scalars.get(str(i), {}).items():
+            if key.startswith(ALIAS):
+                state[key[len(ALIAS):]] = loaded.setdefault(value, tensors[value].to(p.device))
+            else:
+                state[key] = value
+        if state:
+            optimizer.state[p] = state
+
+
+def _from_format_one(tensors: dict[str, torch.Tensor], params, step: int) -> dict[str, torch.Tensor]:
+    """Checkpoints written before `inner.*` kept AdamW's moments as flat fp32 `adam.{i}.*` and no step."""
+    out = {}
+    for i, p in enumerate(params):
+        if f"adam.{i}.exp_avg" in tensors and f"adam.{i}.exp_avg_sq" in tensors:
+            out[f"inner.{i}.step"] = torch.tensor(float(step))
+            for key in ("exp_avg", "exp_avg_sq"):
+                out[f"inner.{i}.{key}"] = tensors[f"adam.{i}.{key}"].view_as(p).to(p.dtype)
+    return out
+
+
 class InnerTrainer:
     """Owns the local model and its AdamW state, which are kept across rounds (as DiLoCo prescribes)."""
 
     def __init__(self, model: nn.Module, batches: Iterator, cfg: InnerConfig, device: torch.device,
                  throttle: float = 1.0):
         self.model, self.batches, self.cfg, self.device, self.throttle = model, batches, cfg, device, throttle
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                           betas=(0.9, 0.95))
+        self.optimizer = make_optimizer(model.parameters(), cfg)
         self.total_steps = 0  # over the peer's life: drives the warm-up
+        self.on_gpu = device.type == "cuda"
 
     def lr_at(self, step: int) -> float:
         if self.cfg.warmup_steps == 0:
             return self.cfg.lr
         return self.cfg.lr * min(1.0, (step + 1) / self.cfg.warmup_steps)
 
-    def train_step(self) -> float:
-        inputs, targets = (t.to(self.device, non_blocking=True) for t in next(self.batches))
+    def train_step(self) -> torch.Tensor:
+        """One inner step; the loss as a detached scalar tensor, still on the device (reading it syncs)."""
+        batch = next(self.batches)
+        if self.on_gpu:
+            batch = tuple(t.pin_memory() for t in batch)
+        inputs, targets = (t.to(self.device, non_blocking=True) for t in batch)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(self.total_steps)
-        loss = self.model(inputs, targets)
+        with torch.autocast("cuda", dtype=torch.bfloat16) if self.on_gpu else nullcontext():
+            loss = self.model(inputs, targets)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.cfg.grad_clip > 0:
             nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         self.total_steps += 1
-        return loss.item()  # a device sync point: once per step is fine at these sizes
+        return loss.detach()
 
-    def timed_step(self) -> tuple[float, float]:
+    def timed_step(self) -> tuple[torch.Tensor, float]:
         """One inner step; returns (loss, wall seconds). A throttled peer sleeps in proportion, so it behaves
-        like a slower machine, and that sleep counts as step time (it stands for compute)."""
+        like a slower machine, and that sleep counts as step time (it stands for compute). On a GPU the seconds
+        are those of queueing the step: over a window they add up to the device's time, as the queue is bounded."""
         start = time.perf_counter()
         loss = self.train_step()
         elapsed = time.perf_counter() - start

@@ -67,8 +67,10 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path):
         checkpoint.load_one(path, N + 1)
 
 
-def test_a_peer_restored_from_disk_goes_on_exactly_where_it_stopped(tmp_path):
-    """Θ, momentum, version, θ, the AdamW moments and step, the data stream's position and the unmerged
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit"])
+def test_a_peer_restored_from_disk_goes_on_exactly_where_it_stopped(tmp_path, optimizer):
+    """Θ, momentum, version, θ, the inner optimizer's state (AdamW's moments, or bitsandbytes' 8-bit moments
+    with their quantization maps and block maxima) and step, the data stream's position and the unmerged
     counters all survive the disk: the restored peer's next inner steps are bit-identical to the original's."""
     from p2pdiloco.config import InnerConfig, model_config
     from p2pdiloco.training.data import BatchStream
@@ -81,7 +83,7 @@ def test_a_peer_restored_from_disk_goes_on_exactly_where_it_stopped(tmp_path):
 
     def peer(stream_seed):
         model = build_model(model_config("tiny"), seed=0)
-        cfg = InnerConfig(steps=3, batch_size=4, seq_len=16, warmup_steps=5)
+        cfg = InnerConfig(steps=3, batch_size=4, seq_len=16, warmup_steps=5, optimizer=optimizer)
         trainer = InnerTrainer(model, BatchStream(text, 4, 16, seed=stream_seed), cfg, torch.device("cpu"))
         return DiLoCo(trainer, GlobalState(flat_params(model), lr=0.7, momentum=0.9), SoloMerger(), "p", "p")
 
@@ -99,7 +101,10 @@ def test_a_peer_restored_from_disk_goes_on_exactly_where_it_stopped(tmp_path):
 
     restored = peer(stream_seed=0)  # restarted under another peer id: the checkpoint's seed wins
     found = checkpoint.load_latest(tmp_path, original.state.params.numel())
-    restored.restore_checkpoint_state(found.meta, found.tensors)
+    if optimizer == "adamw8bit":  # most of the state really is 8-bit (tensors under 4096 elements stay fp32)
+        kept = [t for k, t in found.tensors.items() if k.endswith(".state1")]
+        assert sum(t.numel() for t in kept if t.dtype == torch.uint8) > 0.9 * original.state.params.numel()
+    assert restored.restore_checkpoint_state(found.meta, found.tensors) is None
     assert restored.state.key == original.state.key and restored.state.version == 2
     assert torch.equal(restored.state.outer.momentum_buffer, original.state.outer.momentum_buffer)
     assert (restored.unmerged_steps, restored.unmerged_tokens) == (2, original.unmerged_tokens)

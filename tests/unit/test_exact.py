@@ -104,3 +104,25 @@ def test_group_of_one_returns_its_own_delta():
 def test_checksum_roundtrip_through_limbs():
     for value in (0, 1, -1, 2**61, -(2**61), 123456789012345):
         assert exact.decode_checksum(exact.encode_checksum(value)) == value
+
+
+def test_chunked_arithmetic_gives_the_bits_of_the_whole_model_sized_formula():
+    """quantize/dequantize/recover_sum run a few MB at a time (a peer's peak memory); across chunk boundaries
+    they must give exactly the bits of the one-shot float64 formula every peer used before."""
+    from p2pdiloco.core import codec
+
+    n = 2 * exact._CHUNK + 3 * exact.BLOCK + 77
+    g = torch.Generator().manual_seed(3)
+    delta = torch.randn(n, generator=g) * 1e-3
+    scales = exact.group_scales([exact.block_maxabs(delta), exact.block_maxabs(delta) * 0.5], 2)
+    per_element = scales.repeat_interleave(exact.BLOCK)[:n]
+    q = exact.quantize(delta, 0.37, scales, exact.levels(2))
+    assert torch.equal(q, torch.round(delta.double() * 0.37 / per_element).clamp_(-exact.levels(2), exact.levels(2)).float())
+    assert torch.equal(exact.dequantize(q, scales), (q.double() * per_element).float())
+    total, worst = exact.recover_sum(q / 2, 2)
+    assert torch.equal(total, q) and worst == 0.0
+    scales4 = codec.agreed_scales([codec.block_maxabs(delta)], 4)
+    codes = codec.quantize(delta, scales4, 4, 0.5)
+    per4 = scales4.double().repeat_interleave(exact.BLOCK)[:n]
+    assert torch.equal(codes, (delta.double() * 0.5 / per4).round().clamp(-7, 7).to(torch.int32))
+    assert torch.equal(codec.dequantize(codes, scales4), (codes.double() * per4).float())

@@ -1,0 +1,139 @@
+"""Peak host memory per parameter of one peer, per model size, side by side with the goals (issue 13).
+
+Each size runs a 2-peer local swarm (so rounds really average: the wire buffers and the all-reduce are in the
+peak) for a few short rounds; the first peer's whole process tree (the training process, its averager process,
+the p2p daemon) is sampled every 50 ms. The figure is PSS (proportional set size): a page shared between the
+host and its averager (hivemind shares the averaged tensors) counts once, not once per process, and the pages
+of torch's libraries are split among the processes that map them. Device memory, on a GPU peer, comes from the
+peer's own metrics (torch.cuda.max_memory_allocated).
+
+Usage: python scripts/bench_memory.py [--models tiny,base,medium,large] [--optimizers adamw,adamw8bit]
+       [--batch-size 4] [--device cpu] [--peers 2]
+Needs no root; run it inside `unshare -n` (loopback only) like the tests, or not: peers listen on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from p2pdiloco.config import model_config
+from p2pdiloco.ops.launcher import join_command, peer_command, start_process, stop_tree, wait_for_file
+from p2pdiloco.runtime.lifeline import descendants
+from p2pdiloco.runtime.schema import Summary, of_kind, read_records
+
+GOALS = {"cpu": {"adamw": 32.0, "adamw8bit": 20.0}, "cuda": {"adamw": 12.0, "adamw8bit": 12.0}}
+
+
+def pss_bytes(pid: int) -> int:
+    """PSS of one process, 0 if it is gone (smaps_rollup: one read, not a walk over every mapping)."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class PeakSampler(threading.Thread):
+    """The peak of the summed PSS of a process and all its descendants, sampled until stopped."""
+
+    def __init__(self, pid: int, interval: float = 0.05):
+        super().__init__(daemon=True)
+        self.pid, self.interval, self.peak, self.stopped = pid, interval, 0, threading.Event()
+        self.peak_by_process: dict = {}
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            pids = [self.pid, *descendants(self.pid)]
+            sizes = {pid: pss_bytes(pid) for pid in pids}
+            total = sum(sizes.values())
+            if total > self.peak:
+                self.peak, self.peak_by_process = total, {_name(p): s for p, s in sizes.items() if s}
+            time.sleep(self.interval)
+
+
+def _name(pid: int) -> str:
+    try:
+        return f"{pid}:{Path(f'/proc/{pid}/comm').read_text().strip()}"
+    except OSError:
+        return str(pid)
+
+
+def measure(model: str, optimizer: str, args, log_dir: Path) -> dict:
+    common = ["--model", model, "--inner-optimizer", optimizer, "--batch-size", str(args.batch_size),
+              "--seq-len", str(args.seq_len), "-H", str(args.inner_steps), "--max-rounds", str(args.rounds),
+              "--threads", str(args.threads), "--device", args.device, "--eval-every", "0",
+              "--run-id", f"mem-{model}-{optimizer}", "--checkpoint-every", str(args.checkpoint_every),
+              "--checkpoint-dir", str(log_dir / "checkpoints")]
+    first = start_process(peer_command("join", "--log-dir", str(log_dir), "--name", "peer0", *common),
+                          log_dir / "peer0.log")
+    sampler = PeakSampler(first.pid)
+    sampler.start()
+    others = []
+    try:
+        address = wait_for_file(log_dir / "peer0.addrs", first, timeout=300)
+        others = [start_process(join_command(address, f"peer{i}", log_dir, *common), log_dir / f"peer{i}.log")
+                  for i in range(1, args.peers)]
+        first.wait(args.timeout)
+    finally:
+        sampler.stopped.set()
+        for proc in (first, *others):
+            stop_tree(proc)
+    summary = of_kind(read_records(log_dir / "peer0.jsonl"), Summary)
+    n_params = sum_params(model)
+    device_peak = summary[-1].device_peak_bytes if summary else None
+    return dict(model=model, optimizer=optimizer, device=args.device, n_params=n_params,
+                rounds=summary[-1].rounds if summary else None,
+                host_peak_gb=round(sampler.peak / 1e9, 3), host_bytes_per_param=round(sampler.peak / n_params, 1),
+                device_bytes_per_param=round(device_peak / n_params, 1) if device_peak else None,
+                goal_host_bytes_per_param=GOALS["cuda" if args.device.startswith("cuda") else "cpu"][optimizer],
+                by_process={k: round(v / 1e9, 3) for k, v in sampler.peak_by_process.items()})
+
+
+def sum_params(model: str) -> int:
+    from p2pdiloco.training.model import build_model
+
+    return sum(p.numel() for p in build_model(model_config(model), 0).parameters())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="tiny,base,medium,large")
+    p.add_argument("--optimizers", default="adamw,adamw8bit")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--peers", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--inner-steps", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--checkpoint-every", type=int, default=1, help="checkpoints are part of a peer's peak")
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
+    args = p.parse_args()
+    rows = []
+    for model in args.models.split(","):
+        for optimizer in args.optimizers.split(","):
+            with tempfile.TemporaryDirectory() as tmp:
+                row = measure(model, optimizer, args, Path(tmp))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(f"\n{'model':8} {'params':>11} {'optimizer':10} {'host GB':>8} {'host B/param':>13} {'goal':>5} "
+          f"{'device B/param':>15}")
+    for r in rows:
+        device = "-" if r["device_bytes_per_param"] is None else f"{r['device_bytes_per_param']:.1f}"
+        print(f"{r['model']:8} {r['n_params']:>11,} {r['optimizer']:10} {r['host_peak_gb']:>8.2f} "
+              f"{r['host_bytes_per_param']:>13.1f} {r['goal_host_bytes_per_param']:>5.0f} {device:>15}")
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
