@@ -91,10 +91,25 @@ def measure(model: str, optimizer: str, args, log_dir: Path) -> dict:
     device_peak = summary[-1].device_peak_bytes if summary else None
     return dict(model=model, optimizer=optimizer, device=args.device, n_params=n_params,
                 rounds=summary[-1].rounds if summary else None,
+                tokens_per_s=round(summary[-1].tokens / max(summary[-1].training_seconds, 1e-9)) if summary else None,
+                utilization=round(summary[-1].utilization, 3) if summary else None,
                 host_peak_gb=round(sampler.peak / 1e9, 3), host_bytes_per_param=round(sampler.peak / n_params, 1),
                 device_bytes_per_param=round(device_peak / n_params, 1) if device_peak else None,
                 goal_host_bytes_per_param=GOALS["cuda" if args.device.startswith("cuda") else "cpu"][optimizer],
                 by_process={k: round(v / 1e9, 3) for k, v in sampler.peak_by_process.items()})
+
+
+def _print_slopes(rows: list) -> None:
+    """What each further parameter costs: the slope between the smallest and the largest model measured, with
+    the same optimizer. The processes' fixed cost (Python, torch, hivemind's helpers: ~0.7 GB) weighs on small
+    models; the slope is what a 1B model pays per parameter."""
+    for optimizer in dict.fromkeys(r["optimizer"] for r in rows):
+        mine = sorted((r for r in rows if r["optimizer"] == optimizer), key=lambda r: r["n_params"])
+        if len(mine) >= 2 and mine[-1]["n_params"] > mine[0]["n_params"]:
+            lo, hi = mine[0], mine[-1]
+            slope = (hi["host_peak_gb"] - lo["host_peak_gb"]) * 1e9 / (hi["n_params"] - lo["n_params"])
+            print(f"{optimizer}: {slope:.1f} host bytes per further parameter ({lo['model']} → {hi['model']}); "
+                  f"goal {lo['goal_host_bytes_per_param']:.0f}")
 
 
 def sum_params(model: str) -> int:
@@ -126,11 +141,13 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     print(f"\n{'model':8} {'params':>11} {'optimizer':10} {'host GB':>8} {'host B/param':>13} {'goal':>5} "
-          f"{'device B/param':>15}")
+          f"{'device B/param':>15} {'tokens/s':>9} {'util':>5}")
     for r in rows:
         device = "-" if r["device_bytes_per_param"] is None else f"{r['device_bytes_per_param']:.1f}"
         print(f"{r['model']:8} {r['n_params']:>11,} {r['optimizer']:10} {r['host_peak_gb']:>8.2f} "
-              f"{r['host_bytes_per_param']:>13.1f} {r['goal_host_bytes_per_param']:>5.0f} {device:>15}")
+              f"{r['host_bytes_per_param']:>13.1f} {r['goal_host_bytes_per_param']:>5.0f} {device:>15} "
+              f"{r['tokens_per_s'] or 0:>9} {r['utilization'] or 0:>5.2f}")
+    _print_slopes(rows)
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
 

@@ -78,10 +78,11 @@ def blockwise(n: int, blocks_per_chunk: int = _CHUNK // BLOCK):
         yield slice(start, min(n, start + step)), slice(start // BLOCK, (start + step) // BLOCK)
 
 
-def quantize(delta: torch.Tensor, weight: float, scales: torch.Tensor, limit: int) -> torch.Tensor:
+def quantize(delta: torch.Tensor, weight: float, scales: torch.Tensor, limit: int,
+             out: torch.Tensor | None = None) -> torch.Tensor:
     """round(w·Δ / scale) as fp32 integers, clamped to ±limit: the group may have clipped our block maxima
-    (p2pdiloco.protocol.island), and a sum of values beyond it would not stay exact."""
-    q = torch.empty(delta.numel(), dtype=torch.float32)
+    (p2pdiloco.protocol.island), and a sum of values beyond it would not stay exact. `out` may be Δ itself."""
+    q = torch.empty(delta.numel(), dtype=torch.float32) if out is None else out
     for part, blocks in blockwise(delta.numel()):
         x = delta[part].double().mul_(weight).div_(_per_element(scales[blocks], part.stop - part.start))
         q[part] = x.round_().clamp_(-limit, limit)
@@ -145,15 +146,19 @@ class Encoded:
 
 
 def encode(delta: torch.Tensor, weight: float, maxabs: Sequence[torch.Tensor], my_index: int,
-           group_id: bytes, tail_len: int) -> Encoded:
-    group_size = len(maxabs)
+           group_id: bytes, tail_len: int, out: torch.Tensor | None = None) -> Encoded:
+    """`out` (n + tail_len floats, e.g. the all-reduce buffer itself, which may hold Δ) receives the codes and
+    the tail in place: no model-sized copies besides it."""
+    n, group_size = delta.numel(), len(maxabs)
+    buffer = torch.empty(n + tail_len) if out is None else out
     scales = group_scales(maxabs, group_size)
-    q = quantize(delta, weight, scales, levels(group_size))
+    q = quantize(delta, weight, scales, levels(group_size), out=buffer[:n])
     seed = rho_seed(group_id)
-    tail = torch.zeros(tail_len)
+    tail = buffer[n:]
+    tail.zero_()
     tail[my_index * SLOT : my_index * SLOT + LIMBS] = encode_checksum(checksum(q, seed))
     tail[my_index * SLOT + LIMBS] = 1.0  # present: after the sum, exactly one copy of each member's slot
-    return Encoded(buffer=torch.cat([q, tail]), scales=scales, seed=seed)
+    return Encoded(buffer=buffer, scales=scales, seed=seed)
 
 
 @dataclass

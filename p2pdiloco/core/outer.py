@@ -103,6 +103,9 @@ def rda_reference(deltas: Sequence[torch.Tensor], weights: Sequence[float],
     return rda_combine(weighted_merge(units, weights), norms, weights, segments)
 
 
+STEP_CHUNK = 1 << 22  # elements per slice of the outer step
+
+
 class OuterOptimizer:
     """Nesterov SGD on a flat fp32 parameter vector: buf ← μ·buf + Δ ;  Θ ← Θ − lr·(Δ + μ·buf)."""
 
@@ -113,11 +116,15 @@ class OuterOptimizer:
 
     @torch.no_grad()
     def step(self, merged_delta: torch.Tensor) -> None:
+        """A chunk at a time: elementwise, so the same bits, with a chunk's temporaries, not a model's."""
         mu = torch.tensor(self.momentum, dtype=torch.float32)
         lr = torch.tensor(self.lr, dtype=torch.float32)
-        self.momentum_buffer.mul_(mu).add_(merged_delta)
-        update = torch.mul(self.momentum_buffer, mu).add_(merged_delta)
-        self.params.sub_(update.mul_(lr))
+        for start in range(0, self.params.numel(), STEP_CHUNK):
+            part = slice(start, start + STEP_CHUNK)
+            buffer, delta = self.momentum_buffer[part], merged_delta[part]
+            buffer.mul_(mu).add_(delta)
+            update = torch.mul(buffer, mu).add_(delta)
+            self.params[part].sub_(update.mul_(lr))
 
     @torch.no_grad()
     def lookahead(self, delta: torch.Tensor) -> torch.Tensor:

@@ -101,11 +101,10 @@ class ExactAverager(DecentralizedAverager):
                 return self._reduced(island, plan, group_info, False, "our contribution was not included",
                                      started)
             return await self._codes_round(island, plan, group_info, my_index, started)
-        with self.get_tensors() as (buffer,):
+        with self.get_tensors() as (buffer,):  # the codes go into the buffer in place: no model-sized copies
             original = buffer[: self.n_elements].clone()
             enc = exact.encode(original, plan.weights[my_index], plan.maxabs, my_index,
-                               group_info.group_id, buffer.numel() - self.n_elements)
-            buffer.copy_(enc.buffer)
+                               group_info.group_id, buffer.numel() - self.n_elements, out=buffer)
         try:
             own = island.members[my_index]
             if own is not None and self.fault_plan.planned("die_in_allreduce", own.version):

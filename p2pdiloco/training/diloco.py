@@ -239,13 +239,22 @@ class DiLoCo:
         return b if a is None else a if b is None else a + b
 
     def _rebase(self, base: torch.Tensor, restored: Optional[torch.Tensor] = None) -> None:
-        """θ ← Θ + (θ − base) [+ restored]: keep the local progress not yet in Θ, on top of the new Θ."""
-        local = self.local_params()
-        if restored is None and torch.equal(local, base):
+        """θ ← Θ + (θ − base) [+ restored]: keep the local progress not yet in Θ, on top of the new Θ. In place,
+        one parameter at a time (no model-sized temporaries); the same correctly rounded operations as on flat
+        vectors, so the same bits."""
+        params = list(self.trainer.model.parameters())
+        if restored is None and _equals_flat(params, base):
             load_flat_params(self.trainer.model, self.state.params)  # exactly Θ, bit for bit
-        else:
-            progress = local - base if restored is None else local - base + restored
-            load_flat_params(self.trainer.model, self.state.params + progress)
+            return
+        offset = 0
+        with torch.no_grad():
+            for p in params:
+                part = slice(offset, offset + p.numel())
+                progress = p.detach().float().cpu().reshape(-1).sub_(base[part])
+                if restored is not None:
+                    progress.add_(restored[part])
+                p.copy_(progress.add_(self.state.params[part]).view_as(p))
+                offset += p.numel()
 
     def adopt(self, metadata: dict, tensors: list[torch.Tensor]) -> None:
         """Take a global state from a peer between rounds (joining, or behind): rebase unmerged progress."""
@@ -309,6 +318,15 @@ class DiLoCo:
         self.unmerged_tokens, self.unmerged_steps = meta["unmerged_tokens"], meta["unmerged_steps"]
         self.unmerged_seconds = float(meta.get("unmerged_seconds", 0.0))
         return note
+
+
+def _equals_flat(params, flat: torch.Tensor) -> bool:
+    offset = 0
+    for p in params:
+        if not torch.equal(p.detach().float().cpu().reshape(-1), flat[offset:offset + p.numel()]):
+            return False
+        offset += p.numel()
+    return True
 
 
 def own_weight(outcome: RoundOutcome, peer: str) -> float:

@@ -67,8 +67,13 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path):
         checkpoint.load_one(path, N + 1)
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit"])
-def test_a_peer_restored_from_disk_goes_on_exactly_where_it_stopped(tmp_path, optimizer):
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here (scripts/gpu_checks.sh runs it)")
+
+
+@pytest.mark.parametrize("optimizer, device", [("adamw", "cpu"), ("adamw8bit", "cpu"),
+                                               pytest.param("adamw", "cuda", marks=CUDA),
+                                               pytest.param("adamw8bit", "cuda", marks=CUDA)])
+def test_a_peer_restored_from_disk_goes_on_exactly_where_it_stopped(tmp_path, optimizer, device):
     """Θ, momentum, version, θ, the inner optimizer's state (AdamW's moments, or bitsandbytes' 8-bit moments
     with their quantization maps and block maxima) and step, the data stream's position and the unmerged
     counters all survive the disk: the restored peer's next inner steps are bit-identical to the original's."""
@@ -82,9 +87,9 @@ def test_a_peer_restored_from_disk_goes_on_exactly_where_it_stopped(tmp_path, op
     text = torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
 
     def peer(stream_seed):
-        model = build_model(model_config("tiny"), seed=0)
+        model = build_model(model_config("tiny"), seed=0).to(device)
         cfg = InnerConfig(steps=3, batch_size=4, seq_len=16, warmup_steps=5, optimizer=optimizer)
-        trainer = InnerTrainer(model, BatchStream(text, 4, 16, seed=stream_seed), cfg, torch.device("cpu"))
+        trainer = InnerTrainer(model, BatchStream(text, 4, 16, seed=stream_seed), cfg, torch.device(device))
         return DiLoCo(trainer, GlobalState(flat_params(model), lr=0.7, momentum=0.9), SoloMerger(), "p", "p")
 
     original = peer(stream_seed=7)

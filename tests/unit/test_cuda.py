@@ -1,0 +1,53 @@
+"""The GPU path of the inner steps: bf16 autocast over fp32 parameters, the loss left on the device, pinned
+staging of θ for the round's CPU buffers. Skipped with a reason where torch sees no CUDA device; on a GPU
+machine, scripts/gpu_checks.sh runs these with the rest of the GPU checks."""
+
+import pytest
+import torch
+
+from p2pdiloco.config import ConfigError, InnerConfig, model_config
+from p2pdiloco.training.data import BatchStream
+from p2pdiloco.training.inner import InnerTrainer, flat_params, load_flat_params
+from p2pdiloco.training.model import build_model
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here (scripts/gpu_checks.sh runs it)")
+TEXT = torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+
+
+def trainer_on(device: str, optimizer: str = "adamw") -> InnerTrainer:
+    model = build_model(model_config("tiny"), seed=0).to(device)
+    cfg = InnerConfig(steps=3, batch_size=4, seq_len=32, warmup_steps=0, optimizer=optimizer)
+    return InnerTrainer(model, BatchStream(TEXT, 4, 32, seed=1), cfg, torch.device(device))
+
+
+def test_asking_for_cuda_without_it_is_a_clear_error(monkeypatch):
+    from p2pdiloco.peer import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="torch sees no CUDA device.*--device cpu"):
+        pick_device("cuda")
+    assert pick_device("auto") == torch.device("cpu")
+
+
+@CUDA
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit"])
+def test_gpu_inner_steps_run_in_bf16_over_fp32_parameters_and_leave_the_loss_on_the_device(optimizer):
+    trainer = trainer_on("cuda", optimizer)
+    before = flat_params(trainer.model)
+    losses = [trainer.train_step() for _ in range(5)]
+    assert all(loss.device.type == "cuda" for loss in losses)  # no host read per step
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # autocast, not a bf16 model
+    assert torch.isfinite(torch.stack(losses)).all() and float(losses[-1]) < float(losses[0])
+    assert not torch.equal(flat_params(trainer.model), before)
+
+
+@CUDA
+def test_theta_goes_between_the_gpu_and_the_cpu_buffers_bit_for_bit_through_pinned_memory():
+    trainer = trainer_on("cuda")
+    trainer.train_step()
+    staged = flat_params(trainer.model)
+    assert staged.is_pinned() and staged.device.type == "cpu" and staged.dtype == torch.float32
+    cpu = torch.cat([p.detach().cpu().reshape(-1) for p in trainer.model.parameters()])
+    assert torch.equal(staged, cpu)
+    load_flat_params(trainer.model, staged * 2)
+    assert torch.equal(flat_params(trainer.model), staged * 2)
