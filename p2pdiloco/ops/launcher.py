@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from p2pdiloco.runtime.lifeline import descendants, kill_snapshot
+from p2pdiloco.runtime.lifeline import descendants, kill_snapshot, remove_shared_memory
 from p2pdiloco.runtime.schema import Round, Summary, of_kind, read_records
 
 
@@ -67,6 +67,7 @@ def stop_tree(proc: subprocess.Popen, grace: float = 15.0, already_signalled: bo
         proc.kill()
         proc.wait()
     kill_snapshot(tree)
+    remove_shared_memory([proc.pid, *tree])  # a killed peer's torch_shm_manager could not unlink them
 
 
 def start_bootstrap(log_dir: Path, run_args: list[str]) -> tuple[subprocess.Popen, str]:

@@ -58,3 +58,32 @@ def test_helpers_of_a_sigkilled_process_die_within_a_second():
         for pid in descendants(peer.pid):
             os.kill(pid, signal.SIGKILL)
         peer.kill()
+
+
+def test_a_killed_peers_shared_tensors_are_unlinked_not_leaked_into_ram():
+    """torch shares tensors through /dev/shm/torch_<pid>_* files (hivemind's averaged buffer); SIGKILL the
+    process and its torch_shm_manager together, as the lifeline does, and the files stay behind in RAM-backed
+    tmpfs: remove_shared_memory unlinks them."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from p2pdiloco.runtime.lifeline import descendants, kill_snapshot, remove_shared_memory
+
+    code = ("import torch, torch.multiprocessing as mp, time; mp.set_sharing_strategy('file_system');"
+            "t = torch.zeros(1 << 16).share_memory_(); print('ready', flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        files = list(Path("/dev/shm").glob(f"torch_{proc.pid}_*"))
+        assert files, "torch did not share through /dev/shm here"
+        tree = {**descendants(proc.pid), proc.pid: 0}
+        kill_snapshot({pid: start for pid, start in descendants(proc.pid).items()})
+        proc.kill()
+        proc.wait(10)
+        time.sleep(0.3)
+        assert any(f.exists() for f in files)  # the leak: nobody left to unlink them
+        assert remove_shared_memory(tree) >= 1
+        assert not any(f.exists() for f in files)
+    finally:
+        proc.kill()
