@@ -250,6 +250,7 @@ class DiLoCo:
         with torch.no_grad():
             for p in params:
                 part = slice(offset, offset + p.numel())
+                # on a CPU this is p itself (fp32, contiguous): the arithmetic runs in p's own memory
                 progress = p.detach().float().cpu().reshape(-1).sub_(base[part])
                 if restored is not None:
                     progress.add_(restored[part])

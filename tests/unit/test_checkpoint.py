@@ -124,3 +124,20 @@ def test_a_peer_restored_from_disk_goes_on_exactly_where_it_stopped(tmp_path, op
         d.wait(10)
         d.close()
     assert restored.state.key == original.state.key
+
+
+def test_a_checkpoint_written_before_inner_state_keeps_its_adamw_moments():
+    """Format-1 checkpoints kept AdamW's moments as flat fp32 `adam.{i}.*` and no step: they must still
+    restore, with the step taken from the checkpoint's inner step."""
+    from p2pdiloco.config import InnerConfig
+    from p2pdiloco.training.inner import make_optimizer, restore_optimizer_state
+
+    params = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))]
+    old = {f"adam.{i}.{key}": torch.full((p.numel(),), float(i + 1)) for i, p in enumerate(params)
+           for key in ("exp_avg", "exp_avg_sq")}
+    optimizer = make_optimizer(params, InnerConfig())
+    restore_optimizer_state(optimizer, params, old, {}, step=17)
+    for i, p in enumerate(params):
+        state = optimizer.state[p]
+        assert float(state["step"]) == 17.0 and state["exp_avg"].shape == p.shape
+        assert torch.equal(state["exp_avg_sq"], torch.full(p.shape, float(i + 1)))
