@@ -56,9 +56,10 @@ def quantize(x: torch.Tensor, scales: torch.Tensor, bits: int, weight: float = 1
     return codes
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """code·scale, rounded once to fp32: every member computes these bits from the same sum."""
-    out = torch.empty(codes.numel(), dtype=torch.float32)
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """code·scale, rounded once to fp32: every member computes these bits from the same sum. `scales` starts at
+    the block where `codes` starts; `out` may be a slice of a bigger buffer."""
+    out = torch.empty(codes.numel(), dtype=torch.float32) if out is None else out
     for part, blocks in blockwise(codes.numel()):
         chunk = _blocked(codes[part].double()).mul_(scales[blocks].double().unsqueeze(1))
         out[part] = chunk.view(-1)[: part.stop - part.start]
@@ -311,19 +312,22 @@ class Encoded:
     """One member's contribution as sent: the codes it sends (0 where the format selects nothing), which elements
     the format selected, and what of its Δ reaches the group's sum (for error feedback)."""
 
-    codes: torch.Tensor  # int64 in [−L, L]
+    codes: torch.Tensor  # int32 in [−L, L]
     selected: torch.Tensor  # bool
-    sent: torch.Tensor  # dequantized codes / weight, in Δ units
+    sent: Optional[torch.Tensor]  # dequantized codes / weight, in Δ units (None where not asked for)
 
 
 def encode(delta: torch.Tensor, weight: float, scales: torch.Tensor, bits: int,
-           fmt: Optional[DenseFormat] = None) -> Encoded:
+           fmt: Optional[DenseFormat] = None, with_sent: bool = True) -> Encoded:
     """w·Δ as codes on the group's scales, the elements `fmt` selects (all, by default). The averager sends these
-    codes and the host's error feedback records their `sent`: one computation, so the two always agree."""
+    codes and the host's error feedback records their `sent`: one computation, so the two always agree. (The
+    averager itself needs no `sent`: a model-sized vector it need not hold.)"""
     fmt = fmt or DenseFormat(bits, 1)
     selected = fmt.select(delta)  # w > 0 ranks |w·Δ| as |Δ|: the same selection
-    codes = quantize(delta, scales, bits, weight).to(torch.int64)
+    codes = quantize(delta, scales, bits, weight)
     if isinstance(fmt, TopKFormat):  # a dense format selects everything
         codes.mul_(selected)
+    if not with_sent:
+        return Encoded(codes, selected, None)
     sent = dequantize(codes, scales).double().div_(weight).float() if weight > 0 else torch.zeros_like(delta)
     return Encoded(codes, selected, sent)

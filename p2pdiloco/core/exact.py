@@ -89,18 +89,19 @@ def quantize(delta: torch.Tensor, weight: float, scales: torch.Tensor, limit: in
     return q
 
 
-def dequantize(total: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(total.numel(), dtype=torch.float32)
+def dequantize(total: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """code·scale as fp32; `out` may be `total` itself."""
+    out = torch.empty(total.numel(), dtype=torch.float32) if out is None else out
     for part, blocks in blockwise(total.numel()):
         out[part] = total[part].double().mul_(_per_element(scales[blocks], part.stop - part.start))
     return out
 
 
-def recover_sum(mean: torch.Tensor, group_size: int) -> tuple[torch.Tensor, float]:
+def recover_sum(mean: torch.Tensor, group_size: int, out: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
     """The exact integer sum from an all-reduce mean (as fp32: its integers are below 2^24), and the largest
     distance from an integer seen (near 0 for a clean round; a part averaged over fewer senders usually lands
-    far from integers)."""
-    total = torch.empty(mean.numel(), dtype=torch.float32)
+    far from integers). `out` may be `mean` itself."""
+    total = torch.empty(mean.numel(), dtype=torch.float32) if out is None else out
     worst = 0.0
     for start in range(0, mean.numel(), _CHUNK):
         scaled = mean[start:start + _CHUNK].double().mul_(group_size)
@@ -169,19 +170,20 @@ class Decoded:
 
 
 def decode(reduced: torch.Tensor, n: int, group_size: int, enc: Encoded) -> Decoded:
-    total, body_err = recover_sum(reduced[:n], group_size)
+    """In place: the body of `reduced` becomes the exact integer sum, then (once verified) Σ wᵢΔᵢ, which
+    `merged` views. An unverified body holds nothing of use: the host keeps its own Δ for the next attempt."""
+    total, body_err = recover_sum(reduced[:n], group_size, out=reduced[:n])
     tail, tail_err = recover_sum(reduced[n:], group_size)
     slots = tail[: group_size * SLOT].view(group_size, SLOT)
-    merged = dequantize(total, enc.scales)
     if max(body_err, tail_err) > 0.25:
-        return Decoded(merged, False, f"result is not an exact sum (off-integer by {max(body_err, tail_err):.3f})")
+        return Decoded(total, False, f"result is not an exact sum (off-integer by {max(body_err, tail_err):.3f})")
     presence = slots[:, LIMBS].tolist()
     if presence != [1.0] * group_size or bool(tail[group_size * SLOT:].any()):
-        return Decoded(merged, False, f"members' shares missing or counted twice (presence {presence})")
+        return Decoded(total, False, f"members' shares missing or counted twice (presence {presence})")
     expected = sum(decode_checksum(slot[:LIMBS]) for slot in slots)
     if checksum(total, enc.seed) != expected:
-        return Decoded(merged, False, "checksum mismatch: some parts missed a contribution or a reducer")
-    return Decoded(merged, True, "ok")
+        return Decoded(total, False, "checksum mismatch: some parts missed a contribution or a reducer")
+    return Decoded(dequantize(total, enc.scales, out=total), True, "ok")
 
 
 def digest(*tensors: torch.Tensor) -> str:

@@ -71,7 +71,8 @@ class ExactAverager(DecentralizedAverager):
     """Averages one flat fp32 buffer: pseudo-gradient body plus the checksum tail.
 
     The host writes Δ into the body, calls `step(weight=1, gather=...)`; on return the body holds the exact
-    token-weighted sum Σ wᵢΔᵢ when `result["verified"]` is True. On failure the body holds Δ again.
+    token-weighted sum Σ wᵢΔᵢ when `result["verified"]` is True. Otherwise the body holds nothing of use: the
+    host keeps its Δ and writes it again for its next attempt (no model-sized copy of it here).
     """
 
     def __init__(self, n_elements: int, max_group: int, state_provider: StateProvider, weighting: str,
@@ -101,23 +102,16 @@ class ExactAverager(DecentralizedAverager):
                 return self._reduced(island, plan, group_info, False, "our contribution was not included",
                                      started)
             return await self._codes_round(island, plan, group_info, my_index, started)
-        with self.get_tensors() as (buffer,):  # the codes go into the buffer in place: no model-sized copies
-            original = buffer[: self.n_elements].clone()
-            enc = exact.encode(original, plan.weights[my_index], plan.maxabs, my_index,
+        with self.get_tensors() as (buffer,):  # codes, sum and merge all in the buffer, in place: no copies
+            enc = exact.encode(buffer[: self.n_elements], plan.weights[my_index], plan.maxabs, my_index,
                                group_info.group_id, buffer.numel() - self.n_elements, out=buffer)
-        try:
-            own = island.members[my_index]
-            if own is not None and self.fault_plan.planned("die_in_allreduce", own.version):
-                await self._die_mid_allreduce(group_info, min_vector_size, **kwargs)
-            await asyncio.wait_for(super()._aggregate_with_group(group_info, min_vector_size, **kwargs),
-                                   plan.deadline)
-            with self.get_tensors() as (buffer,):
-                decoded = exact.decode(buffer, self.n_elements, len(island.members), enc)
-                buffer[: self.n_elements] = decoded.merged if decoded.verified else original
-        except BaseException:
-            with self.get_tensors() as (buffer,):
-                buffer[: self.n_elements] = original
-            raise
+        own = island.members[my_index]
+        if own is not None and self.fault_plan.planned("die_in_allreduce", own.version):
+            await self._die_mid_allreduce(group_info, min_vector_size, **kwargs)
+        await asyncio.wait_for(super()._aggregate_with_group(group_info, min_vector_size, **kwargs),
+                               plan.deadline)
+        with self.get_tensors() as (buffer,):
+            decoded = exact.decode(buffer, self.n_elements, len(island.members), enc)
         if not decoded.verified:
             logger.warning(f"round in group {group_info.group_id.hex()[:8]} not verified: {decoded.reason}")
         return self._reduced(island, plan, group_info, decoded.verified, decoded.reason, started)
@@ -127,12 +121,13 @@ class ExactAverager(DecentralizedAverager):
         exactly by our own reduce-scatter and all-gather (p2pdiloco.swarm.codes)."""
         included = plan.included  # only they send and reduce parts: an excluded member's codes are never summed
         maxabs = [plan.maxabs[i].double() * plan.weights[i] for i in included]
-        with self.get_tensors() as (buffer,):
-            delta = buffer[: self.n_elements].clone()
+        with self.get_tensors() as (buffer,):  # read in place: the host writes it only between rounds
+            delta = buffer[: self.n_elements]
         scales = codec.agreed_scales(maxabs, self.bits)
         fmt = self.wire_format(len(included))
         # codec work in a worker thread: the event loop keeps serving other members' pushes meanwhile
-        enc = await asyncio.to_thread(codec.encode, delta, plan.weights[my_index], scales, self.bits, fmt)
+        enc = await asyncio.to_thread(codec.encode, delta, plan.weights[my_index], scales, self.bits, fmt,
+                                      with_sent=False)
         # hivemind's contract at this seam (its PowerSGD averager does the same): the group's future holds the
         # runner that serves its all-reduce parts; ours has none, our parts travel through rpc_codes_*
         running = self._running_groups.get(group_info.group_id)
@@ -150,11 +145,11 @@ class ExactAverager(DecentralizedAverager):
             logger.warning(f"compressed round in group {group_info.group_id.hex()[:8]} failed: {e!r}")
             failed = self._reduced(island, plan, group_info, False, f"compressed all-reduce failed: {e}", started)
             return dataclasses.replace(failed, blamed=frozenset(getattr(e, "culprits", ())))
-        merged = await asyncio.to_thread(codec.dequantize, total, scales)  # Σ wᵢΔᵢ, the same bits everywhere
-        reweigh_parts(merged, part_ranges(self.n_elements, len(peers), align=codec.BLOCK), left_out,
-                      {str(group_info.peer_ids[i]): plan.weights[i] for i in included})
-        with self.get_tensors() as (buffer,):
-            buffer[: self.n_elements] = merged
+        ranges = part_ranges(self.n_elements, len(peers), align=codec.BLOCK)
+        with self.get_tensors() as (buffer,):  # Σ wᵢΔᵢ into the buffer part by part, the same bits everywhere
+            merged = buffer[: self.n_elements]  # (the host reads it only once we return)
+        await asyncio.to_thread(_dequantize_parts, total, ranges, scales, merged)
+        reweigh_parts(merged, ranges, left_out, {str(group_info.peer_ids[i]): plan.weights[i] for i in included})
         reduced = self._reduced(island, plan, group_info, True, "ok", started)
         if dropped:
             logger.warning(f"group {group_info.group_id.hex()[:8]}: left out of the part we reduce: {dropped}")
@@ -218,6 +213,7 @@ class ExactAverager(DecentralizedAverager):
 
     def run(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        self._inner_pipe = WholeMessagePipe(self._inner_pipe)  # this (the averager) process's end only
         super().run()
 
     async def rpc_state_part(self, request: averaging_pb2.DownloadData,
@@ -257,6 +253,32 @@ class ExactAverager(DecentralizedAverager):
         return metadata, list(tensors), None
 
 
+class WholeMessagePipe:
+    """The averager process's end of hivemind's command pipe, read one whole message at a time.
+
+    hivemind==1.1.12 watches this pipe with uvloop's `add_reader`, which leaves its descriptor non-blocking, and
+    multiprocessing writes a message over 16 KiB as two writes (length, then body). A read that falls between
+    them raises EAGAIN midway through a message; hivemind logs it and reads on from the middle of the stream,
+    and the averager's command loop dies (seen with the 100M model, whose gathered block maxima take 24 KB, on
+    a loaded machine: the peer never averaged again). `poll()` has said a message is arriving and its sender
+    writes the rest at once, so reading it in blocking mode waits microseconds, not a round."""
+
+    def __init__(self, connection):
+        self._connection = connection
+
+    def recv(self):
+        fd = self._connection.fileno()
+        was_blocking = os.get_blocking(fd)
+        os.set_blocking(fd, True)
+        try:
+            return self._connection.recv()
+        finally:
+            os.set_blocking(fd, was_blocking)
+
+    def __getattr__(self, name):  # fileno, poll, send, close: the connection's own
+        return getattr(self._connection, name)
+
+
 def _die() -> None:
     """Fault plan: SIGKILL the whole peer (host first) while the round's tensors are moving."""
     os.kill(os.getppid(), signal.SIGKILL)
@@ -270,6 +292,12 @@ def _transfer_of(request: averaging_pb2.DownloadData, context: P2PContext) -> Op
     except ValueError:
         return None
     return str(context.remote_id), version, digest
+
+
+def _dequantize_parts(sums: Sequence[torch.Tensor], ranges, scales: torch.Tensor, out: torch.Tensor) -> None:
+    for total, (start, end) in zip(sums, ranges):  # parts start on block boundaries (part_ranges' alignment)
+        first = start // codec.BLOCK
+        codec.dequantize(total, scales[first:first + codec.n_blocks(end - start)], out=out[start:end])
 
 
 def reweigh_parts(merged: torch.Tensor, ranges, left_out, weights: dict) -> None:

@@ -231,9 +231,10 @@ class CodesExchange:
 
     # ---- client side: one round ------------------------------------------------------------------------------
     async def run(self, group_id: bytes, peers: list, me: int, codes: torch.Tensor, selected: torch.Tensor, fmt,
-                  stub_of, timeout: float) -> tuple[torch.Tensor, list, dict]:
-        """The exact integer sum of every member's codes (0 where the format did not select), or CodesError; per
-        part, the members its reducer left out; and why we left out those we did from our own part."""
+                  stub_of, timeout: float) -> tuple[list, list, dict]:
+        """The exact integer sum of every member's codes (0 where the format did not select), part by part (in
+        `part_ranges` order: no model-sized concatenation), or CodesError; per part, the members its reducer left
+        out; and why we left out those we did from our own part."""
         n = codes.numel()
         ranges = part_ranges(n, len(peers), align=codec.BLOCK)
         mine = self.reduction(group_id)
@@ -264,7 +265,7 @@ class CodesExchange:
         if failures:
             raise CodesError(f"{failures[0]}", culprits | frozenset(mine.dropped))
         sums, left_out = zip(*fetched)
-        return torch.cat(sums), list(left_out), dict(mine.dropped)
+        return list(sums), list(left_out), dict(mine.dropped)
 
     async def _push(self, stub, group_id: bytes, fmt, codes: torch.Tensor, selected: torch.Tensor) -> None:
         data = await asyncio.to_thread(fmt.encode, codes, selected)  # packing one part overlaps pushing another

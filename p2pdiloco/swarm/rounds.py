@@ -167,7 +167,9 @@ class SwarmMerger:
         if self.feedback is not None and result.codec_scales is not None:
             self._record_feedback(body, result)
         with self.averager.get_tensors() as (buffer,):
-            return dataclasses.replace(result, merged=buffer[: self.n].clone())
+            # a view, not a copy: the host applies it before its next round writes the buffer again (DiLoCo keeps
+            # a copy only for eager estimates)
+            return dataclasses.replace(result, merged=buffer[: self.n])
 
     def _record_feedback(self, body, result: IslandReduced) -> None:
         """What of our (compensated) Δ reached the sum: the same codes the averager sent, decoded."""

@@ -34,7 +34,6 @@ import torch
 
 from p2pdiloco.training.inner import (InnerTrainer, flat_params, load_flat_params, optimizer_state,
                                       restore_optimizer_state)
-from p2pdiloco.core.outer import pseudo_gradient
 from p2pdiloco.protocol.outcomes import Contribution, RolledBack, RoundOutcome, Solo
 from p2pdiloco.core.state import GlobalState, contains
 from p2pdiloco.protocol.timing import RoundClock
@@ -53,26 +52,19 @@ class SoloMerger:
 
 @dataclass
 class InFlight:
+    """A round in flight keeps one model-sized vector, its Δ (which the merger needs anyway): Θ does not change
+    while the round runs (only this thread applies outcomes, one round at a time), so Θ_S is Θ itself until
+    the outcome lands, and θ_S = Θ_S − Δ. (Eager updates also keep the estimate they started from.)"""
+
     future: Future
     contribution: Contribution
-    local_at_snapshot: torch.Tensor  # θ_S
-    global_at_snapshot: torch.Tensor  # Θ when Δ was taken
     started: float
     steps_at_snapshot: int
     origin: Optional[torch.Tensor] = None  # eager: the estimate of Θ' the in-flight steps start from
 
     @property
-    def resumed_from(self) -> torch.Tensor:
-        """Where the inner steps taken while the round is in flight started."""
-        return self.local_at_snapshot if self.origin is None else self.origin
-
-    @property
-    def unmerged_base(self) -> torch.Tensor:
-        """θ ← Θ + (θ − this) keeps all our local progress when our Δ did not reach Θ: the in-flight steps
-        plus θ_S − Θ_S (for delayed application that is simply θ − Θ_S)."""
-        if self.origin is None:
-            return self.global_at_snapshot
-        return self.origin - self.local_at_snapshot + self.global_at_snapshot
+    def delta(self) -> torch.Tensor:
+        return self.contribution.delta
 
 
 @dataclass
@@ -133,18 +125,15 @@ class DiLoCo:
     def contribute(self) -> None:
         """Snapshot Δ and hand it to the merger in the background; training goes on at once."""
         assert self.in_flight is None, "one round in flight at a time"
-        local = self.local_params()
         with self.state.lock:
-            global_params = self.state.params.clone()
-            c = Contribution(delta=pseudo_gradient(global_params, local), tokens=self.unmerged_tokens,
-                             steps=self.unmerged_steps, version=self.state.version, peer=self.peer,
-                             name=self.name, digest=self.state.digest, seconds=self.unmerged_seconds)
+            c = Contribution(delta=pseudo_gradient_of(self.trainer.model, self.state.params),
+                             tokens=self.unmerged_tokens, steps=self.unmerged_steps, version=self.state.version,
+                             peer=self.peer, name=self.name, digest=self.state.digest, seconds=self.unmerged_seconds)
             origin = self._eager_estimate(c.delta) if self.eager else None
         future = self._executor.submit(self.merger.merge, c)
         if origin is not None:
             load_flat_params(self.trainer.model, origin)
-        self.in_flight = InFlight(future, c, local, global_params, time.monotonic(), self.trainer.total_steps,
-                                  origin)
+        self.in_flight = InFlight(future, c, time.monotonic(), self.trainer.total_steps, origin)
 
     def _eager_estimate(self, delta: torch.Tensor) -> torch.Tensor:
         """Eager updates (Kale et al. 2025, arXiv 2502.12996): instead of training on from θ_S while the round
@@ -185,34 +174,42 @@ class DiLoCo:
     def apply(self, outcome: RoundOutcome, flight: InFlight) -> bool:
         """Apply a round's outcome; True if the global state we now hold contains our contribution."""
         c = flight.contribution
+        if outcome.committed:
+            kept = "since snapshot"  # progress up to θ_S is now in Θ
+        elif outcome.state is not None or outcome.state_before is not None or flight.origin is not None:
+            kept = "all unmerged"  # our Δ did not reach Θ (eager: back from the estimate to our own progress)
+        else:
+            return False  # rolled back and nothing adopted: θ and Θ stay exactly as they are
         held = False
         with self.state.lock:
+            # θ ← θ − base before Θ changes: the base is expressed through Θ_S, which is Θ until then
+            exact = (kept == "since snapshot" and flight.origin is None
+                     and self.trainer.total_steps == flight.steps_at_snapshot)  # no step in flight: θ = Θ'
+            self._keep_progress(flight, kept, exact)
             restored = None
-            if outcome.state_before is not None:
-                restored = self._load_foreign(*outcome.state_before)
-            if outcome.committed:
-                if outcome.state is not None:
-                    restored = self._add(restored, self._load_foreign(*outcome.state))  # already holds our Δ
-                elif not outcome.stale:
-                    self.state.apply(outcome.merged, [m.peer for m in outcome.members])
-                self.unmerged_tokens -= c.tokens
-                self.unmerged_steps -= c.steps
-                self.unmerged_seconds -= c.seconds
-                self.merged_seconds += c.seconds
-                # stale and no download: our Δ lives in the group's state, not in ours; we catch up later
-                stale_only = outcome.stale and outcome.state is None
-                held = not stale_only
-                self.last_merge = LastMerge(self.state.key, c.delta, c.tokens, c.steps, c.seconds) if held else None
-                self.last_merged, self.last_weight = outcome.merged, own_weight(outcome, self.peer)
-                base = flight.resumed_from  # progress up to θ_S is now in Θ
-            elif outcome.state is not None:
-                restored = self._add(restored, self._load_foreign(*outcome.state))
-                base = flight.unmerged_base
-            elif outcome.state_before is not None or flight.origin is not None:
-                base = flight.unmerged_base  # eager: from the estimate back to our own local progress
-            else:
-                return False  # rolled back and nothing adopted: θ and Θ stay exactly as they are
-            self._rebase(base, restored)
+            try:
+                if outcome.state_before is not None:
+                    restored = self._load_foreign(*outcome.state_before)
+                if outcome.committed:
+                    if outcome.state is not None:
+                        restored = self._add(restored, self._load_foreign(*outcome.state))  # already holds our Δ
+                    elif not outcome.stale:
+                        self.state.apply(outcome.merged, [m.peer for m in outcome.members])
+                    self.unmerged_tokens -= c.tokens
+                    self.unmerged_steps -= c.steps
+                    self.unmerged_seconds -= c.seconds
+                    self.merged_seconds += c.seconds
+                    # stale and no download: our Δ lives in the group's state, not in ours; we catch up later
+                    held = not (outcome.stale and outcome.state is None)
+                    self.last_merge = LastMerge(self.state.key, c.delta, c.tokens, c.steps, c.seconds) if held else None
+                    # only eager estimates use the last merged update: others need not keep a model-sized copy
+                    # outcome.merged may view the averager's buffer, which the next round overwrites
+                    self.last_merged = _copy(outcome.merged) if self.eager else None
+                    self.last_weight = own_weight(outcome, self.peer)
+                elif outcome.state is not None:
+                    restored = self._add(restored, self._load_foreign(*outcome.state))
+            finally:  # θ ← Θ + progress [+ restored], whatever Θ now is
+                self._add_global(restored, exact)
         if outcome.sync_seconds:
             self.clock.sync.update(outcome.sync_seconds)
         self.clock.quorum.update(outcome.quorum_seconds)
@@ -238,32 +235,60 @@ class DiLoCo:
     def _add(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         return b if a is None else a if b is None else a + b
 
-    def _rebase(self, base: torch.Tensor, restored: Optional[torch.Tensor] = None) -> None:
-        """θ ← Θ + (θ − base) [+ restored]: keep the local progress not yet in Θ, on top of the new Θ. In place,
-        one parameter at a time (no model-sized temporaries); the same correctly rounded operations as on flat
-        vectors, so the same bits."""
-        params = list(self.trainer.model.parameters())
-        if restored is None and _equals_flat(params, base):
+    # ---- rebasing θ onto a new Θ: θ ← Θ_new + (θ − base) [+ restored], in two passes around Θ's change -------
+    # In place, one parameter at a time: no model-sized temporaries, and no snapshot of θ or Θ kept while a
+    # round is in flight. On a CPU the arithmetic runs in the parameter's own memory (fp32, contiguous).
+    def _keep_progress(self, flight: Optional[InFlight], kept: str, exact: bool) -> None:
+        """θ ← θ − base, while Θ is still Θ_S. Delayed application: θ_S = Θ_S − Δ, so the progress since the
+        snapshot is (θ − Θ_S) + Δ, and all unmerged progress is θ − Θ_S. Eager: the in-flight steps started from
+        the estimate, so the progress since the snapshot is θ − origin, and all of it θ − origin − Δ.
+        (θ_S rebuilt as Θ_S − Δ differs from the θ_S of the snapshot by at most an ulp of Δ: θ is local, and
+        every peer computes its own the same way, so resumed runs stay bit-exact.)"""
+        origin = None if flight is None else flight.origin
+        delta = None if flight is None else flight.delta
+        for p, part in self._parts():
+            with torch.no_grad():
+                progress = _flat(p)
+                if exact:
+                    progress.zero_()
+                elif origin is None:
+                    progress.sub_(self.state.params[part])
+                    if kept == "since snapshot":
+                        progress.add_(delta[part])
+                else:
+                    progress.sub_(origin[part])
+                    if kept == "all unmerged":
+                        progress.sub_(delta[part])
+                _store(p, progress)
+
+    def _add_global(self, restored: Optional[torch.Tensor], exact: bool) -> None:
+        """θ ← progress [+ restored] + Θ (the second pass)."""
+        if exact and restored is None:
             load_flat_params(self.trainer.model, self.state.params)  # exactly Θ, bit for bit
             return
-        offset = 0
-        with torch.no_grad():
-            for p in params:
-                part = slice(offset, offset + p.numel())
-                # on a CPU this is p itself (fp32, contiguous): the arithmetic runs in p's own memory
-                progress = p.detach().float().cpu().reshape(-1).sub_(base[part])
+        for p, part in self._parts():
+            with torch.no_grad():
+                progress = _flat(p)
                 if restored is not None:
                     progress.add_(restored[part])
-                p.copy_(progress.add_(self.state.params[part]).view_as(p))
-                offset += p.numel()
+                _store(p, progress.add_(self.state.params[part]))
+
+    def _parts(self):
+        offset = 0
+        for p in self.trainer.model.parameters():
+            yield p, slice(offset, offset + p.numel())
+            offset += p.numel()
 
     def adopt(self, metadata: dict, tensors: list[torch.Tensor]) -> None:
         """Take a global state from a peer between rounds (joining, or behind): rebase unmerged progress."""
         assert self.in_flight is None
         with self.state.lock:
-            base = self.state.params.clone()
-            restored = self._load_foreign(metadata, tensors)
-            self._rebase(base, restored)
+            self._keep_progress(None, "all unmerged", exact=False)
+            restored = None
+            try:
+                restored = self._load_foreign(metadata, tensors)
+            finally:
+                self._add_global(restored, exact=False)
 
     def abandon(self) -> None:
         """Leave without the round in flight's outcome: Θ is untouched and its tokens stay unmerged, with θ
@@ -272,7 +297,8 @@ class DiLoCo:
         flight, self.in_flight = self.in_flight, None
         if flight is not None and flight.origin is not None:
             with self.state.lock:
-                self._rebase(flight.unmerged_base)
+                self._keep_progress(flight, "all unmerged", exact=False)
+                self._add_global(None, exact=False)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -321,13 +347,31 @@ class DiLoCo:
         return note
 
 
-def _equals_flat(params, flat: torch.Tensor) -> bool:
+def _copy(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None else t.clone()
+
+
+def _flat(p: torch.Tensor) -> torch.Tensor:
+    """A parameter as a flat fp32 CPU vector: on a CPU, the parameter's own memory."""
+    return p.detach().float().cpu().reshape(-1)
+
+
+def _store(p: torch.Tensor, flat: torch.Tensor) -> None:
+    if flat.data_ptr() != p.data_ptr():  # a GPU (or non-fp32) parameter: copy the result back
+        p.detach().copy_(flat.view_as(p))
+
+
+def pseudo_gradient_of(model: torch.nn.Module, global_params: torch.Tensor) -> torch.Tensor:
+    """Δ = Θ − θ, one parameter at a time: the same bits as `pseudo_gradient(Θ, flat θ)` without the flat copy
+    of θ."""
+    delta = torch.empty_like(global_params)
     offset = 0
-    for p in params:
-        if not torch.equal(p.detach().float().cpu().reshape(-1), flat[offset:offset + p.numel()]):
-            return False
-        offset += p.numel()
-    return True
+    with torch.no_grad():
+        for p in model.parameters():
+            part = slice(offset, offset + p.numel())
+            torch.sub(global_params[part], _flat(p), out=delta[part])
+            offset += p.numel()
+    return delta
 
 
 def own_weight(outcome: RoundOutcome, peer: str) -> float:

@@ -142,3 +142,18 @@ def test_top_k_error_feedback_carries_the_unselected_values_whole():
     enc = codec.encode(x, 0.5, scales, 2, fmt)
     assert int(enc.selected.sum()) == fmt.k(BLOCK) and bool((enc.codes[~enc.selected] == 0).all())
     assert torch.equal(enc.sent[~enc.selected], torch.zeros(int((~enc.selected).sum())))  # all of it rides along
+
+
+def test_the_averager_dequantizes_the_sum_part_by_part_into_its_buffer_with_the_same_bits():
+    """No model-sized concatenation of the parts' sums: each part is dequantized on its own block scales."""
+    from p2pdiloco.swarm.averager import _dequantize_parts
+    from p2pdiloco.swarm.codes import part_ranges
+
+    n = 5 * codec.BLOCK + 123  # the last part ends inside a block
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    scales = codec.agreed_scales([codec.block_maxabs(x)], 4)
+    codes = codec.encode(x, 1.0, scales, 4).codes
+    ranges = part_ranges(n, 3, align=codec.BLOCK)
+    out = torch.full((n,), float("nan"))
+    _dequantize_parts([codes[a:b].to(torch.int64) for a, b in ranges], ranges, scales, out)
+    assert torch.equal(out, codec.dequantize(codes, scales))
