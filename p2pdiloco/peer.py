@@ -76,12 +76,14 @@ class Peer:
     # ---- lifecycle -------------------------------------------------------------------------------------
     def run(self) -> dict:
         try:
-            self._build()
+            self._prepare()
             found = self._find_checkpoint() if self.cfg.name else None
             if found is not None and "stream_seed" in found.meta and self.cfg.swarm.initial_peers:
+                self._materialize()
                 self._start_warm(found)
-            else:
-                self._join(found, look_for_checkpoint=not self.cfg.name)
+            else:  # read again once the helpers forked: they would keep a copy of every page we free or write
+                found = None
+                self._join(look_for_checkpoint=True)
             summary = self._train()
             if self.join_error is not None:
                 raise self.join_error  # after the work of this stay was checkpointed
@@ -91,27 +93,39 @@ class Peer:
         finally:
             self.close()
 
-    def _build(self) -> None:
+    def _prepare(self) -> None:
+        """Everything but the model-sized tensors, which come after the helper processes fork (`_materialize`)."""
         cfg = self.cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.device = pick_device(cfg.device)
         if cfg.inner.optimizer == "adamw8bit":
             bitsandbytes()
-        self.corpus = load_corpus(cfg.data)
-        self.model = build_model(model_config(cfg.model), cfg.seed).to(self.device)
-        self.n_params = sum(p.numel() for p in self.model.parameters())
+        self.corpus = load_corpus(cfg.data)  # read-only once loaded: forked helpers share its pages
+        with torch.device("meta"):  # the model's shapes, no memory
+            shapes = build_model(model_config(cfg.model), cfg.seed)
+        self.n_params = sum(p.numel() for p in shapes.parameters())
+        self.segments = rda_segments(shapes)
         self.val = validation_batches(self.corpus.val, cfg.eval_batches, cfg.inner.batch_size, cfg.inner.seq_len)
-        self.state = GlobalState(flat_params(self.model), cfg.outer.lr, cfg.outer.momentum)
+        self.model = self.state = None
         self.clock = RoundClock()
         self.name = cfg.name
 
-    def _join(self, found, look_for_checkpoint: bool) -> None:
-        """Cold start: connect, resume our checkpoint if any, fetch the swarm's state, then train.
-        `look_for_checkpoint`: our name (and so our checkpoint folder) was only known once connected."""
+    def _materialize(self) -> None:
+        """θ and Θ. A cold start builds them only once the DHT and averager processes have forked: a child
+        forked after them keeps its own copy of every page the trainer writes afterwards (copy-on-write), which
+        cost ~14 bytes per parameter across the two helpers (the 100M model, measured)."""
+        if self.model is None:
+            cfg = self.cfg
+            self.model = build_model(model_config(cfg.model), cfg.seed).to(self.device)
+            self.state = GlobalState(flat_params(self.model), cfg.outer.lr, cfg.outer.momentum)
+
+    def _join(self, look_for_checkpoint: bool) -> None:
+        """Cold start: connect, resume our checkpoint if any, fetch the swarm's state, then train. The checkpoint
+        is read only now, after the helper processes forked (an unnamed peer's folder is known only now too)."""
         self._connect()
         self._make_diloco(stream_seed(self.peer_id, self.cfg.swarm.run_id), self.merger)
-        found = self._find_checkpoint() if look_for_checkpoint else found
+        found = self._find_checkpoint() if look_for_checkpoint else None
         if found is not None:
             self._restore_checkpoint(found)
         if self.cfg.swarm.initial_peers:
@@ -175,15 +189,23 @@ class Peer:
             log.info("started a new swarm; others join with:\n  %s\n(addresses written to %s)",
                      "\n  ".join(f"p2pdiloco join --initial-peers {a}" for a in node.visible_addresses(self.dht)),
                      addresses)
-        self.heartbeat = Heartbeat(self.dht, cfg.swarm.run_id,
-                                   PeerRecord(peer=self.peer_id, name=self.name, version=self.state.version,
-                                              digest=self.state.digest, settings=self._settings()))
         overlap = cfg.swarm.overlap_steps or cfg.inner.steps  # the next contribution is due H steps later
-        self.merger = SwarmMerger(self.dht, cfg.swarm, cfg.outer, self.n_params, rda_segments(self.model),
-                                  self.heartbeat, self.state.snapshot, self.stop, self.clock, overlap,
+        self.merger = SwarmMerger(self.dht, cfg.swarm, cfg.outer, self.n_params, self.segments, None,
+                                  self._share_state, self.stop, self.clock, overlap,
                                   FaultPlan.parse(cfg.swarm.fault_plan))
+        self._materialize()  # after both forks (a warm start built them before connecting)
+        self.heartbeat = self.merger.heartbeat = Heartbeat(
+            self.dht, cfg.swarm.run_id, PeerRecord(peer=self.peer_id, name=self.name, version=self.state.version,
+                                                   digest=self.state.digest, settings=self._settings()))
         if cfg.swarm.initial_peers:
             self._refuse_a_mismatch()
+
+    def _share_state(self):
+        """A peer asking for our state (hivemind's averager advertises it from its start) in the moment before
+        we built it is told so, and asks another donor."""
+        if self.state is None:
+            raise RuntimeError("this peer is still starting: no state to share yet")
+        return self.state.snapshot()
 
     def _settings(self) -> dict[str, str]:
         """What every member of an island must share, published with our record and checked when others join."""
@@ -279,6 +301,9 @@ class Peer:
 
     def _restore_checkpoint(self, found) -> None:
         note = self.diloco.restore_checkpoint_state(found.meta, found.tensors)
+        # copied into the model, Θ and the optimizer: free the loaded tensors now, before a warm start's helpers
+        # fork (they would keep a copy) and rather than beside the model for the whole run
+        found.tensors.clear()
         if note:
             log.warning("%s: %s", self.name, note)
         log.info("%s: resumed from checkpoint %s (version %d)", self.name, found.path, self.state.version)

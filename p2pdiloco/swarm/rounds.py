@@ -43,9 +43,10 @@ logger = get_logger(__name__)
 
 class SwarmMerger:
     def __init__(self, dht: DHT, cfg: SwarmConfig, outer: OuterConfig, n_params: int,
-                 segments: Sequence[Segment], heartbeat: Heartbeat, state_provider: Callable[[], StateTuple],
+                 segments: Sequence[Segment], heartbeat: Optional[Heartbeat], state_provider: Callable[[], StateTuple],
                  stop: threading.Event, clock: RoundClock, overlap_steps: int, fault_plan: FaultPlan = NO_FAULTS):
         self.dht, self.cfg, self.outer, self.n, self.segments = dht, cfg, outer, n_params, list(segments)
+        # the heartbeat may come once the peer built its model (after the averager forked): set before any round
         self.heartbeat, self.stop, self.clock, self.overlap_steps = heartbeat, stop, clock, overlap_steps
         self.fault_plan = fault_plan
         self.penalties = PenaltyBox()  # whom we blame for failed rounds: gathered with our record
