@@ -10,6 +10,7 @@ runs: every round outcome carries the verification this method adds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
 import os
@@ -36,6 +37,8 @@ from p2pdiloco.swarm.statefetch import PartServer, parse_part_request
 from p2pdiloco.protocol.timing import allreduce_wire_bytes
 
 logger = get_logger(__name__)
+
+AVERAGED_CHUNK = 1 << 18  # elements per tensor handed to hivemind's all-reduce (1 MB; even the test models span several)
 
 StateProvider = Callable[[], tuple[dict, Sequence[torch.Tensor]]]
 
@@ -84,8 +87,18 @@ class ExactAverager(DecentralizedAverager):
         self.topk = topk  # send only this fraction of each block (codec.TopKFormat)
         self._codes = CodesExchange(max_payload=codec.packed_bytes(n_elements, 16) + 1024, robust=robust)
         self._state_provider = state_provider
-        buffer = torch.zeros(n_elements + exact.tail_size(max_group))
-        super().__init__([buffer], target_group_size=max_group, **kwargs)
+        # hivemind averages a list of tensors and assembles each one's result whole (a concatenation of its
+        # parts) before adding it in: handed one flat tensor, that is a model-sized temporary in the averager
+        # process; handed views of AVERAGED_CHUNK elements, a chunk. The views share the flat buffer's memory
+        # (share_memory_ moves their one storage), which the exact codes and the host read and write as one.
+        self._flat = torch.zeros(n_elements + exact.tail_size(max_group))
+        super().__init__(list(self._flat.split(AVERAGED_CHUNK)), target_group_size=max_group, **kwargs)
+
+    @contextlib.contextmanager
+    def buffer(self):
+        """The whole averaged buffer (Δ's body, then the checksum tail), under hivemind's tensor lock."""
+        with self.get_tensors():
+            yield self._flat
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs) -> IslandReduced:
         island = parse_island([self._user_record(blob) for blob in group_info.gathered], self.expect)
@@ -102,7 +115,7 @@ class ExactAverager(DecentralizedAverager):
                 return self._reduced(island, plan, group_info, False, "our contribution was not included",
                                      started)
             return await self._codes_round(island, plan, group_info, my_index, started)
-        with self.get_tensors() as (buffer,):  # codes, sum and merge all in the buffer, in place: no copies
+        with self.buffer() as buffer:  # codes, sum and merge all in the buffer, in place: no copies
             enc = exact.encode(buffer[: self.n_elements], plan.weights[my_index], plan.maxabs, my_index,
                                group_info.group_id, buffer.numel() - self.n_elements, out=buffer)
         own = island.members[my_index]
@@ -110,7 +123,7 @@ class ExactAverager(DecentralizedAverager):
             await self._die_mid_allreduce(group_info, min_vector_size, **kwargs)
         await asyncio.wait_for(super()._aggregate_with_group(group_info, min_vector_size, **kwargs),
                                plan.deadline)
-        with self.get_tensors() as (buffer,):
+        with self.buffer() as buffer:
             decoded = exact.decode(buffer, self.n_elements, len(island.members), enc)
         if not decoded.verified:
             logger.warning(f"round in group {group_info.group_id.hex()[:8]} not verified: {decoded.reason}")
@@ -121,7 +134,7 @@ class ExactAverager(DecentralizedAverager):
         exactly by our own reduce-scatter and all-gather (p2pdiloco.swarm.codes)."""
         included = plan.included  # only they send and reduce parts: an excluded member's codes are never summed
         maxabs = [plan.maxabs[i].double() * plan.weights[i] for i in included]
-        with self.get_tensors() as (buffer,):  # read in place: the host writes it only between rounds
+        with self.buffer() as buffer:  # read in place: the host writes it only between rounds
             delta = buffer[: self.n_elements]
         scales = codec.agreed_scales(maxabs, self.bits)
         fmt = self.wire_format(len(included))
@@ -146,7 +159,7 @@ class ExactAverager(DecentralizedAverager):
             failed = self._reduced(island, plan, group_info, False, f"compressed all-reduce failed: {e}", started)
             return dataclasses.replace(failed, blamed=frozenset(getattr(e, "culprits", ())))
         ranges = part_ranges(self.n_elements, len(peers), align=codec.BLOCK)
-        with self.get_tensors() as (buffer,):  # Σ wᵢΔᵢ into the buffer part by part, the same bits everywhere
+        with self.buffer() as buffer:  # Σ wᵢΔᵢ into the buffer part by part, the same bits everywhere
             merged = buffer[: self.n_elements]  # (the host reads it only once we return)
         await asyncio.to_thread(_dequantize_parts, total, ranges, scales, merged)
         reweigh_parts(merged, ranges, left_out, {str(group_info.peer_ids[i]): plan.weights[i] for i in included})

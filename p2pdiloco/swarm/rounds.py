@@ -138,7 +138,7 @@ class SwarmMerger:
         if self.feedback is not None:
             body = self.feedback.compensate(body)
         sent, claimed_tokens = hostile(self.fault_plan, body, c)  # test-only: a lying peer (fault plan)
-        with self.averager.get_tensors() as (buffer,):
+        with self.averager.buffer() as buffer:
             buffer[: self.n] = sent
         gather = gather_record(self.peer, c.name, c.version, claimed_tokens, c.steps, body, c.digest, island.budget,
                                norms, self.averager.wire_format(1) if self.bits else None,
@@ -167,7 +167,7 @@ class SwarmMerger:
             return result
         if self.feedback is not None and result.codec_scales is not None:
             self._record_feedback(body, result)
-        with self.averager.get_tensors() as (buffer,):
+        with self.averager.buffer() as buffer:
             # a view, not a copy: the host applies it before its next round writes the buffer again (DiLoCo keeps
             # a copy only for eager estimates)
             return dataclasses.replace(result, merged=buffer[: self.n])
