@@ -7,7 +7,9 @@ import faulthandler
 import signal
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -17,7 +19,7 @@ from p2pdiloco.training.data import BatchStream, load_corpus, stream_seed, valid
 from p2pdiloco.core.consensus import consensus_distance, sketch
 from p2pdiloco.training.diloco import DiLoCo, Settled, train
 from p2pdiloco.protocol.outcomes import Contribution
-from p2pdiloco.training.inner import InnerTrainer, bitsandbytes, evaluate, flat_params, load_flat_params
+from p2pdiloco.training.inner import InnerTrainer, bitsandbytes, evaluate, flat_params
 from p2pdiloco.runtime.faults import FaultPlan
 from p2pdiloco.runtime.lifeline import start_lifeline
 from p2pdiloco.runtime import schema
@@ -46,6 +48,14 @@ def _fmt_loss(value) -> str:
     return "-" if value is None else f"{value:.4f}"
 
 
+@dataclass
+class WarmStart:
+    """The hand-over between the connecting thread and the training thread of a restarted peer."""
+
+    forked: threading.Event = field(default_factory=threading.Event)  # the DHT and averager processes run
+    restored: threading.Event = field(default_factory=threading.Event)  # θ and Θ are built and restored
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -68,6 +78,7 @@ class Peer:
         self.dht = self.merger = self.heartbeat = self.lifeline = self.metrics = self.peer_id = None
         self._join_thread: threading.Thread | None = None  # a warm start connects while training
         self._join_done = threading.Event()
+        self._warm: Optional[WarmStart] = None
         self._joined_state = None
         self.join_error: BaseException | None = None
         self.leave_error: BaseException | None = None
@@ -78,11 +89,13 @@ class Peer:
         try:
             self._prepare()
             found = self._find_checkpoint() if self.cfg.name else None
-            if found is not None and "stream_seed" in found.meta and self.cfg.swarm.initial_peers:
-                self._materialize()
-                self._start_warm(found)
-            else:  # read again once the helpers forked: they would keep a copy of every page we free or write
-                found = None
+            warm = found is not None and "stream_seed" in found.meta and self.cfg.swarm.initial_peers
+            # either way the checkpoint is read again once the helpers forked: they would keep a copy of every
+            # page of it (and of the model) that we free or write afterwards
+            found = None
+            if warm:
+                self._start_warm()
+            else:
                 self._join(look_for_checkpoint=True)
             summary = self._train()
             if self.join_error is not None:
@@ -132,15 +145,25 @@ class Peer:
             self._resync("joining")
         self._publish_state()
 
-    def _start_warm(self, found) -> None:
-        """A restarted peer trains from its checkpoint at once; connecting to the swarm and fetching its state
-        (seconds: imports, the DHT, the averager, the transfer) run meanwhile, and the steps taken by then are
-        rebased onto the swarm's state and go into our first contribution, so they are not lost."""
-        self._make_diloco(0, merger=None)  # the checkpoint restores the stream's seed and position
-        self._restore_checkpoint(found)
+    def _start_warm(self) -> None:
+        """A restarted peer trains from its checkpoint while connecting to the swarm and fetching its state
+        (seconds: the DHT, the averager, the transfer); the steps taken by then are rebased onto the swarm's
+        state and go into our first contribution, so they are not lost. Only the helper processes' start comes
+        first (the DHT's bootstrap: a second or two): the model is built after they forked, as in a cold start."""
+        self._warm = WarmStart()
         # a daemon: leaving must not wait for a connection still under way (the lifeline takes its helpers down)
         self._join_thread = threading.Thread(target=self._connect_in_background, name="join", daemon=True)
         self._join_thread.start()
+        while not (self._warm.forked.wait(0.1) or self._join_done.is_set()):
+            pass  # a connection that failed first is reported at the first step, after which we save and leave
+        try:
+            self._materialize()
+            self._make_diloco(0, merger=None)  # the checkpoint restores the stream's seed and position
+            found = self._find_checkpoint()
+            if found is not None:  # (gone or damaged since we looked: we go on from the swarm's state)
+                self._restore_checkpoint(found)
+        finally:
+            self._warm.restored.set()
 
     def _connect_in_background(self) -> None:
         try:
@@ -193,12 +216,23 @@ class Peer:
         self.merger = SwarmMerger(self.dht, cfg.swarm, cfg.outer, self.n_params, self.segments, None,
                                   self._share_state, self.stop, self.clock, overlap,
                                   FaultPlan.parse(cfg.swarm.fault_plan))
-        self._materialize()  # after both forks (a warm start built them before connecting)
+        self._helpers_forked()
         self.heartbeat = self.merger.heartbeat = Heartbeat(
             self.dht, cfg.swarm.run_id, PeerRecord(peer=self.peer_id, name=self.name, version=self.state.version,
                                                    digest=self.state.digest, settings=self._settings()))
         if cfg.swarm.initial_peers:
             self._refuse_a_mismatch()
+
+    def _helpers_forked(self) -> None:
+        """Both helper processes run: now the model-sized tensors. A warm start builds and restores them in
+        the training thread; our record (version, digest) waits for that."""
+        if self._warm is None:
+            self._materialize()
+            return
+        self._warm.forked.set()
+        while not self._warm.restored.wait(0.1):
+            if self.stop.is_set():
+                raise RuntimeError("left while restoring the checkpoint")
 
     def _share_state(self):
         """A peer asking for our state (hivemind's averager advertises it from its start) in the moment before
@@ -316,10 +350,7 @@ class Peer:
 
     def _evaluate_global(self) -> float:
         """Validation loss of Θ, the global model every peer converges to (θ, the local one, runs ahead)."""
-        if getattr(self, "eval_model", None) is None:
-            self.eval_model = build_model(model_config(self.cfg.model), self.cfg.seed).to(self.device)
-        load_flat_params(self.eval_model, self.state.params)
-        return evaluate(self.eval_model, self.val, self.device)
+        return evaluate(self.model, self.val, self.device, params=self.state.params)  # no second model
 
     # ---- training ---------------------------------------------------------------------------------------
     def _train(self) -> dict:

@@ -168,9 +168,30 @@ class InnerTrainer:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: list, device: torch.device) -> float:
+def evaluate(model: nn.Module, batches: list, device: torch.device, params: torch.Tensor | None = None) -> float:
+    """Mean loss over `batches`, without autograd. With `params` (a flat vector in `flat_params`' layout, e.g.
+    Θ), the loss of those parameters, run through this model's modules on views of the vector: no second model
+    (4 bytes per parameter) and no copy of the vector on a CPU."""
     was_training = model.training
     model.eval()
-    losses = [model(x.to(device), y.to(device)).item() for x, y in batches]
-    model.train(was_training)
+    try:
+        with torch.no_grad():
+            if params is None:
+                losses = [model(x.to(device), y.to(device)).item() for x, y in batches]
+            else:
+                views = parameter_views(model, params.to(device))
+                losses = [torch.func.functional_call(model, views, (x.to(device), y.to(device))).item()
+                          for x, y in batches]
+    finally:
+        model.train(was_training)
     return sum(losses) / len(losses)
+
+
+def parameter_views(model: nn.Module, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The model's parameters by name as views of a flat vector (`model.parameters()` order, ties once)."""
+    views, offset = {}, 0
+    for name, p in model.named_parameters():
+        views[name] = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    assert offset == flat.numel(), "flat vector does not match the model"
+    return views
