@@ -73,9 +73,9 @@ class PartServer:
 
     def __init__(self, get_state: Callable, clock: Callable[[], float] = time.monotonic):
         self.get_state, self.clock = get_state, clock
-        self._snapshot: Optional[tuple[float, dict, torch.Tensor]] = None
+        self._snapshot: Optional[tuple[float, dict, list[torch.Tensor]]] = None
 
-    async def _state(self, version: int, digest: str) -> tuple[dict, torch.Tensor]:
+    async def _state(self, version: int, digest: str) -> tuple[dict, list[torch.Tensor]]:
         """The snapshot of the state asked for. It stays alive while parts of it are being served: its window
         slides with each request, so a transfer slower than SNAPSHOT_SECONDS in all (a slow link, a big model,
         a slow co-donor) is not refused halfway because we moved on meanwhile. Idle, it is dropped for a new one."""
@@ -84,7 +84,8 @@ class PartServer:
         if not fresh or (self._snapshot[1]["version"], self._snapshot[1]["digest"]) != (version, digest):
             blob, tensors, _ = await self.get_state()  # hivemind hands the metadata over serialized
             metadata = serializer.loads(blob) if isinstance(blob, bytes) else blob
-            self._snapshot = (now, metadata, torch.cat([t.reshape(-1).float() for t in tensors]))
+            # kept as the host handed them over (in shared memory), not concatenated: a part copies its own span
+            self._snapshot = (now, metadata, [t.reshape(-1) for t in tensors])
         self._snapshot = (now, *self._snapshot[1:])
         return self._snapshot[1], self._snapshot[2]
 
@@ -94,16 +95,27 @@ class PartServer:
         except ValueError as e:
             yield _error(str(e))
             return
-        metadata, flat = await self._state(version, digest)
+        metadata, tensors = await self._state(version, digest)
         if (metadata["version"], metadata["digest"]) != (version, digest):
             yield _error(f"moved on: holds version {metadata['version']}")
             return
-        if start + length > flat.numel():
+        if start + length > sum(t.numel() for t in tensors):
             yield _error("part request beyond the state")
             return
-        parts = split_for_streaming(serialize_torch_tensor(flat[start:start + length].clone()))
+        parts = split_for_streaming(serialize_torch_tensor(span(tensors, start, length)))
         for i, part in enumerate(parts):
             yield averaging_pb2.DownloadData(tensor_part=part, metadata=serializer.dumps(metadata) if i == 0 else b"")
+
+
+def span(tensors: list[torch.Tensor], start: int, length: int) -> torch.Tensor:
+    """Elements [start, start + length) of flat tensors laid end to end, as one fp32 copy of just those."""
+    pieces, offset = [], 0
+    for t in tensors:
+        a, b = max(start - offset, 0), min(start + length - offset, t.numel())
+        if a < b:
+            pieces.append(t[a:b])
+        offset += t.numel()
+    return torch.cat(pieces).float() if pieces else torch.empty(0)
 
 
 class StateFetcher:
