@@ -239,7 +239,7 @@ class Peer:
         we built it is told so, and asks another donor."""
         if self.state is None:
             raise RuntimeError("this peer is still starting: no state to share yet")
-        return self.state.snapshot()
+        return self.state.snapshot(shared=True)
 
     def _settings(self) -> dict[str, str]:
         """What every member of an island must share, published with our record and checked when others join."""

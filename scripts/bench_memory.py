@@ -8,7 +8,7 @@ of torch's libraries are split among the processes that map them. Device memory,
 peer's own metrics (torch.cuda.max_memory_allocated).
 
 Usage: python scripts/bench_memory.py [--models tiny,base,medium,large] [--optimizers adamw,adamw8bit]
-       [--batch-size 4] [--device cpu] [--peers 2]
+       [--batch-size 4] [--device cpu] [--peers 2] [--compression none|int8|int4|int2]
 Needs no root; run it inside `unshare -n` (loopback only) like the tests, or not: peers listen on 127.0.0.1.
 """
 
@@ -71,6 +71,7 @@ def measure(model: str, optimizer: str, args, log_dir: Path) -> dict:
               "--seq-len", str(args.seq_len), "-H", str(args.inner_steps), "--max-rounds", str(args.rounds),
               "--threads", str(args.threads), "--device", args.device, "--eval-every", "0",
               "--run-id", f"mem-{model}-{optimizer}", "--checkpoint-every", str(args.checkpoint_every),
+              "--compression", args.compression,
               "--checkpoint-dir", str(log_dir / "checkpoints")]
     first = start_process(peer_command("join", "--log-dir", str(log_dir), "--name", "peer0", *common),
                           log_dir / "peer0.log")
@@ -89,7 +90,7 @@ def measure(model: str, optimizer: str, args, log_dir: Path) -> dict:
     summary = of_kind(read_records(log_dir / "peer0.jsonl"), Summary)
     n_params = sum_params(model)
     device_peak = summary[-1].device_peak_bytes if summary else None
-    return dict(model=model, optimizer=optimizer, device=args.device, n_params=n_params,
+    return dict(model=model, optimizer=optimizer, device=args.device, compression=args.compression, n_params=n_params,
                 rounds=summary[-1].rounds if summary else None,
                 tokens_per_s=round(summary[-1].tokens / max(summary[-1].training_seconds, 1e-9)) if summary else None,
                 utilization=round(summary[-1].utilization, 3) if summary else None,
@@ -130,6 +131,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--checkpoint-every", type=int, default=1, help="checkpoints are part of a peer's peak")
+    p.add_argument("--compression", default="none", help="the rounds' wire format (none: exact fp32, the default)")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
     args = p.parse_args()

@@ -345,3 +345,16 @@ def test_adopting_a_fork_that_lacks_our_merge_restores_our_work_for_the_next_con
     descendant.apply(torch.zeros_like(theta0), ["y"])
     d2.adopt(*descendant.snapshot())
     assert d2.unmerged_steps == 0 and d2.recovered_tokens == 0
+
+
+def test_a_snapshot_for_sharing_is_made_in_shared_memory_and_does_not_move_with_the_state():
+    """Handed to the averager process, a shared snapshot travels as a handle: no second copy of Θ and momentum."""
+    from p2pdiloco.core.state import GlobalState
+
+    state = GlobalState(torch.randn(1000), 0.7, 0.9)
+    meta, (params, momentum) = state.snapshot(shared=True)
+    assert params.is_shared() and momentum.is_shared() and meta["version"] == 0
+    before = params.clone()
+    state.apply(torch.full((1000,), 1e-2), ["me"])
+    assert torch.equal(params, before) and not torch.equal(state.params, before)
+    assert not any(t.is_shared() for t in state.snapshot()[1])  # the plain snapshot stays private
