@@ -132,7 +132,10 @@ class ErrorFeedback:
         return delta if self.residual is None else delta + self.residual
 
     def record(self, intended: torch.Tensor, sent: torch.Tensor) -> None:
-        self.residual = (intended.double() - sent.double()).float()
+        residual = torch.empty(intended.numel(), dtype=torch.float32)
+        for part, _ in blockwise(intended.numel()):  # elementwise, a chunk of float64 at a time
+            residual[part] = (intended[part].double() - sent[part].double()).float()
+        self.residual = residual
 
 
 # ---- the lossless stage: every packed part goes on the wire through it ----------------------------------------
@@ -327,7 +330,14 @@ def encode(delta: torch.Tensor, weight: float, scales: torch.Tensor, bits: int,
     codes = quantize(delta, scales, bits, weight)
     if isinstance(fmt, TopKFormat):  # a dense format selects everything
         codes.mul_(selected)
-    if not with_sent:
-        return Encoded(codes, selected, None)
-    sent = dequantize(codes, scales).double().div_(weight).float() if weight > 0 else torch.zeros_like(delta)
-    return Encoded(codes, selected, sent)
+    return Encoded(codes, selected, sent_of(codes, scales, weight) if with_sent else None)
+
+
+def sent_of(codes: torch.Tensor, scales: torch.Tensor, weight: float) -> torch.Tensor:
+    """What of a member's Δ its codes carry: code·scale / w, a chunk at a time (elementwise: the same bits as
+    over the whole vector, without its float64 copies)."""
+    sent = torch.zeros(codes.numel(), dtype=torch.float32)
+    if weight > 0:
+        for part, blocks in blockwise(codes.numel()):
+            sent[part] = dequantize(codes[part], scales[blocks]).double().div_(weight).float()
+    return sent

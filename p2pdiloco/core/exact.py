@@ -49,9 +49,12 @@ def n_blocks(n: int) -> int:
 
 
 def block_maxabs(x: torch.Tensor) -> torch.Tensor:
-    pad = n_blocks(x.numel()) * BLOCK - x.numel()
-    padded = torch.nn.functional.pad(x.abs().float(), (0, pad))
-    return padded.view(-1, BLOCK).amax(dim=1)
+    """max |x| of each block, a chunk at a time (no model-sized |x| and padded copies)."""
+    out = torch.empty(n_blocks(x.numel()), dtype=torch.float32)
+    for part, blocks in blockwise(x.numel()):
+        chunk = x[part].abs().float()
+        out[blocks] = torch.nn.functional.pad(chunk, (0, -chunk.numel() % BLOCK)).view(-1, BLOCK).amax(dim=1)
+    return out
 
 
 def scales_for(maxabs: Sequence[torch.Tensor], top_code: int) -> torch.Tensor:

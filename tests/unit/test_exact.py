@@ -126,3 +126,11 @@ def test_chunked_arithmetic_gives_the_bits_of_the_whole_model_sized_formula():
     per4 = scales4.double().repeat_interleave(exact.BLOCK)[:n]
     assert torch.equal(codes, (delta.double() * 0.5 / per4).round().clamp(-7, 7).to(torch.int32))
     assert torch.equal(codec.dequantize(codes, scales4), (codes.double() * per4).float())
+    # the block maxima, error feedback's `sent` and its residual: chunked too, the same bits as one shot
+    padded = torch.nn.functional.pad(delta.abs(), (0, -n % exact.BLOCK)).view(-1, exact.BLOCK)
+    assert torch.equal(exact.block_maxabs(delta), padded.amax(dim=1))
+    sent = codec.sent_of(codes, scales4, 0.5)
+    assert torch.equal(sent, codec.dequantize(codes, scales4).double().div_(0.5).float())
+    feedback = codec.ErrorFeedback()
+    feedback.record(delta, sent)
+    assert torch.equal(feedback.residual, (delta.double() - sent.double()).float())
