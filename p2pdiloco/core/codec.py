@@ -85,11 +85,21 @@ def _group(width: int) -> tuple[int, int]:
     return values, values * width // 8
 
 
+PACK_SLICE = 1 << 20  # values per slice of pack/unpack: their numpy temporaries take ~30 bytes per value
+
+
 def pack(values: torch.Tensor, width: int) -> bytes:
-    """Signed integers with |v| < 2^(width−1), `width` bits each, little-endian, padded to whole groups."""
+    """Signed integers with |v| < 2^(width−1), `width` bits each, little-endian, padded to whole groups. A
+    slice of whole groups at a time: the same bytes, with a slice's temporaries instead of a part's."""
     if width != packable_width(width):
         raise ValueError(f"width {width} is not packable; use packable_width()")
     per, nbytes = _group(width)
+    step = PACK_SLICE - PACK_SLICE % per
+    return b"".join(_pack_slice(values[i:i + step], width, per, nbytes)
+                    for i in range(0, max(values.numel(), 1), step))
+
+
+def _pack_slice(values: torch.Tensor, width: int, per: int, nbytes: int) -> bytes:
     offset = 1 << (width - 1)
     v = values.to(torch.int64).numpy().astype(np.uint64) + np.uint64(offset)
     if v.size and int(v.max()) >= 1 << width:
@@ -102,16 +112,23 @@ def pack(values: torch.Tensor, width: int) -> bytes:
 
 
 def unpack(data: bytes, width: int, n: int) -> torch.Tensor:
-    """The inverse of `pack`: n signed integers (int64). Raises ValueError if `data` has the wrong length."""
+    """The inverse of `pack`: n signed integers (int64), a slice at a time. Raises ValueError if `data` has the
+    wrong length."""
     per, nbytes = _group(width)
     groups = -(-n // per)
     if len(data) != groups * nbytes:
         raise ValueError(f"expected {groups * nbytes} bytes for {n} values of {width} bits, got {len(data)}")
     raw = np.frombuffer(data, dtype=np.uint8).reshape(groups, nbytes)
-    acc = np.pad(raw, ((0, 0), (0, 8 - nbytes))).copy().view("<u8").reshape(-1)
     mask = np.uint64((1 << width) - 1)
-    v = np.stack([(acc >> np.uint64(k * width)) & mask for k in range(per)], axis=1).reshape(-1)[:n]
-    return torch.from_numpy(v.astype(np.int64) - (1 << (width - 1)))
+    out = torch.empty(n, dtype=torch.int64)
+    step = max(1, PACK_SLICE // per)  # groups per slice
+    for g in range(0, groups, step):
+        acc = np.pad(raw[g:g + step], ((0, 0), (0, 8 - nbytes))).copy().view("<u8").reshape(-1)
+        v = np.stack([(acc >> np.uint64(k * width)) & mask for k in range(per)], axis=1).reshape(-1)
+        start = g * per
+        end = min(n, start + v.size)
+        out[start:end] = torch.from_numpy(v[:end - start].astype(np.int64) - (1 << (width - 1)))
+    return out
 
 
 def packed_bytes(n: int, width: int) -> int:

@@ -157,3 +157,16 @@ def test_the_averager_dequantizes_the_sum_part_by_part_into_its_buffer_with_the_
     out = torch.full((n,), float("nan"))
     _dequantize_parts([codes[a:b].to(torch.int64) for a, b in ranges], ranges, scales, out)
     assert torch.equal(out, codec.dequantize(codes, scales))
+
+
+@pytest.mark.parametrize("width", [2, 3, 4, 6, 12, 20, 32])
+def test_packing_a_slice_at_a_time_gives_the_bytes_of_packing_all_at_once(width):
+    """pack/unpack run a slice at a time (the averager's peak memory); across slice boundaries the bytes and
+    values are those of the whole part packed in one go."""
+    n = 2 * codec.PACK_SLICE + 13
+    limit = (1 << (width - 1)) - 1
+    values = torch.randint(-limit, limit + 1, (n,), generator=torch.Generator().manual_seed(width))
+    per, nbytes = codec._group(width)
+    data = codec.pack(values, width)
+    assert data == codec._pack_slice(values, width, per, nbytes)
+    assert torch.equal(codec.unpack(data, width, n), values)
