@@ -237,9 +237,10 @@ class ExactAverager(DecentralizedAverager):
             self._part_server = PartServer(self._get_current_state_from_host_process)
             self._parts_served = Counter()  # by requester and state, for the fault plan
         await self._maybe_die_while_sharing(request, context)
-        if self.fault_plan.version_of("slow_sharing") is not None:
-            await asyncio.sleep(0.2)
+        slow = self.fault_plan.version_of("slow_sharing") is not None
         async for message in self._part_server.serve_part(request):
+            if slow:  # slow on the wire, but after the snapshot is taken: not late to look (the state moves on)
+                await asyncio.sleep(0.2)
             yield message
             if message.HasField("tensor_part") and self.fault_plan.version_of("die_while_sharing") is not None:
                 self._parts_served[_transfer_of(request, context)] += 1
