@@ -88,11 +88,10 @@ class Peer:
     def run(self) -> dict:
         try:
             self._prepare()
-            found = self._find_checkpoint() if self.cfg.name else None
-            warm = found is not None and "stream_seed" in found.meta and self.cfg.swarm.initial_peers
-            # either way the checkpoint is read again once the helpers forked: they would keep a copy of every
-            # page of it (and of the model) that we free or write afterwards
-            found = None
+            # only the metadata now: the tensors are read after the helper processes fork, which would otherwise
+            # keep a copy of every page of them (and of the model) that we free or write afterwards
+            meta = checkpoint.latest_meta(self.checkpoint_folder) if self.cfg.name else None
+            warm = bool(meta and self._is_ours(meta) and "stream_seed" in meta and self.cfg.swarm.initial_peers)
             if warm:
                 self._start_warm()
             else:
@@ -127,7 +126,7 @@ class Peer:
     def _materialize(self) -> None:
         """θ and Θ. A cold start builds them only once the DHT and averager processes have forked: a child
         forked after them keeps its own copy of every page the trainer writes afterwards (copy-on-write), which
-        cost ~14 bytes per parameter across the two helpers (the 100M model, measured)."""
+        cost about 12 bytes per parameter across the two helpers (the 100M model, measured)."""
         if self.model is None:
             cfg = self.cfg
             self.model = build_model(model_config(cfg.model), cfg.seed).to(self.device)
@@ -327,11 +326,14 @@ class Peer:
         found = checkpoint.load_latest(self.checkpoint_folder, self.n_params, report=log.warning)
         if found is None:
             return None
-        if found.meta.get("run_id") != self.cfg.swarm.run_id or found.meta.get("model") != self.cfg.model:
+        if not self._is_ours(found.meta):
             log.warning("%s: ignoring checkpoint %s: it is of run %r, model %r", self.name, found.path,
                         found.meta.get("run_id"), found.meta.get("model"))
             return None
         return found
+
+    def _is_ours(self, meta: dict) -> bool:
+        return meta.get("run_id") == self.cfg.swarm.run_id and meta.get("model") == self.cfg.model
 
     def _restore_checkpoint(self, found) -> None:
         note = self.diloco.restore_checkpoint_state(found.meta, found.tensors)

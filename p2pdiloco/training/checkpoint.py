@@ -134,6 +134,18 @@ def load_one(path: Path, n_params: int) -> Checkpoint:
     return Checkpoint(path, meta, tensors)
 
 
+def latest_meta(folder: Path) -> Optional[dict]:
+    """The newest checkpoint's metadata, read without its tensors (None if there is none, or it is unreadable):
+    enough to decide how to start; `load_latest` verifies the tensors when they are needed."""
+    for path in list_checkpoints(folder)[:1]:
+        try:
+            meta = json.loads((path / META).read_text())
+        except (OSError, ValueError):
+            return None
+        return meta if isinstance(meta, dict) else None
+    return None
+
+
 def load_latest(folder: Path, n_params: int, report=lambda message: None) -> Optional[Checkpoint]:
     """The newest checkpoint that verifies; damaged ones are reported and skipped (never deleted)."""
     for path in list_checkpoints(folder):

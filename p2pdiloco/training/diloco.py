@@ -32,7 +32,7 @@ from typing import Callable, Optional, Protocol
 
 import torch
 
-from p2pdiloco.training.inner import (InnerTrainer, flat_params, load_flat_params, optimizer_state,
+from p2pdiloco.training.inner import (InnerTrainer, flat_params, load_flat_params, optimizer_state, param_slices,
                                       restore_optimizer_state)
 from p2pdiloco.protocol.outcomes import Contribution, RolledBack, RoundOutcome, Solo
 from p2pdiloco.core.state import GlobalState, contains
@@ -182,10 +182,7 @@ class DiLoCo:
             return False  # rolled back and nothing adopted: θ and Θ stay exactly as they are
         held = False
         with self.state.lock:
-            # θ ← θ − base before Θ changes: the base is expressed through Θ_S, which is Θ until then
-            exact = (kept == "since snapshot" and flight.origin is None
-                     and self.trainer.total_steps == flight.steps_at_snapshot)  # no step in flight: θ = Θ'
-            self._keep_progress(flight, kept, exact)
+            self._keep_progress(flight, kept)  # θ ← θ − base before Θ changes: the base is expressed through Θ_S
             restored = None
             try:
                 if outcome.state_before is not None:
@@ -202,14 +199,15 @@ class DiLoCo:
                     # stale and no download: our Δ lives in the group's state, not in ours; we catch up later
                     held = not (outcome.stale and outcome.state is None)
                     self.last_merge = LastMerge(self.state.key, c.delta, c.tokens, c.steps, c.seconds) if held else None
-                    # only eager estimates use the last merged update: others need not keep a model-sized copy
-                    # outcome.merged may view the averager's buffer, which the next round overwrites
-                    self.last_merged = _copy(outcome.merged) if self.eager else None
+                    # only eager estimates use the last merged update, a copy: outcome.merged may view the
+                    # averager's buffer, which the next round overwrites
+                    eager_copy = self.eager and outcome.merged is not None
+                    self.last_merged = outcome.merged.clone() if eager_copy else None
                     self.last_weight = own_weight(outcome, self.peer)
                 elif outcome.state is not None:
                     restored = self._add(restored, self._load_foreign(*outcome.state))
             finally:  # θ ← Θ + progress [+ restored], whatever Θ now is
-                self._add_global(restored, exact)
+                self._add_global(restored)
         if outcome.sync_seconds:
             self.clock.sync.update(outcome.sync_seconds)
         self.clock.quorum.update(outcome.quorum_seconds)
@@ -238,20 +236,19 @@ class DiLoCo:
     # ---- rebasing θ onto a new Θ: θ ← Θ_new + (θ − base) [+ restored], in two passes around Θ's change -------
     # In place, one parameter at a time: no model-sized temporaries, and no snapshot of θ or Θ kept while a
     # round is in flight. On a CPU the arithmetic runs in the parameter's own memory (fp32, contiguous).
-    def _keep_progress(self, flight: Optional[InFlight], kept: str, exact: bool) -> None:
+    def _keep_progress(self, flight: Optional[InFlight], kept: str) -> None:
         """θ ← θ − base, while Θ is still Θ_S. Delayed application: θ_S = Θ_S − Δ, so the progress since the
         snapshot is (θ − Θ_S) + Δ, and all unmerged progress is θ − Θ_S. Eager: the in-flight steps started from
         the estimate, so the progress since the snapshot is θ − origin, and all of it θ − origin − Δ.
-        (θ_S rebuilt as Θ_S − Δ differs from the θ_S of the snapshot by at most an ulp of Δ: θ is local, and
-        every peer computes its own the same way, so resumed runs stay bit-exact.)"""
+        θ_S rebuilt as Θ_S − Δ differs from the θ_S of the snapshot by at most an ulp of Δ (θ is local, and
+        resumed runs stay bit-exact). With no step in flight the progress is exactly 0, as IEEE rounding is
+        symmetric: (θ_S − Θ_S) + Δ = −Δ + Δ; so θ becomes Θ' bit for bit."""
         origin = None if flight is None else flight.origin
         delta = None if flight is None else flight.delta
-        for p, part in self._parts():
-            with torch.no_grad():
+        with torch.no_grad():
+            for _, p, part in param_slices(self.trainer.model):
                 progress = _flat(p)
-                if exact:
-                    progress.zero_()
-                elif origin is None:
+                if origin is None:
                     progress.sub_(self.state.params[part])
                     if kept == "since snapshot":
                         progress.add_(delta[part])
@@ -261,34 +258,25 @@ class DiLoCo:
                         progress.sub_(delta[part])
                 _store(p, progress)
 
-    def _add_global(self, restored: Optional[torch.Tensor], exact: bool) -> None:
+    def _add_global(self, restored: Optional[torch.Tensor]) -> None:
         """θ ← progress [+ restored] + Θ (the second pass)."""
-        if exact and restored is None:
-            load_flat_params(self.trainer.model, self.state.params)  # exactly Θ, bit for bit
-            return
-        for p, part in self._parts():
-            with torch.no_grad():
+        with torch.no_grad():
+            for _, p, part in param_slices(self.trainer.model):
                 progress = _flat(p)
                 if restored is not None:
                     progress.add_(restored[part])
                 _store(p, progress.add_(self.state.params[part]))
 
-    def _parts(self):
-        offset = 0
-        for p in self.trainer.model.parameters():
-            yield p, slice(offset, offset + p.numel())
-            offset += p.numel()
-
     def adopt(self, metadata: dict, tensors: list[torch.Tensor]) -> None:
         """Take a global state from a peer between rounds (joining, or behind): rebase unmerged progress."""
         assert self.in_flight is None
         with self.state.lock:
-            self._keep_progress(None, "all unmerged", exact=False)
+            self._keep_progress(None, "all unmerged")
             restored = None
             try:
                 restored = self._load_foreign(metadata, tensors)
             finally:
-                self._add_global(restored, exact=False)
+                self._add_global(restored)
 
     def abandon(self) -> None:
         """Leave without the round in flight's outcome: Θ is untouched and its tokens stay unmerged, with θ
@@ -297,8 +285,8 @@ class DiLoCo:
         flight, self.in_flight = self.in_flight, None
         if flight is not None and flight.origin is not None:
             with self.state.lock:
-                self._keep_progress(flight, "all unmerged", exact=False)
-                self._add_global(None, exact=False)
+                self._keep_progress(flight, "all unmerged")
+                self._add_global(None)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -347,10 +335,6 @@ class DiLoCo:
         return note
 
 
-def _copy(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return None if t is None else t.clone()
-
-
 def _flat(p: torch.Tensor) -> torch.Tensor:
     """A parameter as a flat fp32 CPU vector: on a CPU, the parameter's own memory."""
     return p.detach().float().cpu().reshape(-1)
@@ -362,15 +346,12 @@ def _store(p: torch.Tensor, flat: torch.Tensor) -> None:
 
 
 def pseudo_gradient_of(model: torch.nn.Module, global_params: torch.Tensor) -> torch.Tensor:
-    """Δ = Θ − θ, one parameter at a time: the same bits as `pseudo_gradient(Θ, flat θ)` without the flat copy
+    """Δ = Θ − θ (`core.outer.pseudo_gradient`), one parameter at a time: the same bits without a flat copy
     of θ."""
     delta = torch.empty_like(global_params)
-    offset = 0
     with torch.no_grad():
-        for p in model.parameters():
-            part = slice(offset, offset + p.numel())
+        for _, p, part in param_slices(model):
             torch.sub(global_params[part], _flat(p), out=delta[part])
-            offset += p.numel()
     return delta
 
 

@@ -20,32 +20,38 @@ BETAS = (0.9, 0.95)
 ALIAS = "@"  # in a checkpoint's optimizer scalars: this state is the tensor saved under another name
 
 
+def param_slices(model: nn.Module) -> Iterator[tuple[str, nn.Parameter, slice]]:
+    """Each parameter with its name and its slice of the flat vector (the layout every peer shares:
+    `model.named_parameters()` order, a tied tensor once)."""
+    offset = 0
+    for name, p in model.named_parameters():
+        yield name, p, slice(offset, offset + p.numel())
+        offset += p.numel()
+
+
 def flat_params(model: nn.Module, out: torch.Tensor | None = None) -> torch.Tensor:
     """The model's parameters as one fp32 CPU vector (the layout every peer shares), written into `out` if
     given. From a GPU, every tensor is copied into one pinned staging vector first (asynchronous copies, one
     wait), never through a list of per-tensor host copies concatenated afterwards."""
-    params = list(model.parameters())
-    n = sum(p.numel() for p in params)
-    on_gpu = params[0].device.type == "cuda"
+    params = list(param_slices(model))
+    on_gpu = params[0][1].device.type == "cuda"
     if out is None:
-        out = torch.empty(n, dtype=torch.float32, pin_memory=on_gpu and torch.cuda.is_available())
-    offset = 0
+        out = torch.empty(params[-1][2].stop, dtype=torch.float32, pin_memory=on_gpu and torch.cuda.is_available())
     with torch.no_grad():
-        for p in params:
-            out[offset:offset + p.numel()].view_as(p).copy_(p.detach(), non_blocking=on_gpu)
-            offset += p.numel()
+        for _, p, part in params:
+            out[part].view_as(p).copy_(p.detach(), non_blocking=on_gpu)
     if on_gpu:
-        torch.cuda.current_stream(params[0].device).synchronize()
+        torch.cuda.current_stream(params[0][1].device).synchronize()
     return out
 
 
 @torch.no_grad()
 def load_flat_params(model: nn.Module, flat: torch.Tensor) -> None:
-    offset = 0
-    for p in model.parameters():
-        p.copy_(flat[offset : offset + p.numel()].view_as(p))
-        offset += p.numel()
-    assert offset == flat.numel(), "flat vector does not match the model"
+    end = 0
+    for _, p, part in param_slices(model):
+        p.copy_(flat[part].view_as(p))
+        end = part.stop
+    assert end == flat.numel(), "flat vector does not match the model"
 
 
 def bitsandbytes():
@@ -169,29 +175,25 @@ class InnerTrainer:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: list, device: torch.device, params: torch.Tensor | None = None) -> float:
-    """Mean loss over `batches`, without autograd. With `params` (a flat vector in `flat_params`' layout, e.g.
-    Θ), the loss of those parameters, run through this model's modules on views of the vector: no second model
-    (4 bytes per parameter) and no copy of the vector on a CPU."""
+    """Mean loss over `batches`. With `params` (a flat vector in `flat_params`' layout, e.g. Θ), the loss of
+    those parameters, run through this model's modules on views of the vector: no second model (4 bytes per
+    parameter) and no copy of the vector on a CPU."""
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
-            if params is None:
-                losses = [model(x.to(device), y.to(device)).item() for x, y in batches]
-            else:
-                views = parameter_views(model, params.to(device))
-                losses = [torch.func.functional_call(model, views, (x.to(device), y.to(device))).item()
-                          for x, y in batches]
+        if params is None:
+            losses = [model(x.to(device), y.to(device)).item() for x, y in batches]
+        else:
+            views = parameter_views(model, params.to(device))
+            losses = [torch.func.functional_call(model, views, (x.to(device), y.to(device))).item()
+                      for x, y in batches]
     finally:
         model.train(was_training)
     return sum(losses) / len(losses)
 
 
 def parameter_views(model: nn.Module, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The model's parameters by name as views of a flat vector (`model.parameters()` order, ties once)."""
-    views, offset = {}, 0
-    for name, p in model.named_parameters():
-        views[name] = flat[offset:offset + p.numel()].view_as(p)
-        offset += p.numel()
-    assert offset == flat.numel(), "flat vector does not match the model"
-    return views
+    """The model's parameters by name as views of a flat vector in `flat_params`' layout."""
+    slices = list(param_slices(model))
+    assert slices[-1][2].stop == flat.numel(), "flat vector does not match the model"
+    return {name: flat[part].view_as(p) for name, p, part in slices}

@@ -27,6 +27,17 @@ def test_round_trip_and_only_the_newest_k_are_kept(tmp_path):
     assert found.meta["version"] == 5 and all(torch.equal(found.tensors[k], tensors[k]) for k in tensors)
 
 
+def test_the_newest_metadata_is_read_without_its_tensors(tmp_path):
+    """How a peer decides between a warm and a cold start before its helper processes fork."""
+    assert checkpoint.latest_meta(tmp_path) is None
+    checkpoint.save(tmp_path, *state(1))
+    newest = checkpoint.save(tmp_path, *state(2))
+    (newest / checkpoint.TENSORS).unlink()  # the tensors are not read
+    assert checkpoint.latest_meta(tmp_path)["version"] == 2
+    (newest / checkpoint.META).write_text("{not json")
+    assert checkpoint.latest_meta(tmp_path) is None  # unreadable: a cold start, which falls back to version 1
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "meta", "missing"])
 def test_damaged_newest_checkpoint_is_reported_and_the_previous_one_used(tmp_path, damage):
     checkpoint.save(tmp_path, *state(1))

@@ -358,3 +358,22 @@ def test_a_snapshot_for_sharing_is_made_in_shared_memory_and_does_not_move_with_
     state.apply(torch.full((1000,), 1e-2), ["me"])
     assert torch.equal(params, before) and not torch.equal(state.params, before)
     assert not any(t.is_shared() for t in state.snapshot()[1])  # the plain snapshot stays private
+
+
+def test_with_no_step_in_flight_the_rebase_leaves_theta_exactly_on_the_new_global_model():
+    """Synchronous rounds: θ_S rebuilt as Θ_S − Δ gives a progress of exactly 0, so θ = Θ' bit for bit; and
+    the pseudo-gradient taken parameter by parameter has the bits of the flat formula."""
+    from p2pdiloco.core.outer import pseudo_gradient
+    from p2pdiloco.training.diloco import pseudo_gradient_of
+
+    d = make_diloco(SoloMerger())
+    for _ in range(3):
+        d.inner_step()
+    assert torch.equal(pseudo_gradient_of(d.trainer.model, d.state.params),
+                       pseudo_gradient(d.state.params, flat_params(d.trainer.model)))
+    for _ in range(2):  # the second round starts from a θ that the first rebase wrote
+        d.contribute()
+        assert d.wait(10).applied
+        assert torch.equal(d.local_params(), d.state.params)
+        d.inner_step()
+    d.close()
