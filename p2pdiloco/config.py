@@ -150,6 +150,10 @@ class SwarmConfig:
         group="connect")
     nat_traversal: bool = option(False, "hivemind NAT port mapping, autonat and relays (they probe the real "
                                  "network).", group="connect")
+    client_mode: bool = option(
+        False, "For a peer nobody can dial (behind a NAT or firewall): it only dials out. It trains, contributes "
+        "to rounds and fetches state as any peer; it never reduces a part of a round or serves its state.",
+        group="connect")
     mode: str = option("decoupled", "decoupled: rounds run in the background; sync: everyone waits for everyone.",
                        choices=MODES)
     quorum: int = option(1, "Fewest members for a round to merge (1: a lone peer applies its own update).")
@@ -194,6 +198,9 @@ class SwarmConfig:
         if self.topk is not None and not (0 < self.topk < 1 and self.compression != "none"):
             raise ConfigError(f"--topk must be in (0, 1) and needs --compression int8|int4|int2, got {self.topk} "
                               f"with {self.compression}")
+        if self.client_mode and not self.initial_peers:
+            raise ConfigError("--client-mode needs --initial-peers: a peer that nobody can dial cannot start a "
+                              "swarm; join one through a peer that accepts connections")
         if self.robust_merge and self.compression == "none":
             raise ConfigError("--robust-merge needs --compression int8|int4|int2: it filters the parts of the "
                               "compressed reduce-scatter")

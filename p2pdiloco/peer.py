@@ -218,7 +218,8 @@ class Peer:
         self._helpers_forked()
         self.heartbeat = self.merger.heartbeat = Heartbeat(
             self.dht, cfg.swarm.run_id, PeerRecord(peer=self.peer_id, name=self.name, version=self.state.version,
-                                                   digest=self.state.digest, settings=self._settings()))
+                                                   digest=self.state.digest, client_mode=cfg.swarm.client_mode,
+                                                   settings=self._settings()))
         if cfg.swarm.initial_peers:
             self._refuse_a_mismatch()
 

@@ -8,6 +8,11 @@ A private range, not the benchmarking one (198.18.0.0/15): libp2p's DHT keeps on
 table and only private ones in its LAN table, so with 198.18.x peers never learn each other's addresses and every
 all-reduce between members that had not met fails ("routing: not found", measured). Everything it creates is named with its prefix and removed by name on exit.
 Needs root; says so otherwise.
+
+A peer can sit behind a NAT (`natted`), as most volunteers do: its namespace holds a private address
+(192.168.i.2) behind a router namespace that masquerades its outgoing connections as the router's address and
+forwards nothing inbound that the peer did not start (nftables: a masquerade rule and a stateful forward
+filter). Others can answer it but never dial it.
 """
 
 from __future__ import annotations
@@ -39,8 +44,8 @@ class Link:
             raise TestbedError(f"bad link {self}: rate > 0, delay >= 0, loss in [0, 1)")
 
 
-def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run(args, capture_output=True, text=True)
+def sh(*args: str, check: bool = True, stdin: Optional[str] = None) -> subprocess.CompletedProcess:
+    result = subprocess.run(args, capture_output=True, text=True, input=stdin)
     if check and result.returncode != 0:
         raise TestbedError(f"`{' '.join(args)}` failed: {result.stderr.strip() or result.stdout.strip()}")
     return result
@@ -65,6 +70,7 @@ class Testbed:
     prefix: str = "p2pdt"
     seed: int = 0
     use_netem: Optional[bool] = None  # None: probe
+    natted: frozenset = frozenset()  # indices of the peers behind a NAT
     _delayline: Optional[subprocess.Popen] = None
     created: list = field(default_factory=list)
 
@@ -76,9 +82,17 @@ class Testbed:
     def ns(self, i: int) -> str:
         return f"{self.prefix}-p{i}"
 
+    def router(self, i: int) -> str:
+        return f"{self.prefix}-nat{i}"
+
     @staticmethod
     def address(i: int) -> str:
+        """Where peer i's traffic comes from, as the others see it (a natted peer's: its router's)."""
         return f"10.213.{i + 1}.2"
+
+    def host_address(self, i: int) -> str:
+        """The address on peer i's own interface: what it listens on (private behind a NAT)."""
+        return f"192.168.{i + 1}.2" if i in self.natted else self.address(i)
 
     def exec_prefix(self, i: int) -> list[str]:
         """Run a command inside peer i's namespace: `[*tb.exec_prefix(i), 'python', ...]`."""
@@ -113,9 +127,11 @@ class Testbed:
     def start(self) -> None:
         if os.geteuid() != 0:
             raise TestbedError("the network testbed needs root (network namespaces, veth, tc); run it as root")
-        for tool in ("ip", "tc"):
+        for tool, package in (("ip", "iproute2"), ("tc", "iproute2")) + ((("nft", "nftables"),) if self.natted else ()):
             if shutil.which(tool) is None:
-                raise TestbedError(f"the network testbed needs `{tool}` (iproute2)")
+                raise TestbedError(f"the network testbed needs `{tool}` ({package})")
+        if not set(self.natted) <= set(range(self.peers)):
+            raise TestbedError(f"natted peers {sorted(self.natted)} are not among the {self.peers} peers")
         self.stop()  # leftovers of an earlier run with this prefix
         if self.use_netem is None:
             self.use_netem = has_netem()
@@ -146,7 +162,7 @@ class Testbed:
 
     def namespaces(self) -> list[str]:
         """The namespaces this testbed's names give (exactly: prefix `p2pdt` must not take `p2pdt-test-hub`)."""
-        ours = re.compile(rf"{re.escape(self.prefix)}-(hub|p\d+)")
+        ours = re.compile(rf"{re.escape(self.prefix)}-(hub|p\d+|nat\d+)")
         listed = sh("ip", "netns", "list", check=False).stdout.split("\n")
         return [line.split()[0] for line in listed if line.split() and ours.fullmatch(line.split()[0])]
 
@@ -160,16 +176,40 @@ class Testbed:
         sh("ip", "netns", "exec", self.hub, *args)
 
     def _add_peer(self, i: int) -> None:
+        """Peer i's namespace on its shaped link to the hub; a natted peer's router takes that place and the peer
+        sits on a plain link behind it."""
         ns, hub_end, peer_end = self.ns(i), f"h{i}", f"v{i}"
         self._add_ns(ns)
-        sh("ip", "link", "add", hub_end, "netns", self.hub, "type", "veth", "peer", "name", peer_end, "netns", ns)
+        edge = self.router(i) if i in self.natted else ns  # the namespace on the hub's link
+        if edge != ns:
+            self._add_ns(edge)
+        sh("ip", "link", "add", hub_end, "netns", self.hub, "type", "veth", "peer", "name", peer_end, "netns", edge)
         sh("ip", "-n", self.hub, "addr", "add", f"10.213.{i + 1}.1/24", "dev", hub_end)
-        sh("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", peer_end)
-        for where, dev in ((self.hub, hub_end), (ns, peer_end)):
+        sh("ip", "-n", edge, "addr", "add", f"{self.address(i)}/24", "dev", peer_end)
+        for where, dev in ((self.hub, hub_end), (edge, peer_end)):
             sh("ip", "-n", where, "link", "set", dev, "up")
             self._shape(where, dev)
-        sh("ip", "-n", ns, "route", "add", "10.213.0.0/16", "via", f"10.213.{i + 1}.1")  # the hub: nothing else
+        sh("ip", "-n", edge, "route", "add", "10.213.0.0/16", "via", f"10.213.{i + 1}.1")  # the hub: nothing else
         self._hub("sysctl", "-qw", f"net.ipv4.conf.{hub_end}.rp_filter=0")
+        if edge != ns:
+            self._add_nat(i, wan=peer_end)
+
+    def _add_nat(self, i: int, wan: str) -> None:
+        """Peer i behind its router: masqueraded on the way out, unreachable on the way in."""
+        router, lan, inside = self.router(i), f"l{i}", f"v{i}"
+        sh("ip", "link", "add", lan, "netns", router, "type", "veth", "peer", "name", inside, "netns", self.ns(i))
+        sh("ip", "-n", router, "addr", "add", f"192.168.{i + 1}.1/24", "dev", lan)
+        sh("ip", "-n", self.ns(i), "addr", "add", f"{self.host_address(i)}/24", "dev", inside)
+        sh("ip", "-n", router, "link", "set", lan, "up")
+        sh("ip", "-n", self.ns(i), "link", "set", inside, "up")
+        sh("ip", "-n", self.ns(i), "route", "add", "10.213.0.0/16", "via", f"192.168.{i + 1}.1")
+        sh("ip", "netns", "exec", router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        rules = (f"table ip p2pdt_nat {{\n"
+                 f"  chain postrouting {{ type nat hook postrouting priority srcnat; oifname \"{wan}\" masquerade; }}\n"
+                 f"  chain forward {{ type filter hook forward priority filter; policy drop;\n"
+                 f"    iifname \"{lan}\" accept; ct state established,related accept; }}\n"
+                 f"}}\n")
+        sh("ip", "netns", "exec", router, "nft", "-f", "-", stdin=rules)
 
     def _shape(self, ns: str, dev: str) -> None:
         """tbf on each direction; its burst grows with the rate (a fixed 32 KB burst caps 1 Gbit/s at ~830)."""

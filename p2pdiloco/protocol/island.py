@@ -18,6 +18,7 @@ out of the merge: it neither sends nor reduces a part. A hostile minority cannot
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -61,15 +62,31 @@ class IslandPlan:
     maxabs: list = field(default_factory=list)  # per member: its block statistics, clipped (zeros if excluded)
     bounded: dict = field(default_factory=dict)  # member index → what was capped, for the logs
     left_out: dict = field(default_factory=dict)  # member index → why (blamed by most others)
+    clients: frozenset = frozenset()  # member indices in client mode: they accept no connections
 
     @property
     def included(self) -> list[int]:
         """The members whose contribution is merged (the others' parts are not summed)."""
         return [i for i, w in enumerate(self.weights or []) if w > 0]
 
+    @property
+    def reducers(self) -> list[int]:
+        """The included members that reduce a part of the compressed all-reduce: those others can dial."""
+        return [i for i in self.included if i not in self.clients]
 
-def plan_island(island: Island, weighting: str, cap: float, n_params: int, bounds: Bounds = Bounds()
-                ) -> IslandPlan:
+
+def plan_island(island: Island, weighting: str, cap: float, n_params: int, bounds: Bounds = Bounds(),
+                clients: frozenset = frozenset()) -> IslandPlan:
+    """`clients`: the indices of members in client mode (behind a NAT: nobody can dial them)."""
+    plan = _plan(island, weighting, cap, n_params, bounds)
+    plan = dataclasses.replace(plan, clients=frozenset(clients))
+    if plan.weights is not None and not plan.reducers:
+        return IslandPlan(None, plan.deadline, "every merged member is in client mode: none can reduce a part",
+                          left_out=plan.left_out, clients=plan.clients)
+    return plan
+
+
+def _plan(island: Island, weighting: str, cap: float, n_params: int, bounds: Bounds) -> IslandPlan:
     deadline = agreed_deadline([m.budget for m in island.accepted], cap)
     left_out = blamed_by_majority(island)
     if left_out:

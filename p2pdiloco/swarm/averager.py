@@ -22,6 +22,7 @@ from typing import AsyncIterator, Callable, Optional, Sequence
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
@@ -103,7 +104,8 @@ class ExactAverager(DecentralizedAverager):
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs) -> IslandReduced:
         island = parse_island([self._user_record(blob) for blob in group_info.gathered], self.expect)
         my_index = list(group_info.peer_ids).index(self.peer_id)
-        plan = plan_island(island, self.weighting, self.allreduce_cap, self.n_elements, self.bounds)
+        clients = frozenset(i for i, blob in enumerate(group_info.gathered) if self._gathered_client(blob))
+        plan = plan_island(island, self.weighting, self.allreduce_cap, self.n_elements, self.bounds, clients)
         started = time.monotonic()
         if plan.bounded:
             logger.warning(f"group {group_info.group_id.hex()[:8]}: bounded " + ", ".join(
@@ -149,16 +151,17 @@ class ExactAverager(DecentralizedAverager):
         own = island.members[my_index]
         if own is not None and self.fault_plan.planned("die_in_allreduce", own.version):
             asyncio.get_running_loop().call_later(0.05, _die)
+        peers = [group_info.peer_ids[i] for i in included]
+        reducers = [group_info.peer_ids[i] for i in plan.reducers]
         try:
-            peers = [group_info.peer_ids[i] for i in included]
-            total, left_out, dropped = await self._codes.run(group_info.group_id, peers, included.index(my_index), enc.codes,
-                                          enc.selected, fmt, lambda peer: self.get_stub(self._p2p, peer, namespace=self.prefix),
-                                          plan.deadline)
+            total, left_out, dropped = await self._codes.run(
+                group_info.group_id, peers, reducers, self.peer_id, enc.codes, enc.selected, fmt,
+                lambda peer: self.get_stub(self._p2p, peer, namespace=self.prefix), plan.deadline)
         except Exception as e:  # a reducer that served no sum, a part we could not push: the round rolls back
             logger.warning(f"compressed round in group {group_info.group_id.hex()[:8]} failed: {e!r}")
             failed = self._reduced(island, plan, group_info, False, f"compressed all-reduce failed: {e}", started)
             return dataclasses.replace(failed, blamed=frozenset(getattr(e, "culprits", ())))
-        ranges = part_ranges(self.n_elements, len(peers), align=codec.BLOCK)
+        ranges = part_ranges(self.n_elements, len(reducers), align=codec.BLOCK)
         with self.buffer() as buffer:  # Σ wᵢΔᵢ into the buffer part by part, the same bits everywhere
             merged = buffer[: self.n_elements]  # (the host reads it only once we return)
         await asyncio.to_thread(_dequantize_parts, total, ranges, scales, merged)
@@ -191,6 +194,13 @@ class ExactAverager(DecentralizedAverager):
                 yield averaging_pb2.DownloadData(metadata=metadata, tensor_part=runtime_pb2.Tensor(buffer=chunk))
         except CodesError as e:
             yield averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(dict(error=str(e))))
+
+    def _gathered_client(self, blob: bytes) -> bool:
+        """Whether a member said it is in client mode (hivemind's own field: its all-reduce reads it too)."""
+        try:
+            return self.serializer.loads(blob)[1] == AveragingMode.CLIENT.value
+        except Exception:  # undecodable: its record is rejected anyway
+            return False
 
     def _user_record(self, blob: bytes):
         """The record a member gathered (hivemind wraps it in (bandwidth, mode, user)); None if undecodable."""

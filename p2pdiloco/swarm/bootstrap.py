@@ -19,6 +19,8 @@ def run_bootstrap(cfg: SwarmConfig, log_dir: Path, name: str) -> None:
     from p2pdiloco.runtime.logs import configure_logging
 
     configure_logging()
+    if cfg.client_mode:
+        raise node.SwarmConnectError("a bootstrap node must accept connections: drop --client-mode")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -4,12 +4,13 @@ Why not a codec at hivemind's seam: hivemind deserializes every tensor part thro
 codecs (a module-level registry) and sends each reduced part back with the sender's codec, so a lossless packed
 codec cannot be added without patching hivemind, and its fp32 way back would cost 8× an int4 way out.
 
-A round, once matchmaking formed the group (N members, in the group's order):
-1. the flat codes are split into N contiguous parts; member j reduces part j;
-2. every member pushes its packed codes of part j to member j (`rpc_codes_push`, streamed in chunks);
-3. member j range-checks every code it receives (|code| ≤ L, the exact packed length) and, once it holds all N
+A round, once matchmaking formed the group (N senders, R ≤ N of them reducers, in the group's order):
+1. the flat codes are split into R contiguous parts; reducer j reduces part j. The reducers are the senders that
+   accept connections: a client-mode member (behind a NAT) sends and fetches, and is never dialled;
+2. every sender pushes its packed codes of part j to reducer j (`rpc_codes_push`, streamed in chunks);
+3. reducer j range-checks every code it receives (|code| ≤ L, the exact packed length) and, once it holds all N
    contributions, sums them exactly and packs the sum at its width (`codec.sum_width`);
-4. every member fetches each part's sum from its reducer (`rpc_codes_fetch`) and unpacks it.
+4. every sender fetches each part's sum from its reducer (`rpc_codes_fetch`) and unpacks it.
 A reducer serves a sum only when it is complete, so every member that fetched all parts holds the same bits; a
 member that cannot fetch a part raises, and its round rolls back.
 
@@ -230,42 +231,49 @@ class CodesExchange:
             yield (left_out if start == 0 else b""), reduction.result[start:start + CHUNK]
 
     # ---- client side: one round ------------------------------------------------------------------------------
-    async def run(self, group_id: bytes, peers: list, me: int, codes: torch.Tensor, selected: torch.Tensor, fmt,
-                  stub_of, timeout: float) -> tuple[list, list, dict]:
-        """The exact integer sum of every member's codes (0 where the format did not select), part by part (in
-        `part_ranges` order: no model-sized concatenation), or CodesError; per part, the members its reducer left
-        out; and why we left out those we did from our own part."""
-        n = codes.numel()
-        ranges = part_ranges(n, len(peers), align=codec.BLOCK)
-        mine = self.reduction(group_id)
-        start, end = ranges[me]
-        mine.spec = ([str(p) for i, p in enumerate(peers) if i != me], end - start, fmt)
-        mine.own = codes[start:end]
-        others = [j for j in range(len(peers)) if j != me]
-        pushes = [self._push(stub_of(peers[j]), group_id, fmt, codes[a:b], selected[a:b])
-                  for j, (a, b) in enumerate(ranges) if j != me]
-        members = {str(p) for p in peers}
-        fetches = [self._fetch(stub_of(peers[j]), group_id, b - a, fmt, members) if j != me
+    async def run(self, group_id: bytes, senders: list, reducers: list, me, codes: torch.Tensor,
+                  selected: torch.Tensor, fmt, stub_of, timeout: float) -> tuple[list, list, dict]:
+        """The exact integer sum of every sender's codes (0 where the format did not select), part by part (in
+        `part_ranges` order: no model-sized concatenation), or CodesError; per part, the senders its reducer left
+        out; and why we left out those we did from our own part. Part j is reduced by `reducers[j]`, a member
+        that accepts connections; a client-mode sender (not among them) only pushes and fetches."""
+        ranges = part_ranges(codes.numel(), len(reducers), align=codec.BLOCK)
+        mine_at = reducers.index(me) if me in reducers else None
+        mine = None
+        if mine_at is not None:
+            mine = self.reduction(group_id)
+            start, end = ranges[mine_at]
+            mine.spec = ([str(p) for p in senders if p != me], end - start, fmt)
+            mine.own = codes[start:end]
+        others = [j for j in range(len(reducers)) if j != mine_at]
+        pushes = [self._push(stub_of(reducers[j]), group_id, fmt, codes[a:b], selected[a:b])
+                  for j, (a, b) in enumerate(ranges) if j != mine_at]
+        members = {str(p) for p in senders}
+        fetches = [self._fetch(stub_of(reducers[j]), group_id, b - a, fmt, members) if j != mine_at
                    else self._own_sum(mine, timeout) for j, (a, b) in enumerate(ranges)]
-        cut_off = asyncio.ensure_future(mine.cut_off_after(PART_WAIT * timeout))
+        cut_off = asyncio.ensure_future(mine.cut_off_after(PART_WAIT * timeout)) if mine else None
         each = [asyncio.wait_for(step, 0.95 * timeout) for step in (*pushes, *fetches)]  # a hung one is a culprit
+        if mine is not None:  # every push may have come before we knew the group: sum them now
+            each.insert(0, mine.settle_soon())
         try:
-            results = await asyncio.wait_for(asyncio.gather(mine.settle_soon(), *each, return_exceptions=True),
-                                             timeout)
+            results = await asyncio.wait_for(asyncio.gather(*each, return_exceptions=True), timeout)
         except asyncio.TimeoutError:
             raise CodesError("the round's parts did not all come in time") from None
         finally:
-            cut_off.cancel()
-            mine.release()
-        pushed, fetched = results[1:1 + len(pushes)], results[1 + len(pushes):]
+            if mine is not None:
+                cut_off.cancel()
+                mine.release()
+        results = results[1:] if mine is not None else results
+        pushed, fetched = results[:len(pushes)], results[len(pushes):]
+        dropped = dict(mine.dropped) if mine is not None else {}
         # a reducer we could not push to, or whose sum did not come, failed the round; so did our own reduction
-        culprits = frozenset(str(peers[j]) for j, r in zip(others, pushed) if isinstance(r, BaseException)) | \
-            frozenset(str(peers[j]) for j, r in enumerate(fetched) if j != me and isinstance(r, BaseException))
+        culprits = frozenset(str(reducers[j]) for j, r in zip(others, pushed) if isinstance(r, BaseException)) | \
+            frozenset(str(reducers[j]) for j, r in enumerate(fetched) if j != mine_at and isinstance(r, BaseException))
         failures = [r for r in (*pushed, *fetched) if isinstance(r, BaseException)]
         if failures:
-            raise CodesError(f"{failures[0]}", culprits | frozenset(mine.dropped))
+            raise CodesError(f"{failures[0]}", culprits | frozenset(dropped))
         sums, left_out = zip(*fetched)
-        return list(sums), list(left_out), dict(mine.dropped)
+        return list(sums), list(left_out), dropped
 
     async def _push(self, stub, group_id: bytes, fmt, codes: torch.Tensor, selected: torch.Tensor) -> None:
         data = await asyncio.to_thread(fmt.encode, codes, selected)  # packing one part overlaps pushing another

@@ -40,9 +40,10 @@ def dht_kwargs(cfg: SwarmConfig) -> dict:
 
 def start_dht(cfg: SwarmConfig, client_mode: bool = False) -> DHT:
     """Start (and bootstrap) a DHT node in a background process, bounded by `cfg.connect_timeout`. A client
-    (`client_mode`) asks others and serves nothing: onlookers such as `p2pdiloco status`."""
+    (`client_mode`) asks others and serves nothing: onlookers such as `p2pdiloco status`, and peers that nobody
+    can dial (`cfg.client_mode`)."""
     check_addresses(cfg)
-    kwargs = dict(dht_kwargs(cfg), client_mode=client_mode)
+    kwargs = dict(dht_kwargs(cfg), client_mode=client_mode or cfg.client_mode)
     try:
         key = load_swarm_key(cfg.swarm_key_file)
     except SwarmKeyError as e:

@@ -79,7 +79,7 @@ class SwarmMerger:
             min_group_size=max(2, cfg.quorum),  # hivemind would "form" a group of 1 at once; K=1 is ours
             min_matchmaking_time=self.limits.matchmaking, request_timeout=self.limits.request,
             allreduce_timeout=self.limits.allreduce_cap, next_chunk_timeout=self.limits.next_chunk,
-            allow_state_sharing=True, initial_group_bits=self._group_bits(0), shutdown_timeout=STOP_WAIT,
+            client_mode=cfg.client_mode, allow_state_sharing=not cfg.client_mode, initial_group_bits=self._group_bits(0), shutdown_timeout=STOP_WAIT,
         )
         self.peer = dht.peer_id.to_base58()
         part_timeout = 5.0 + 4 * 4 * MAX_PART / self.limits.initial_bytes_per_s  # 4× the declared link's time
@@ -130,6 +130,15 @@ class SwarmMerger:
         until = self.fault_plan.version_of("partition_until")
         return "1" if until is not None and version < until else ""
 
+    def _start_in(self, island: FormIsland) -> float:
+        """When we offer to begin the all-reduce, in seconds from now. hivemind's followers join only leaders that
+        begin no later than they offered. A peer in client mode never leads, so offering the end of its grace
+        window would shut it out of every island whose leader arrived after it; it offers the latest start its
+        search allows instead, and joins whichever island begins first."""
+        if self.cfg.client_mode:
+            return island.find_timeout - self.limits.request
+        return island.grace
+
     def _island(self, c: Contribution, island: FormIsland) -> Optional[IslandResult]:
         """Run one island attempt; None if we are leaving."""
         if self._group_bits(c.version) != self._group_bits(0):
@@ -144,7 +153,7 @@ class SwarmMerger:
                                norms, self.averager.wire_format(1) if self.bits else None,
                                blame=self.penalties.active(time.monotonic()))
         control = self._control = self.averager.step(
-            gather=gather, weight=1.0, timeout=island.find_timeout, scheduled_time=get_dht_time() + island.grace,
+            gather=gather, weight=1.0, timeout=island.find_timeout, scheduled_time=get_dht_time() + self._start_in(island),
             allow_retries=False, wait=False)
         try:
             result = result_unless_closed(control, island.result_timeout, self.closed)
@@ -214,11 +223,10 @@ class SwarmMerger:
 
     def _from_donors(self, min_version: int, deadline: float) -> Optional[StateTuple]:
         """In parts from every live peer announcing the best state key, resuming past donors that fail."""
-        records = [r for r in self.live_others() if r.version >= min_version]
-        if not records:
+        chosen = state_donors(self.live_others(), min_version)
+        if chosen is None:
             return None
-        best = max(r.key for r in records)
-        donors = [r.peer for r in records if r.key == best]
+        best, donors = chosen
         try:
             t = self.fetcher.fetch(donors, best, 2 * self.n, timeout=max(1.0, deadline - time.monotonic()))
         except Exception as e:  # every donor failed, or time ran out: the caller falls back
@@ -239,7 +247,8 @@ class SwarmMerger:
 
     def publish_state(self, version: int, state_digest: str, sketch: list[float]) -> None:
         """After every change of Θ: donors are ranked by the same order peers reconcile by."""
-        self.averager.state_sharing_priority = sharing_priority(version, state_digest)
+        if not self.cfg.client_mode:  # a client serves no state (hivemind refuses to rank it)
+            self.averager.state_sharing_priority = sharing_priority(version, state_digest)
         self.heartbeat.update(version=version, digest=state_digest, sketch=sketch)
 
     def shutdown(self) -> None:
@@ -247,6 +256,16 @@ class SwarmMerger:
         self.fetcher.close()
         if self.averager.is_alive():
             self.averager.shutdown()
+
+
+def state_donors(records: Sequence[PeerRecord], min_version: int) -> Optional[tuple[tuple[int, str], list[str]]]:
+    """The best state key at least `min_version` and every peer that can serve it: peers in client mode cannot
+    (nobody can dial them), so they are never asked."""
+    records = [r for r in records if r.version >= min_version and not r.client_mode]
+    if not records:
+        return None
+    best = max(r.key for r in records)
+    return best, [r.peer for r in records if r.key == best]
 
 
 def hostile(plan: FaultPlan, body: torch.Tensor, c: Contribution) -> tuple[torch.Tensor, int]:

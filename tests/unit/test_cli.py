@@ -39,6 +39,7 @@ def test_help_does_not_import_torch_or_hivemind():
     (["join", "--inner-steps", "0"], "steps must be a positive integer"),
     (["join", "--initial-peers", "example.com:80"], "is not a multiaddr"),
     (["join", "--quorum", "9", "--max-island", "4"], "quorum (9) cannot exceed"),
+    (["join", "--client-mode"], "--client-mode needs --initial-peers"),
 ])
 def test_bad_flags_exit_nonzero_with_a_clear_message(args, message):
     result = CliRunner().invoke(cli, args)
@@ -128,7 +129,9 @@ def test_every_profile_loads_and_flags_override_it(profile):
         captured["cfg"] = build_config(options)
         captured["options"] = options
 
-    result = runner.invoke(cli, ["probe-" + profile.stem, "--profile", str(profile), "--seed", "7"])
+    somewhere = "/ip4/10.0.0.1/tcp/31337/p2p/12D3KooWPeer"  # a client-mode profile needs a peer to join through
+    result = runner.invoke(cli, ["probe-" + profile.stem, "--profile", str(profile), "--seed", "7",
+                                 "--initial-peers", somewhere])
     assert result.exit_code == 0, result.output
     assert captured["cfg"].seed == 7
     import tomllib

@@ -240,7 +240,7 @@ def test_a_member_that_fetches_after_the_reducer_finished_its_round_still_gets_t
 
         async def member(me):
             other = "b" if me == "a" else "a"
-            result = await ex[me].run(b"g", ["a", "b"], "ab".index(me), codes[me], selected, fmt,
+            result = await ex[me].run(b"g", ["a", "b"], ["a", "b"], me, codes[me], selected, fmt,
                                       lambda peer: stubs[(me, peer)], timeout=3.0)
             if me == "a":
                 a_done.set()
@@ -250,6 +250,32 @@ def test_a_member_that_fetches_after_the_reducer_finished_its_round_still_gets_t
     (sums_a, *_), (sums_b, *_) = asyncio.run(both())
     sum_a, sum_b = torch.cat(sums_a), torch.cat(sums_b)  # the parts, in order
     assert torch.equal(sum_a, sum_b) and torch.equal(sum_a, codes["a"] + codes["b"])
+
+
+def test_a_client_mode_member_sends_and_fetches_but_is_never_dialled_and_all_get_the_same_sum():
+    """c sits behind a NAT: a and b reduce the two parts; c pushes to both and fetches both sums, and nobody
+    opens a stream to c. Every member ends with the exact sum of all three members' codes."""
+    n, fmt = 3 * codec.BLOCK, codec.DenseFormat(4, 3)
+    ex = {name: CodesExchange(max_payload=1 << 20) for name in "abc"}
+    codes = {name: torch.randint(-7, 8, (n,), generator=torch.Generator().manual_seed(i)) for i, name in enumerate("abc")}
+    selected = torch.ones(n, dtype=torch.bool)
+
+    def stub_of(me):
+        def stub(peer):
+            assert peer != "c", f"{me} dialled the client-mode member"
+            return LoopbackStub(ex[peer], me)
+        return stub
+
+    async def all_three():
+        return await asyncio.gather(*(ex[me].run(b"g", ["a", "b", "c"], ["a", "b"], me, codes[me], selected, fmt,
+                                                 stub_of(me), timeout=3.0) for me in "abc"))
+
+    results = asyncio.run(all_three())
+    expected = codes["a"] + codes["b"] + codes["c"]
+    for sums, left_out, dropped in results:
+        assert len(sums) == 2 and torch.equal(torch.cat(sums).to(torch.int64), expected)
+        assert left_out == [frozenset(), frozenset()] and dropped == {}
+    assert "g".encode() not in ex["c"].reductions  # the client reduced nothing
 
 
 def test_pushes_under_made_up_group_ids_cannot_evict_a_round_in_progress():

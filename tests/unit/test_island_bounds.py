@@ -115,6 +115,26 @@ def test_a_member_blamed_by_most_others_is_left_out_and_a_blaming_minority_canno
     assert plan_island(parse_island([*honest, liar], Expect(N)), "tokens2", 60.0, N).included == [0, 1, 2, 3]
 
 
+def test_client_mode_members_are_merged_but_reduce_no_part_and_an_island_of_clients_merges_nothing():
+    records = [member(f"p{i}", torch.randn(N)) for i in range(4)]
+    plan = plan_island(parse_island(records, Expect(N)), "tokens2", 60.0, N, clients=frozenset({1, 3}))
+    assert plan.included == [0, 1, 2, 3] and plan.reducers == [0, 2]
+    blamed = [dict(r, blame=["p0"]) for r in records[1:]]  # the only other dialable member is left out
+    plan = plan_island(parse_island([records[0], *blamed], Expect(N)), "tokens2", 60.0, N, clients=frozenset({1, 3}))
+    assert plan.included == [1, 2, 3] and plan.reducers == [2]
+    alone = plan_island(parse_island([records[0], *blamed[:1], blamed[2]], Expect(N)), "tokens2", 60.0, N,
+                        clients=frozenset({1, 2}))
+    assert alone.weights is None and "client mode" in alone.reason
+
+
+def test_client_mode_is_checked_at_configuration():
+    from p2pdiloco.config import ConfigError, SwarmConfig
+
+    with pytest.raises(ConfigError, match="needs --initial-peers"):
+        SwarmConfig(client_mode=True)
+    assert SwarmConfig(client_mode=True, initial_peers=("/ip4/10.0.0.1/tcp/1/p2p/x",)).client_mode
+
+
 @pytest.mark.parametrize("blame, ok", [(["a"], True), ([], True), (["a"] * 65, False), ("a", False), ([3], False),
                                        ([""], False), (["x" * 500], False)])
 def test_the_blame_list_is_validated_like_every_remote_field(blame, ok):

@@ -162,3 +162,15 @@ def test_a_part_incomplete_twice_drops_its_donor():
 
     t = run(["bad", "b"], retry_incomplete(broken))
     assert torch.equal(t.flat, STATE) and "always short" in t.failed_donors["bad"]
+
+
+def test_state_donors_are_the_dialable_peers_holding_the_best_state():
+    from p2pdiloco.protocol.remote import PeerRecord
+    from p2pdiloco.swarm.rounds import state_donors
+
+    def rec(peer, version, digest="aaaaaa", client=False):
+        return PeerRecord(peer=peer, name=peer, version=version, digest=digest, client_mode=client)
+
+    records = [rec("a", 5), rec("b", 5), rec("nat", 6, "bbbbbb", client=True), rec("c", 5, client=True), rec("d", 4)]
+    assert state_donors(records, 0) == ((5, "aaaaaa"), ["a", "b"])  # the newer state sits behind a NAT only
+    assert state_donors(records, 6) is None and state_donors([rec("c", 5, client=True)], 0) is None
