@@ -4,12 +4,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# the report page is checked in headless Chromium: Debian's package, installed here (outside the namespace) as
-# root; where that cannot be done, the browser tests are skipped and say why
-if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  { apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }; } >/dev/null 2>&1 \
-    || echo "could not install chromium: the browser tests will be skipped" >&2
-fi
+# Debian packages some tests need, installed here (outside the namespace) as root: Chromium checks the report
+# page, nftables builds the testbed's NAT. Where that cannot be done, those tests are skipped and say why.
+debian_package() {  # command, package, what is skipped without it
+  if ! command -v "$1" >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    { apt-get install -y -q "$2" || { apt-get update -q && apt-get install -y -q "$2"; }; } >/dev/null 2>&1 \
+      || echo "could not install $2: $3 will be skipped" >&2
+  fi
+}
+debian_package chromium chromium "the browser tests"
+debian_package nft nftables "the NAT tests"
 run=(.venv/bin/python -m pytest -q -p no:cacheprovider "$@")
 if [ -z "${P2PDILOCO_NETNS:-}" ] && command -v unshare >/dev/null && unshare -n true 2>/dev/null; then
   exec unshare -n bash -c 'ip link set lo up && P2PDILOCO_NETNS=1 exec "$@"' _ "${run[@]}"
