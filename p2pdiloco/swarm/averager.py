@@ -1,10 +1,15 @@
 """The one subclass of hivemind's DecentralizedAverager: exact, verified rounds and state sharing.
 
-Hook: `_aggregate_with_group` (hivemind==1.1.12) runs in the averager process after matchmaking, with the
-group's gathered metadata in hand and before any tensor moves. hivemind's own PowerSGD averager and its
-fault-tolerance tests override this same seam. Around the stock all-reduce we encode the pseudo-gradient as
-exact integers and decode/verify the result (see p2pdiloco.core.exact). tests/integration guards that the hook
-runs: every round outcome carries the verification this method adds.
+Hooks (hivemind==1.1.12), all in the averager process:
+- `_aggregate_with_group` runs after matchmaking, with the group's gathered metadata in hand and before any
+  tensor moves. hivemind's own PowerSGD averager and its fault-tolerance tests override this same seam. We plan
+  the island from the gathered records (p2pdiloco.protocol.island), encode the pseudo-gradient as exact integers,
+  run the all-reduce and decode/verify the result (see p2pdiloco.core.exact). The fp32 all-reduce goes through
+  `_run_allreduce_inplace_`, as PowerSGD's does, with the roles the plan gives: a member left out sends and
+  reduces nothing. tests/integration guards that the hook runs: every round outcome carries its verification.
+- `rpc_aggregate_part` (hivemind's reducer RPC): every fp32 part is checked before hivemind sums it.
+- `rpc_join_group` (hivemind's leader RPC): members rejected, left out or blamed lately are turned away.
+tests/unit/test_averager_seams.py drives the two RPC hooks without a network.
 """
 
 from __future__ import annotations
@@ -23,13 +28,16 @@ from typing import AsyncIterator, Callable, Optional, Sequence
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.load_balancing import load_balance_peers
+from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.asyncio import enter_asynchronously
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.logging import get_logger
 
 from p2pdiloco.core import codec, exact
-from p2pdiloco.protocol.island import Bounds, plan_island
+from p2pdiloco.protocol.island import Bounds, PenaltyBox, plan_island
 from p2pdiloco.protocol.remote import Expect, parse_island
 from p2pdiloco.protocol.round import IslandReduced
 from p2pdiloco.runtime.faults import NO_FAULTS, FaultPlan
@@ -39,6 +47,8 @@ from p2pdiloco.protocol.timing import allreduce_wire_bytes
 
 logger = get_logger(__name__)
 
+REFUSE_SECONDS = 120.0  # a member rejected from our island, or blamed by us, is turned away this long when it
+# asks to join our group (it may still lead a group we join: then the island leaves it out again)
 AVERAGED_CHUNK = 1 << 18  # elements per tensor handed to hivemind's all-reduce (1 MB; even the test models span several)
 
 StateProvider = Callable[[], tuple[dict, Sequence[torch.Tensor]]]
@@ -88,6 +98,10 @@ class ExactAverager(DecentralizedAverager):
         self.topk = topk  # send only this fraction of each block (codec.TopKFormat)
         self._codes = CodesExchange(max_payload=codec.packed_bytes(n_elements, 16) + 1024, robust=robust)
         self._state_provider = state_provider
+        # averager process only: what the fp32 parts we reduce may hold, per group; who sent parts that did not
+        self._code_limits: dict[bytes, int] = {}
+        self._bad_senders: dict[bytes, set] = {}
+        self._refused = PenaltyBox(seconds=REFUSE_SECONDS)  # members we turn away at matchmaking, for a while
         # hivemind averages a list of tensors and assembles each one's result whole (a concatenation of its
         # parts) before adding it in: handed one flat tensor, that is a model-sized temporary in the averager
         # process; handed views of AVERAGED_CHUNK elements, a chunk. The views share the flat buffer's memory
@@ -102,6 +116,11 @@ class ExactAverager(DecentralizedAverager):
             yield self._flat
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs) -> IslandReduced:
+        reduced = await self._island_round(group_info, min_vector_size, **kwargs)
+        self.refuse(reduced.blamed)  # those whose parts or sums failed us: not in groups we lead for a while
+        return reduced
+
+    async def _island_round(self, group_info, min_vector_size: int, **kwargs) -> IslandReduced:
         island = parse_island([self._user_record(blob) for blob in group_info.gathered], self.expect)
         my_index = list(group_info.peer_ids).index(self.peer_id)
         clients = frozenset(i for i, blob in enumerate(group_info.gathered) if self._gathered_client(blob))
@@ -110,26 +129,56 @@ class ExactAverager(DecentralizedAverager):
         if plan.bounded:
             logger.warning(f"group {group_info.group_id.hex()[:8]}: bounded " + ", ".join(
                 f"{island.members[i].name or island.members[i].peer[-6:]} ({why})" for i, why in plan.bounded.items()))
+        self._refuse_left_out(island, plan, group_info)
         if plan.weights is None:  # every member derives the same: nothing to merge, no tensor moves
             return self._reduced(island, plan, group_info, False, plan.reason, started)
+        if my_index not in plan.included:  # the others merge without us; our Δ rides along next time
+            return self._reduced(island, plan, group_info, False, "our contribution was not included", started)
         if self.bits:
-            if my_index not in plan.included:  # the others merge without us; our Δ rides along next time
-                return self._reduced(island, plan, group_info, False, "our contribution was not included",
-                                     started)
             return await self._codes_round(island, plan, group_info, my_index, started)
+        return await self._exact_round(island, plan, group_info, my_index, started, min_vector_size, **kwargs)
+
+    async def _exact_round(self, island, plan, group_info, my_index: int, started: float, min_vector_size: int,
+                           **kwargs) -> IslandReduced:
+        """fp32: each included member's w·Δ as exact integers (p2pdiloco.core.exact), averaged by hivemind's
+        all-reduce among the included members only: a member left out neither sends nor reduces a part."""
+        senders = plan.included
+        group_id = group_info.group_id
+        self._code_limits[group_id] = exact.levels(len(senders))  # what the parts we reduce may hold
         with self.buffer() as buffer:  # codes, sum and merge all in the buffer, in place: no copies
-            enc = exact.encode(buffer[: self.n_elements], plan.weights[my_index], plan.maxabs, my_index,
-                               group_info.group_id, buffer.numel() - self.n_elements, out=buffer)
+            enc = exact.encode(buffer[: self.n_elements], plan.weights[my_index], [plan.maxabs[i] for i in senders],
+                               senders.index(my_index), group_id, buffer.numel() - self.n_elements, out=buffer)
         own = island.members[my_index]
         if own is not None and self.fault_plan.planned("die_in_allreduce", own.version):
-            await self._die_mid_allreduce(group_info, min_vector_size, **kwargs)
-        await asyncio.wait_for(super()._aggregate_with_group(group_info, min_vector_size, **kwargs),
-                               plan.deadline)
+            await self._die_mid_allreduce(group_info, plan, min_vector_size, **kwargs)
+        try:
+            await asyncio.wait_for(self._allreduce(group_info, plan, min_vector_size, **kwargs), plan.deadline)
+        finally:
+            culprits = self._bad_senders.pop(group_id, set())
+            self._code_limits.pop(group_id, None)
         with self.buffer() as buffer:
-            decoded = exact.decode(buffer, self.n_elements, len(island.members), enc)
+            decoded = exact.decode(buffer, self.n_elements, len(senders), enc)
         if not decoded.verified:
-            logger.warning(f"round in group {group_info.group_id.hex()[:8]} not verified: {decoded.reason}")
-        return self._reduced(island, plan, group_info, decoded.verified, decoded.reason, started)
+            logger.warning(f"round in group {group_id.hex()[:8]} not verified: {decoded.reason}")
+        reduced = self._reduced(island, plan, group_info, decoded.verified, decoded.reason, started)
+        if culprits:
+            logger.warning(f"group {group_id.hex()[:8]}: bad parts from {sorted(c[-6:] for c in culprits)}")
+        return dataclasses.replace(reduced, blamed=frozenset(culprits))
+
+    async def _allreduce(self, group_info, plan, min_vector_size: int, **kwargs) -> None:
+        """hivemind's butterfly all-reduce over our buffer, with the group's roles from the plan: the included
+        members send; those that accept connections reduce, equal shares (a share follows no member's claim);
+        everyone else is auxiliary with no share, i.e. takes no part. hivemind's own PowerSGD averager runs
+        its all-reduce through this same `_run_allreduce_inplace_`."""
+        roles = [AveragingMode.AUX] * len(group_info.peer_ids)
+        for i in plan.included:
+            roles[i] = AveragingMode.NODE if i in plan.reducers else AveragingMode.CLIENT
+        shares = [1.0 if role == AveragingMode.NODE else 0.0 for role in roles]
+        fractions = await asyncio.get_running_loop().run_in_executor(
+            None, load_balance_peers, self.total_size, shares, min_vector_size)
+        async with enter_asynchronously(self.get_tensors()) as tensors:
+            await self._run_allreduce_inplace_(tensors, group_info, peer_fractions=fractions, modes=tuple(roles),
+                                               **kwargs)
 
     async def _codes_round(self, island, plan, group_info, my_index: int, started: float) -> IslandReduced:
         """Compressed: each member's w·Δ as b-bit codes on block scales agreed from the gathered maxima, summed
@@ -195,6 +244,44 @@ class ExactAverager(DecentralizedAverager):
         except CodesError as e:
             yield averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(dict(error=str(e))))
 
+    def _refuse_left_out(self, island, plan, group_info) -> None:
+        """Members the island rejected (a malformed record) or left out (blamed by most): turned away at
+        matchmaking for a while, by the id libp2p authenticated (their records' ids cannot be trusted)."""
+        refused = [str(group_info.peer_ids[i]) for i in range(len(island.members))
+                   if (island.members[i] is None or i in plan.left_out) and group_info.peer_ids[i] != self.peer_id]
+        self._refused.blame(refused, time.monotonic())
+
+    def refuse(self, peers) -> None:
+        """Turn these members away at matchmaking for a while (those whose parts or sums failed our round)."""
+        self._refused.blame([p for p in peers if p != str(self.peer_id)], time.monotonic())
+
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest,
+                             context: P2PContext) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """As hivemind's leader, unless the follower is one we turn away: it then looks for another leader."""
+        if str(context.remote_id) in self._refused.active(time.monotonic()):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
+            return
+        async for message in super().rpc_join_group(request, context):
+            yield message
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData],
+                                 context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """As hivemind's reducer, with every fp32 part checked before it is summed (`check_exact_part`): a bad one
+        ends its sender's stream, hivemind then reduces without it, and the round names it."""
+        async for message in super().rpc_aggregate_part(self._checked_parts(stream, context), context):
+            yield message
+
+    async def _checked_parts(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext):
+        group_id = None
+        async for message in stream:
+            group_id = group_id or message.group_id
+            problem = check_exact_part(message, self._code_limits.get(group_id, exact.levels(1)))
+            if problem:
+                self._bad_senders.setdefault(group_id, set()).add(str(context.remote_id))
+                logger.warning(f"group {group_id.hex()[:8]}: a bad part from {str(context.remote_id)[-6:]}: {problem}")
+                raise BadPart(problem)
+            yield message
+
     def _gathered_client(self, blob: bytes) -> bool:
         """Whether a member said it is in client mode (hivemind's own field: its all-reduce reads it too)."""
         try:
@@ -219,9 +306,9 @@ class ExactAverager(DecentralizedAverager):
                              sync_seconds=time.monotonic() - started, deadline=plan.deadline, excluded=excluded,
                              bounded={island.members[i].peer: why for i, why in plan.bounded.items()})
 
-    async def _die_mid_allreduce(self, group_info, min_vector_size: int, **kwargs) -> None:
+    async def _die_mid_allreduce(self, group_info, plan, min_vector_size: int, **kwargs) -> None:
         """Fault injection: start the all-reduce, let some parts go out, then SIGKILL the whole peer."""
-        asyncio.create_task(super()._aggregate_with_group(group_info, min_vector_size, **kwargs))
+        asyncio.create_task(self._allreduce(group_info, plan, min_vector_size, **kwargs))
         await asyncio.sleep(0.05)
         os.kill(os.getppid(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -275,6 +362,33 @@ class ExactAverager(DecentralizedAverager):
         """Runs in the host process when a peer downloads our state (late join, resync)."""
         metadata, tensors = self._state_provider()
         return metadata, list(tensors), None
+
+
+class BadPart(ValueError):
+    """A sender's fp32 part that an honest member could not have sent."""
+
+
+def check_exact_part(message: averaging_pb2.AveragingData, limit: int) -> str:
+    """Why an fp32 all-reduce part is not what p2pdiloco.core.exact sends, or "": every value an integer within
+    ±limit (the codes; the checksum tail's limbs and markers fit too), at weight 1 (hivemind weighs the mean by
+    what each sender claims)."""
+    if message.weight != 1.0:
+        return f"weight {message.weight}, not 1"
+    if not message.HasField("tensor_part"):
+        return ""
+    try:
+        values = deserialize_torch_tensor(message.tensor_part)
+    except Exception as e:  # bytes that make no tensor
+        return f"undecodable ({type(e).__name__})"
+    if values.dtype != torch.float32:
+        return f"dtype {values.dtype}, not float32"
+    if not bool(torch.isfinite(values).all()):
+        return "non-finite values"
+    if values.numel() and float(values.abs().max()) > limit:
+        return f"values beyond ±{limit}"
+    if not torch.equal(values, values.round()):
+        return "values that are not integers"
+    return ""
 
 
 class WholeMessagePipe:

@@ -7,7 +7,8 @@ from tests.harness.swarm import digests_by_version, local_swarm
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
 HONEST = ["a", "b", "c"]
-ARGS = ["-H", "10", "--max-rounds", "5", "--compression", "int4", "--quorum", "2", "--eval-every", "0"]
+ARGS = ["-H", "10", "--max-rounds", "5", "--quorum", "2", "--eval-every", "0"]
+INT4 = ["--compression", "int4"]
 
 
 def run_with_a_liar(tmp_path, run_id: str, fault: str, *extra: str):
@@ -21,10 +22,13 @@ def run_with_a_liar(tmp_path, run_id: str, fault: str, *extra: str):
         return {name: swarm.records(name, "round") for name in HONEST}, swarm.records("liar", "start")[0].peer_id
 
 
-def test_a_peer_sending_nan_costs_the_honest_peers_at_most_one_round(tmp_path):
-    """Its codes cannot even be packed, so it never sends its parts nor serves its sum: the first round fails (or
-    its parts are left out once the wait is over), its members blame it, and later islands leave it out."""
-    rounds, liar = run_with_a_liar(tmp_path, "nan", "hostile_nan")
+@pytest.mark.parametrize("wire", [INT4, ["--compression", "none"]], ids=["int4", "fp32"])
+def test_a_peer_sending_nan_costs_the_honest_peers_at_most_one_round(tmp_path, wire):
+    """int4: its codes cannot even be packed, so it never sends its parts nor serves its sum. fp32: every reducer
+    checks the parts it sums, and ends the NaN sender's stream. Either way the first round fails (or its parts are
+    left out once the wait is over), its members blame it, and later islands leave it out: it sends and reduces
+    nothing there."""
+    rounds, liar = run_with_a_liar(tmp_path, "nan", "hostile_nan", *wire)
     for name, rs in rounds.items():
         assert len(rs) == 5 and sum(not r.applied for r in rs) <= 1, [(r.applied, r.reason) for r in rs]
         assert not any(r.applied and "liar" in r.members for r in rs[1:])  # left out after the first round
@@ -34,7 +38,7 @@ def test_a_peer_sending_nan_costs_the_honest_peers_at_most_one_round(tmp_path):
 def test_a_scaled_liar_claiming_1000x_its_tokens_is_left_out_by_a_robust_merge(tmp_path):
     """×100 its Δ, 1000× its tokens: its weight is capped and, with --robust-merge, each reducer sees its codes
     pinned at ±L and leaves them out; the honest peers merge every round and then leave it out altogether."""
-    rounds, liar = run_with_a_liar(tmp_path, "scaled", "hostile_scaled", "--robust-merge")
+    rounds, liar = run_with_a_liar(tmp_path, "scaled", "hostile_scaled", *INT4, "--robust-merge")
     for name, rs in rounds.items():
         assert all(r.applied for r in rs), [(r.applied, r.reason) for r in rs]
         first = next(r for r in rs if "liar" in r.members)

@@ -1,0 +1,89 @@
+"""ExactAverager's hooks on hivemind's RPCs, driven without a network: the checks on every fp32 part it reduces,
+and the members it turns away at matchmaking."""
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hivemind.compression import serialize_torch_tensor
+from hivemind.proto import averaging_pb2
+
+from p2pdiloco.core import exact
+from p2pdiloco.protocol.island import PenaltyBox, plan_island
+from p2pdiloco.protocol.remote import Expect, parse_island
+from p2pdiloco.swarm.averager import REFUSE_SECONDS, ExactAverager, check_exact_part
+
+LIMIT = exact.levels(4)
+
+
+def part(values, weight: float = 1.0, dtype=torch.float32) -> averaging_pb2.AveragingData:
+    return averaging_pb2.AveragingData(tensor_part=serialize_torch_tensor(torch.tensor(values, dtype=dtype)),
+                                       weight=weight)
+
+
+def test_an_honest_part_passes_codes_checksum_limbs_and_markers_alike():
+    q = exact.quantize(torch.randn(3 * exact.BLOCK), 0.25, torch.full((3,), 1e-4, dtype=torch.float64), LIMIT)
+    limbs = exact.encode_checksum(exact.checksum(q, 7))
+    assert check_exact_part(part(torch.cat([q, limbs, torch.ones(1)])), LIMIT) == ""
+    assert check_exact_part(averaging_pb2.AveragingData(weight=1.0), LIMIT) == ""  # a header without a tensor
+
+
+@pytest.mark.parametrize("message, why", [
+    (part([1.0, float("nan")]), "non-finite"),
+    (part([1.0, float("inf")]), "non-finite"),
+    (part([1.0, 2.5]), "not integers"),
+    (part([1.0, float(LIMIT + 1)]), "beyond"),
+    (part([1.0, -float(LIMIT) * 100]), "beyond"),
+    (part([1.0, 2.0], weight=1e9), "weight"),  # hivemind weighs the mean by what a sender claims
+    (part([1.0, 2.0], weight=0.0), "weight"),
+    (part([1.0, 2.0], dtype=torch.float64), "dtype"),
+    (averaging_pb2.AveragingData(weight=1.0, tensor_part=averaging_pb2.runtime__pb2.Tensor(buffer=b"\x01\x02",
+                                                                                         dtype="float32", size=[9])),
+     "undecodable"),
+])
+def test_a_part_no_honest_member_sends_is_named(message, why):
+    assert why in check_exact_part(message, LIMIT)
+
+
+def bare_averager(peer_id="me") -> ExactAverager:
+    """The hooks' state only: no DHT, no process (what __init__ sets for them)."""
+    averager = ExactAverager.__new__(ExactAverager)
+    averager._refused, averager._code_limits, averager._bad_senders = PenaltyBox(REFUSE_SECONDS), {}, {}
+    averager.dht = SimpleNamespace(peer_id=peer_id)  # hivemind's peer_id reads it
+    averager._parent_pid = None  # no process to stop when it is collected
+    return averager
+
+
+def join(averager: ExactAverager, follower: str) -> list:
+    class Matchmaking:  # hivemind's, past our hook: accepts everyone
+        async def rpc_join_group(self, request, context):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED)
+
+    averager._matchmaking = Matchmaking()
+
+    async def run():
+        context = SimpleNamespace(remote_id=follower)
+        return [m.code async for m in averager.rpc_join_group(averaging_pb2.JoinRequest(), context)]
+    return asyncio.run(run())
+
+
+def test_members_rejected_left_out_or_blamed_are_turned_away_at_matchmaking_for_a_while():
+    n = exact.BLOCK
+    maxabs = exact.block_maxabs(torch.ones(n)).numpy().tobytes()
+    record = dict(name="x", version=1, digest="abcdef", tokens=10, steps=2, budget=5.0, norms=[], maxabs=maxabs)
+    records = [dict(record, peer=p, blame=["evil"] if p in ("me", "b") else []) for p in ("me", "b", "c")]
+    records += [dict(record, peer="evil"), dict(record, peer="garbled", tokens="many")]
+    island = parse_island(records, Expect(n))
+    plan = plan_island(island, "tokens2", 60.0, n)
+    # libp2p's authenticated ids: a malformed record's claimed id is never used
+    group = SimpleNamespace(peer_ids=["me", "b", "c", "evil-id", "garbled-id"])
+    averager = bare_averager()
+    averager._refuse_left_out(island, plan, group)
+    averager.refuse(frozenset({"slow", "me"}))  # failed our last round (and never ourselves)
+    accepted, refused = averaging_pb2.ACCEPTED, averaging_pb2.NOT_LOOKING_FOR_GROUP
+    assert [join(averager, p) for p in ("b", "c", "evil-id", "garbled-id", "slow")] == \
+        [[accepted], [accepted], [refused], [refused], [refused]]
+    averager._refused.until = {p: time.monotonic() - 1 for p in averager._refused.until}  # the while is over
+    assert join(averager, "evil-id") == [accepted]
