@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -65,6 +65,7 @@ class Member:
     norms: tuple[float, ...] = ()  # RDA: one norm per tensor segment
     maxabs: bytes = b""  # fp32 block maxima of its pseudo-gradient (p2pdiloco.core.exact)
     blame: frozenset = frozenset()  # peers whose part or sum failed it in a recent round
+    credential: bytes = b""  # its swarm pass (p2pdiloco.swarm.auth), where the swarm has a key
 
     @property
     def key(self) -> tuple[int, str]:
@@ -163,7 +164,8 @@ def _settings(value: Any) -> dict:
 
 
 _MEMBER_FIELDS = ("peer", "name", "version", "digest", "tokens", "steps", "budget", "norms", "maxabs")
-_OPTIONAL_MEMBER_FIELDS = ("blame",)
+_OPTIONAL_MEMBER_FIELDS = ("blame", "pass")
+MAX_PASS = 64
 
 
 @dataclass(frozen=True)
@@ -191,10 +193,13 @@ def parse_member(value: Any, expect: Expect) -> Member:
         raise Malformed(f"maxabs must be {4 * n_blocks(expect.n_params)} bytes (fp32 per block)")
     if not _finite_non_negative(maxabs):  # a NaN or negative maximum would poison the group's scales
         raise Malformed("maxabs holds a non-finite or negative value")
+    credential = v.get("pass", b"")
+    if not isinstance(credential, bytes) or len(credential) > MAX_PASS:
+        raise Malformed(f"pass must be at most {MAX_PASS} bytes")
     return Member(peer=_str(v["peer"], "peer", 1, MAX_ID), name=_str(v["name"], "name", 0, MAX_NAME),
                   version=_int(v["version"], "version"), digest=_str(v["digest"], "digest", MIN_DIGEST, MAX_DIGEST),
                   tokens=tokens, steps=steps, budget=_budget(v["budget"]), norms=norms, maxabs=maxabs,
-                  blame=frozenset(_str(p, "blame", 1, MAX_ID) for p in blame))
+                  blame=frozenset(_str(p, "blame", 1, MAX_ID) for p in blame), credential=credential)
 
 
 def _finite_non_negative(fp32: bytes) -> bool:
@@ -227,11 +232,19 @@ class Island:
         return {str(i): why for i, why in enumerate(self.rejected) if why}
 
 
-def parse_island(values: Sequence[Any], expect: Expect) -> Island:
+def parse_island(values: Sequence[Any], expect: Expect, peer_ids: Optional[Sequence[str]] = None,
+                 admit: Optional[Callable[[str, bytes], bool]] = None) -> Island:
+    """`peer_ids`: the ids libp2p authenticated, in the group's order; a record must name its sender's. `admit`:
+    whether a sender's pass shows it holds the swarm's key (a swarm with a key only)."""
     members, rejected = [], []
-    for value in values:
+    for i, value in enumerate(values):
         try:
-            members.append(parse_member(value, expect))
+            member = parse_member(value, expect)
+            if peer_ids is not None and member.peer != peer_ids[i]:
+                raise Malformed(f"its record claims another peer's id ({_short(member.peer)})")
+            if admit is not None and not admit(member.peer, member.credential):
+                raise Malformed("no valid pass: it does not hold this swarm's key")
+            members.append(member)
             rejected.append("")
         except Malformed as e:
             members.append(None)

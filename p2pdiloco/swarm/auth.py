@@ -47,6 +47,25 @@ def load_swarm_key(path: Optional[Path]) -> Optional[bytes]:
     return key
 
 
+PASS_BYTES = 16
+
+
+class MemberPasses:
+    """Makes and checks the passes of a swarm's key (derived apart from the DHT's key: one never opens the other)."""
+
+    def __init__(self, key: bytes):
+        self._key = hashlib.sha256(b"p2pdiloco member pass\0" + key).digest()
+
+    def __repr__(self) -> str:
+        return "MemberPasses(<key>)"
+
+    def of(self, peer_id: str) -> bytes:
+        return hmac.new(self._key, peer_id.encode(), hashlib.sha256).digest()[:PASS_BYTES]
+
+    def valid(self, peer_id: str, token) -> bool:
+        return isinstance(token, bytes) and hmac.compare_digest(token, self.of(peer_id))
+
+
 class SwarmKeyAuthorizer(AuthorizerBase):
     def __init__(self, key: bytes):
         self._key = hashlib.sha256(b"p2pdiloco swarm key\0" + key).digest()  # the key itself never travels

@@ -42,7 +42,8 @@ from p2pdiloco.protocol.remote import Expect, parse_island
 from p2pdiloco.protocol.round import IslandReduced
 from p2pdiloco.runtime.faults import NO_FAULTS, FaultPlan
 from p2pdiloco.swarm.codes import CodesError, CodesExchange, part_ranges
-from p2pdiloco.swarm.statefetch import PartServer, parse_part_request
+from p2pdiloco.swarm.auth import MemberPasses
+from p2pdiloco.swarm.statefetch import PartServer, parse_part_request, request_pass
 from p2pdiloco.protocol.timing import allreduce_wire_bytes
 
 logger = get_logger(__name__)
@@ -91,13 +92,15 @@ class ExactAverager(DecentralizedAverager):
 
     def __init__(self, n_elements: int, max_group: int, state_provider: StateProvider, weighting: str,
                  allreduce_cap: float, expect: Expect, fault_plan: FaultPlan = NO_FAULTS, bits: int = 0,
-                 topk: Optional[float] = None, bounds: Bounds = Bounds(), robust: bool = False, **kwargs):
+                 topk: Optional[float] = None, bounds: Bounds = Bounds(), robust: bool = False,
+                 passes: Optional[MemberPasses] = None, **kwargs):
         self.n_elements, self.max_group, self.weighting, self.bounds = n_elements, max_group, weighting, bounds
         self.allreduce_cap, self.expect, self.fault_plan = allreduce_cap, expect, fault_plan
         self.bits = bits  # 0: exact fp32 integers through hivemind's all-reduce; else packed codes (swarm.codes)
         self.topk = topk  # send only this fraction of each block (codec.TopKFormat)
         self._codes = CodesExchange(max_payload=codec.packed_bytes(n_elements, 16) + 1024, robust=robust)
         self._state_provider = state_provider
+        self._passes = passes  # a swarm with a key: who may join our group, be merged, fetch our state
         # averager process only: what the fp32 parts we reduce may hold, per group; who sent parts that did not
         self._code_limits: dict[bytes, int] = {}
         self._bad_senders: dict[bytes, set] = {}
@@ -121,7 +124,8 @@ class ExactAverager(DecentralizedAverager):
         return reduced
 
     async def _island_round(self, group_info, min_vector_size: int, **kwargs) -> IslandReduced:
-        island = parse_island([self._user_record(blob) for blob in group_info.gathered], self.expect)
+        island = parse_island([self._user_record(blob) for blob in group_info.gathered], self.expect,
+                              [str(p) for p in group_info.peer_ids], self._passes.valid if self._passes else None)
         my_index = list(group_info.peer_ids).index(self.peer_id)
         clients = frozenset(i for i, blob in enumerate(group_info.gathered) if self._gathered_client(blob))
         plan = plan_island(island, self.weighting, self.allreduce_cap, self.n_elements, self.bounds, clients)
@@ -258,11 +262,19 @@ class ExactAverager(DecentralizedAverager):
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest,
                              context: P2PContext) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         """As hivemind's leader, unless the follower is one we turn away: it then looks for another leader."""
-        if str(context.remote_id) in self._refused.active(time.monotonic()):
+        follower = str(context.remote_id)
+        if follower in self._refused.active(time.monotonic()) or not self._admits(follower, request.gather):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
             return
         async for message in super().rpc_join_group(request, context):
             yield message
+
+    def _admits(self, peer: str, gathered: bytes) -> bool:
+        """In a swarm with a key: whether what a follower gathers carries its valid pass."""
+        if self._passes is None:
+            return True
+        record = self._user_record(gathered)
+        return isinstance(record, dict) and self._passes.valid(peer, record.get("pass"))
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData],
                                  context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
@@ -326,6 +338,15 @@ class ExactAverager(DecentralizedAverager):
         self._inner_pipe = WholeMessagePipe(self._inner_pipe)  # this (the averager) process's end only
         super().run()
 
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
+                                 context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """hivemind's whole-state download, whose request has no room for a pass: in a swarm with a key it is
+        refused (an empty answer sends the requester on to the next donor), and peers fetch by parts instead."""
+        if self._passes is not None:
+            return
+        async for message in super().rpc_download_state(request, context):
+            yield message
+
     async def rpc_state_part(self, request: averaging_pb2.DownloadData,
                              context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
         """One part of our global state for a joiner fetching from several donors (swarm.statefetch)."""
@@ -333,6 +354,10 @@ class ExactAverager(DecentralizedAverager):
             # hivemind==1.1.12's own channel from the averager process to the host's get_current_state
             self._part_server = PartServer(self._get_current_state_from_host_process)
             self._parts_served = Counter()  # by requester and state, for the fault plan
+        if self._passes is not None and not self._passes.valid(str(context.remote_id), request_pass(request)):
+            yield averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(dict(
+                error="no valid pass: this swarm's state goes only to peers that hold its key")))
+            return
         await self._maybe_die_while_sharing(request, context)
         slow = self.fault_plan.version_of("slow_sharing") is not None
         async for message in self._part_server.serve_part(request):
@@ -449,11 +474,11 @@ def reweigh_parts(merged: torch.Tensor, ranges, left_out, weights: dict) -> None
 
 def gather_record(peer: str, name: str, version: int, tokens: int, steps: int, body: torch.Tensor,
                   digest: str, budget: float, norms: Sequence[float] = (), wire_format=None,
-                  blame: Sequence[str] = ()) -> dict:
+                  blame: Sequence[str] = (), credential: bytes = b"") -> dict:
     """This member's metadata for the round, all-gathered during matchmaking (kept small: ~4 bytes per
     16K parameters for the block statistic, one float per tensor for RDA norms). The statistic is the block
     maximum (the exact path needs it), or what the compressed format agrees its scales from."""
     statistic = exact.block_maxabs(body) if wire_format is None else wire_format.block_statistic(body)
     return dict(peer=peer, name=name, version=version, tokens=int(tokens), steps=int(steps), digest=digest,
                 budget=float(budget), norms=[float(x) for x in norms], maxabs=statistic.numpy().tobytes(),
-                blame=list(blame))
+                blame=list(blame), **({"pass": credential} if credential else {}))

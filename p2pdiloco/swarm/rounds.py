@@ -32,6 +32,7 @@ from p2pdiloco.protocol.round import (Done, Download, FormIsland, IslandFailed, 
 from p2pdiloco.protocol.timing import GracePolicy, RoundClock
 from p2pdiloco.runtime.faults import NO_FAULTS, FaultPlan
 from p2pdiloco.runtime.procio import io_counters, moved_since
+from p2pdiloco.swarm.auth import MemberPasses, load_swarm_key
 from p2pdiloco.swarm.averager import ExactAverager, averager_limits, gather_record
 from p2pdiloco.swarm.node import STOP_WAIT
 from p2pdiloco.swarm.records import Heartbeat, fetch_records
@@ -71,10 +72,12 @@ class SwarmMerger:
         default_feedback = 0 < self.bits <= 4 or bool(cfg.topk)
         feedback = cfg.error_feedback if cfg.error_feedback is not None else default_feedback
         self.feedback = codec.ErrorFeedback() if self.bits and feedback else None
+        key = load_swarm_key(cfg.swarm_key_file)  # checked when the DHT started
+        self.passes = MemberPasses(key) if key is not None else None
         self.averager = ExactAverager(
             n_params, cfg.max_island, state_provider, outer.weighting, self.limits.allreduce_cap,
             Expect(n_params, len(self.segments) if outer.rda else 0), fault_plan, self.bits, cfg.topk, bounds,
-            cfg.robust_merge,
+            cfg.robust_merge, self.passes,
             dht=dht, prefix=f"{cfg.run_id}_{merge_rule}", start=True,
             min_group_size=max(2, cfg.quorum),  # hivemind would "form" a group of 1 at once; K=1 is ours
             min_matchmaking_time=self.limits.matchmaking, request_timeout=self.limits.request,
@@ -83,8 +86,9 @@ class SwarmMerger:
         )
         self.peer = dht.peer_id.to_base58()
         part_timeout = 5.0 + 4 * 4 * MAX_PART / self.limits.initial_bytes_per_s  # 4× the declared link's time
+        self.credential = self.passes.of(self.peer) if self.passes else b""
         self.fetcher = StateFetcher(dht, lambda p2p, peer: self.averager.get_stub(
-            p2p, peer, namespace=self.averager.prefix), part_timeout)
+            p2p, peer, namespace=self.averager.prefix), part_timeout, self.credential)
 
     # ---- the round: the protocol decides, we do ----------------------------------------------------------
     def merge(self, c: Contribution) -> RoundOutcome:
@@ -151,7 +155,7 @@ class SwarmMerger:
             buffer[: self.n] = sent
         gather = gather_record(self.peer, c.name, c.version, claimed_tokens, c.steps, body, c.digest, island.budget,
                                norms, self.averager.wire_format(1) if self.bits else None,
-                               blame=self.penalties.active(time.monotonic()))
+                               blame=self.penalties.active(time.monotonic()), credential=self.credential)
         control = self._control = self.averager.step(
             gather=gather, weight=1.0, timeout=island.find_timeout, scheduled_time=get_dht_time() + self._start_in(island),
             allow_retries=False, wait=False)
@@ -211,7 +215,7 @@ class SwarmMerger:
         deadline = time.monotonic() + (timeout or max(10.0, self.limits.allreduce_cap))
         while True:
             loaded = self._from_donors(min_version, deadline)
-            if loaded is None:  # one donor at a time, hivemind's way
+            if loaded is None and self.passes is None:  # one donor at a time, hivemind's way (no room for a pass)
                 loaded = self.load_state(timeout=max(1.0, deadline - time.monotonic()))
             problem = "no peer shared its state" if loaded is None else validate_state(*loaded, self.n, min_version)
             if not problem:

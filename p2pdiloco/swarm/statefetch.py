@@ -47,6 +47,15 @@ def parse_part_request(blob: bytes) -> tuple[int, str, int, int]:
     return version, digest, start, length
 
 
+def request_pass(request: averaging_pb2.DownloadData):
+    """The requester's swarm pass in a part request (p2pdiloco.swarm.auth), or None."""
+    try:
+        value = serializer.loads(request.metadata)
+        return value.get("pass") if isinstance(value, dict) else None
+    except Exception:  # malformed: answered as such by serve_part
+        return None
+
+
 def _error(message: str) -> averaging_pb2.DownloadData:
     return averaging_pb2.DownloadData(metadata=serializer.dumps(dict(error=message)))
 
@@ -121,8 +130,9 @@ def span(tensors: list[torch.Tensor], start: int, length: int) -> torch.Tensor:
 class StateFetcher:
     """Joiner side: one background event loop for the libp2p replica, used from the merger's thread."""
 
-    def __init__(self, dht, get_stub: Callable, part_timeout: float):
+    def __init__(self, dht, get_stub: Callable, part_timeout: float, credential: bytes = b""):
         self.dht, self.get_stub, self.part_timeout = dht, get_stub, part_timeout
+        self.credential = credential  # our swarm pass, where the swarm has a key
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._p2p = None  # the DHT's libp2p replica, made on (and bound to) our loop
         self._pending: Optional[concurrent.futures.Future] = None
@@ -146,6 +156,8 @@ class StateFetcher:
         async def fetch_part(donor: str, start: int, length: int) -> tuple[dict, torch.Tensor]:
             stub = self.get_stub(p2p, PeerID.from_base58(donor))
             request = dict(version=key[0], digest=key[1], start=start, length=length)
+            if self.credential:
+                request["pass"] = self.credential
             stream = await stub.rpc_state_part(averaging_pb2.DownloadData(metadata=serializer.dumps(request)))
             metadata, parts = None, []
             async for message in stream:

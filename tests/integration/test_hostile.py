@@ -19,26 +19,30 @@ def run_with_a_liar(tmp_path, run_id: str, fault: str, *extra: str):
         swarm.wait_clean(HONEST, timeout=400)
         for version, states in digests_by_version(swarm, HONEST).items():
             assert len(states) == 1, f"honest peers disagree at version {version}: {states}"
-        return {name: swarm.records(name, "round") for name in HONEST}, swarm.records("liar", "start")[0].peer_id
+        return ({name: swarm.records(name, "round") for name in HONEST}, swarm.records("liar", "start")[0].peer_id,
+                swarm.records("liar", "round"))
 
 
 @pytest.mark.parametrize("wire", [INT4, ["--compression", "none"]], ids=["int4", "fp32"])
 def test_a_peer_sending_nan_costs_the_honest_peers_at_most_one_round(tmp_path, wire):
     """int4: its codes cannot even be packed, so it never sends its parts nor serves its sum. fp32: every reducer
     checks the parts it sums, and ends the NaN sender's stream. Either way the first round fails (or its parts are
-    left out once the wait is over), its members blame it, and later islands leave it out: it sends and reduces
-    nothing there."""
-    rounds, liar = run_with_a_liar(tmp_path, "nan", "hostile_nan", *wire)
+    left out once the wait is over), its members blame it and turn it away at matchmaking; an island it leads
+    leaves it out: it sends and reduces nothing there."""
+    rounds, liar, its_rounds = run_with_a_liar(tmp_path, "nan", "hostile_nan", *wire)
     for name, rs in rounds.items():
         assert len(rs) == 5 and sum(not r.applied for r in rs) <= 1, [(r.applied, r.reason) for r in rs]
         assert not any(r.applied and "liar" in r.members for r in rs[1:])  # left out after the first round
-        assert any(liar in r.excluded and "blamed" in r.excluded[liar] for r in rs), [r.excluded for r in rs]
+    # blamed by every honest member: they turn it away at matchmaking, or leave it out if it leads
+    assert not any(r.applied and len(r.members) > 1 for r in its_rounds), [(r.applied, r.reason) for r in its_rounds]
+    later = [r for rs in rounds.values() for r in rs[1:]]
+    assert all(liar in r.excluded or "liar" not in r.members for r in later)
 
 
 def test_a_scaled_liar_claiming_1000x_its_tokens_is_left_out_by_a_robust_merge(tmp_path):
     """×100 its Δ, 1000× its tokens: its weight is capped and, with --robust-merge, each reducer sees its codes
     pinned at ±L and leaves them out; the honest peers merge every round and then leave it out altogether."""
-    rounds, liar = run_with_a_liar(tmp_path, "scaled", "hostile_scaled", *INT4, "--robust-merge")
+    rounds, liar, _ = run_with_a_liar(tmp_path, "scaled", "hostile_scaled", *INT4, "--robust-merge")
     for name, rs in rounds.items():
         assert all(r.applied for r in rs), [(r.applied, r.reason) for r in rs]
         first = next(r for r in rs if "liar" in r.members)

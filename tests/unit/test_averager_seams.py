@@ -9,6 +9,7 @@ import pytest
 import torch
 from hivemind.compression import serialize_torch_tensor
 from hivemind.proto import averaging_pb2
+from hivemind.utils.serializer import MSGPackSerializer
 
 from p2pdiloco.core import exact
 from p2pdiloco.protocol.island import PenaltyBox, plan_island
@@ -47,16 +48,17 @@ def test_a_part_no_honest_member_sends_is_named(message, why):
     assert why in check_exact_part(message, LIMIT)
 
 
-def bare_averager(peer_id="me") -> ExactAverager:
+def bare_averager(peer_id="me", passes=None) -> ExactAverager:
     """The hooks' state only: no DHT, no process (what __init__ sets for them)."""
     averager = ExactAverager.__new__(ExactAverager)
+    averager._passes, averager.serializer = passes, MSGPackSerializer
     averager._refused, averager._code_limits, averager._bad_senders = PenaltyBox(REFUSE_SECONDS), {}, {}
     averager.dht = SimpleNamespace(peer_id=peer_id)  # hivemind's peer_id reads it
     averager._parent_pid = None  # no process to stop when it is collected
     return averager
 
 
-def join(averager: ExactAverager, follower: str) -> list:
+def join(averager: ExactAverager, follower: str, gathered: bytes = b"") -> list:
     class Matchmaking:  # hivemind's, past our hook: accepts everyone
         async def rpc_join_group(self, request, context):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED)
@@ -65,7 +67,8 @@ def join(averager: ExactAverager, follower: str) -> list:
 
     async def run():
         context = SimpleNamespace(remote_id=follower)
-        return [m.code async for m in averager.rpc_join_group(averaging_pb2.JoinRequest(), context)]
+        request = averaging_pb2.JoinRequest(gather=gathered)
+        return [m.code async for m in averager.rpc_join_group(request, context)]
     return asyncio.run(run())
 
 
@@ -87,3 +90,71 @@ def test_members_rejected_left_out_or_blamed_are_turned_away_at_matchmaking_for_
         [[accepted], [accepted], [refused], [refused], [refused]]
     averager._refused.until = {p: time.monotonic() - 1 for p in averager._refused.until}  # the while is over
     assert join(averager, "evil-id") == [accepted]
+
+
+def gathered(record: dict) -> bytes:
+    """What hivemind's follower sends: (bandwidth, mode, our record), serialized twice."""
+    return MSGPackSerializer.dumps([1.0, 0, MSGPackSerializer.dumps(record)])
+
+
+def test_in_a_swarm_with_a_key_only_followers_with_their_own_valid_pass_join_our_group():
+    from p2pdiloco.swarm.auth import MemberPasses
+
+    passes, stranger = MemberPasses(b"k" * 32), MemberPasses(b"x" * 32)
+    averager = bare_averager(passes=passes)
+    accepted, refused = [averaging_pb2.ACCEPTED], [averaging_pb2.NOT_LOOKING_FOR_GROUP]
+    assert join(averager, "b", gathered({"pass": passes.of("b")})) == accepted
+    assert join(averager, "b", gathered({})) == refused  # no pass
+    assert join(averager, "b", gathered({"pass": stranger.of("b")})) == refused  # another key's
+    assert join(averager, "c", gathered({"pass": passes.of("b")})) == refused  # b's pass, shown by c
+    assert join(averager, "b", b"garbage") == refused
+    assert join(bare_averager(), "b", gathered({})) == accepted  # an open swarm asks for none
+
+
+def test_in_a_swarm_with_a_key_an_island_leaves_out_members_without_a_pass_or_with_anothers_id():
+    from p2pdiloco.swarm.auth import MemberPasses
+
+    passes = MemberPasses(b"k" * 32)
+    n = exact.BLOCK
+    maxabs = exact.block_maxabs(torch.ones(n)).numpy().tobytes()
+    base = dict(name="x", version=1, digest="abcdef", tokens=10, steps=2, budget=5.0, norms=[], maxabs=maxabs)
+    records = [dict(base, peer="a", **{"pass": passes.of("a")}), dict(base, peer="b"),
+               dict(base, peer="c", **{"pass": passes.of("a")}), dict(base, peer="a", **{"pass": passes.of("a")})]
+    island = parse_island(records, Expect(n), ["a", "b", "c", "d"], passes.valid)
+    assert island.members[0] is not None and island.members[1:] == (None, None, None)
+    assert "no valid pass" in island.rejected[1] and "no valid pass" in island.rejected[2]
+    assert "another peer's id" in island.rejected[3]  # d claims to be a
+    assert parse_island(records[:2], Expect(n), ["a", "b"]).members[1] is not None  # open swarm: no pass needed
+
+
+def test_in_a_swarm_with_a_key_state_parts_go_only_to_requesters_with_their_own_valid_pass():
+    from p2pdiloco.runtime.faults import NO_FAULTS
+    from p2pdiloco.swarm.auth import MemberPasses
+
+    passes = MemberPasses(b"k" * 32)
+    averager = bare_averager(passes=passes)
+    averager.fault_plan = NO_FAULTS
+
+    class Parts:  # the donor's part server, past our hook
+        async def serve_part(self, request):
+            yield averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(dict(version=1)))
+
+    averager._part_server = Parts()
+
+    def ask(requester: str, credential) -> dict:
+        wanted = dict(version=1, digest="abcdef", start=0, length=10, **({"pass": credential} if credential else {}))
+        request = averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(wanted))
+
+        async def run():
+            return [MSGPackSerializer.loads(m.metadata) async for m in
+                    averager.rpc_state_part(request, SimpleNamespace(remote_id=requester))]
+        return asyncio.run(run())[0]
+
+    assert ask("j", passes.of("j")) == dict(version=1)
+    assert "no valid pass" in ask("j", None)["error"]
+    assert "no valid pass" in ask("k", passes.of("j"))["error"]  # j's pass, shown by k
+
+    async def whole_state():  # hivemind's download has no room for a pass: refused outright
+        return [m async for m in averager.rpc_download_state(averaging_pb2.DownloadRequest(),
+                                                             SimpleNamespace(remote_id="j"))]
+    assert asyncio.run(whole_state()) == []
