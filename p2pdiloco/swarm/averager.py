@@ -41,7 +41,7 @@ from p2pdiloco.protocol.island import Bounds, PenaltyBox, plan_island
 from p2pdiloco.protocol.remote import Expect, parse_island
 from p2pdiloco.protocol.round import IslandReduced
 from p2pdiloco.runtime.faults import NO_FAULTS, FaultPlan
-from p2pdiloco.swarm.codes import CodesError, CodesExchange, part_ranges
+from p2pdiloco.swarm.codes import MAX_PENDING_GROUPS, CodesError, CodesExchange, part_ranges
 from p2pdiloco.swarm.auth import MemberPasses
 from p2pdiloco.swarm.statefetch import PartServer, parse_part_request, request_pass
 from p2pdiloco.protocol.timing import allreduce_wire_bytes
@@ -104,6 +104,7 @@ class ExactAverager(DecentralizedAverager):
         # averager process only: what the fp32 parts we reduce may hold, per group; who sent parts that did not
         self._code_limits: dict[bytes, int] = {}
         self._bad_senders: dict[bytes, set] = {}
+        self._senders_seen: dict[bytes, set] = {}  # who streamed us a part, per group
         self._refused = PenaltyBox(seconds=REFUSE_SECONDS)  # members we turn away at matchmaking, for a while
         # hivemind averages a list of tensors and assembles each one's result whole (a concatenation of its
         # parts) before adding it in: handed one flat tensor, that is a model-sized temporary in the averager
@@ -157,16 +158,23 @@ class ExactAverager(DecentralizedAverager):
             await self._die_mid_allreduce(group_info, plan, min_vector_size, **kwargs)
         try:
             await asyncio.wait_for(self._allreduce(group_info, plan, min_vector_size, **kwargs), plan.deadline)
+            with self.buffer() as buffer:
+                decoded = exact.decode(buffer, self.n_elements, len(senders), enc)
+            verified, reason = decoded.verified, decoded.reason
+        except Exception as e:  # hivemind's all-reduce failed or ran out of time: the buffer holds nothing of use
+            verified, reason = False, f"all-reduce failed: {type(e).__name__}: {e}"
         finally:
             culprits = self._bad_senders.pop(group_id, set())
+            seen = self._senders_seen.pop(group_id, set())
             self._code_limits.pop(group_id, None)
-        with self.buffer() as buffer:
-            decoded = exact.decode(buffer, self.n_elements, len(senders), enc)
-        if not decoded.verified:
-            logger.warning(f"round in group {group_id.hex()[:8]} not verified: {decoded.reason}")
-        reduced = self._reduced(island, plan, group_info, decoded.verified, decoded.reason, started)
+        if not verified:
+            logger.warning(f"round in group {group_id.hex()[:8]} not verified: {reason}")
+            if my_index in plan.reducers:  # every sender streams a part to every reducer: silence failed us
+                silent = {str(group_info.peer_ids[i]) for i in senders if i != my_index} - seen
+                culprits |= silent
+        reduced = self._reduced(island, plan, group_info, verified, reason, started)
         if culprits:
-            logger.warning(f"group {group_id.hex()[:8]}: bad parts from {sorted(c[-6:] for c in culprits)}")
+            logger.warning(f"group {group_id.hex()[:8]}: bad or no parts from {sorted(c[-6:] for c in culprits)}")
         return dataclasses.replace(reduced, blamed=frozenset(culprits))
 
     async def _allreduce(self, group_info, plan, min_vector_size: int, **kwargs) -> None:
@@ -286,10 +294,12 @@ class ExactAverager(DecentralizedAverager):
     async def _checked_parts(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext):
         group_id = None
         async for message in stream:
-            group_id = group_id or message.group_id
+            if group_id is None:
+                group_id = message.group_id
+                _bounded_entry(self._senders_seen, group_id).add(str(context.remote_id))
             problem = check_exact_part(message, self._code_limits.get(group_id, exact.levels(1)))
             if problem:
-                self._bad_senders.setdefault(group_id, set()).add(str(context.remote_id))
+                _bounded_entry(self._bad_senders, group_id).add(str(context.remote_id))
                 logger.warning(f"group {group_id.hex()[:8]}: a bad part from {str(context.remote_id)[-6:]}: {problem}")
                 raise BadPart(problem)
             yield message
@@ -440,6 +450,15 @@ class WholeMessagePipe:
 
     def __getattr__(self, name):  # fileno, poll, send, close: the connection's own
         return getattr(self._connection, name)
+
+
+def _bounded_entry(by_group: dict, group_id: bytes) -> set:
+    """The set kept for a group, in a dict of the latest few groups: parts under made-up group ids cannot grow it."""
+    if group_id not in by_group:
+        while len(by_group) >= MAX_PENDING_GROUPS:
+            del by_group[next(iter(by_group))]  # the oldest
+        by_group[group_id] = set()
+    return by_group[group_id]
 
 
 def _die() -> None:

@@ -23,7 +23,10 @@ def run_with_a_liar(tmp_path, run_id: str, fault: str, *extra: str):
                 swarm.records("liar", "round"))
 
 
-@pytest.mark.parametrize("wire", [INT4, ["--compression", "none"]], ids=["int4", "fp32"])
+@pytest.mark.parametrize("wire", [
+    pytest.param(INT4, marks=pytest.mark.slow),  # the same blame as fp32's, for codes that cannot be packed
+    ["--compression", "none"],
+], ids=["int4", "fp32"])
 def test_a_peer_sending_nan_costs_the_honest_peers_at_most_one_round(tmp_path, wire):
     """int4: its codes cannot even be packed, so it never sends its parts nor serves its sum. fp32: every reducer
     checks the parts it sums, and ends the NaN sender's stream. Either way the first round fails (or its parts are

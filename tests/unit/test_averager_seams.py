@@ -53,6 +53,7 @@ def bare_averager(peer_id="me", passes=None) -> ExactAverager:
     averager = ExactAverager.__new__(ExactAverager)
     averager._passes, averager.serializer = passes, MSGPackSerializer
     averager._refused, averager._code_limits, averager._bad_senders = PenaltyBox(REFUSE_SECONDS), {}, {}
+    averager._senders_seen = {}
     averager.dht = SimpleNamespace(peer_id=peer_id)  # hivemind's peer_id reads it
     averager._parent_pid = None  # no process to stop when it is collected
     return averager
@@ -158,3 +159,22 @@ def test_in_a_swarm_with_a_key_state_parts_go_only_to_requesters_with_their_own_
         return [m async for m in averager.rpc_download_state(averaging_pb2.DownloadRequest(),
                                                              SimpleNamespace(remote_id="j"))]
     assert asyncio.run(whole_state()) == []
+
+
+def test_parts_under_made_up_group_ids_cannot_grow_what_a_reducer_remembers():
+    averager = bare_averager()
+    averager._code_limits = {b"ours": LIMIT}
+
+    async def send(group_id: bytes, values):
+        async def stream():
+            yield averaging_pb2.AveragingData(group_id=group_id, tensor_part=part(values).tensor_part, weight=1.0)
+        try:
+            return [m async for m in averager._checked_parts(stream(), SimpleNamespace(remote_id="x"))]
+        except ValueError:
+            return None
+
+    assert asyncio.run(send(b"ours", [1.0, 2.0])) is not None and "x" in averager._senders_seen[b"ours"]
+    assert asyncio.run(send(b"ours", [float("nan")])) is None and averager._bad_senders[b"ours"] == {"x"}
+    for i in range(100):
+        asyncio.run(send(f"junk{i}".encode(), [float("nan")]))
+    assert len(averager._senders_seen) <= 8 and len(averager._bad_senders) <= 8

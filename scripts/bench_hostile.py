@@ -1,0 +1,114 @@
+"""4-peer runs of equal length, clean and with one hostile peer: the honest peers' final validation loss against the
+clean runs', and how many rounds the hostile peer cost them (issue 11's closing table).
+
+    unshare -n bash -c 'ip link set lo up && .venv/bin/python scripts/bench_hostile.py --seeds 0,1,2'
+
+Each run: a bootstrap node and peers a, b, c (honest) and d, all `tiny` with int4 rounds, the same H, rounds and
+seed. In a clean run d is honest too; otherwise a test fault plan makes d hostile from its first round:
+- scaled: ×100 its Δ and 1000× its tokens; random: noise of its Δ's spread and 1000× its tokens (both with
+  --robust-merge, the option for swarms that expect attackers); nan: NaN in its Δ (no option needed).
+Reported per variant: the honest peers' final validation loss (the mean of a, b, c; by seed, then the mean over
+seeds), its difference to the clean runs' mean, the honest rounds not merged, and the rounds that merged d.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from p2pdiloco.ops.launcher import join_command, start_bootstrap, start_process, stop_tree
+from p2pdiloco.runtime.schema import Round, Summary, of_kind, read_records
+
+HONEST = ("a", "b", "c")
+VARIANTS = {  # name → (fault plan of peer d, extra flags for every peer)
+    "clean": ("", []),
+    "scaled": ("hostile_scaled@0", ["--robust-merge"]),
+    "random": ("hostile_random@0", ["--robust-merge"]),
+    "nan": ("hostile_nan@0", []),
+}
+
+
+def run_once(variant: str, seed: int, args, root: Path) -> dict:
+    fault, extra = VARIANTS[variant]
+    log_dir = root / f"{variant}-{seed}"
+    common = ["--model", "tiny", "--batch-size", "8", "--seq-len", "64", "--threads", "1", "-H", str(args.inner_steps),
+              "--max-rounds", str(args.rounds), "--compression", "int4", "--quorum", "2", "--eval-every", "0",
+              "--checkpoint-every", "0", "--seed", str(seed), *extra]
+    procs = {}
+    try:
+        procs["bootstrap"], address = start_bootstrap(log_dir, ["--run-id", f"h{variant}{seed}"])
+        for name in (*HONEST, "d"):
+            env = {"P2PDILOCO_FAULT_PLAN": fault} if name == "d" and fault else None
+            procs[name] = start_process(join_command(address, name, log_dir, *common, run_id=f"h{variant}{seed}"),
+                                        log_dir / f"{name}.log", env=env)
+        deadline = time.monotonic() + args.timeout
+        for name in HONEST:
+            left = max(1.0, deadline - time.monotonic())
+            if procs[name].wait(left) != 0:
+                raise RuntimeError(f"{variant} seed {seed}: peer {name} failed; see {log_dir / (name + '.log')}")
+    finally:
+        for proc in procs.values():
+            stop_tree(proc)
+    return measure(log_dir)
+
+
+def measure(log_dir: Path) -> dict:
+    finals, lost, merged_d = [], 0, set()
+    for name in HONEST:
+        records = read_records(log_dir / f"{name}.jsonl")
+        finals.append(of_kind(records, Summary)[-1].final_val)
+        rounds = of_kind(records, Round)
+        lost += sum(not r.applied for r in rounds)
+        merged_d |= {r.version for r in rounds if r.applied and "d" in r.members}
+    return dict(val=statistics.fmean(finals), honest_not_merged=lost / len(HONEST), rounds_merging_d=len(merged_d))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--inner-steps", type=int, default=20)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here too")
+    args = parser.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",")]
+    variants = args.variants.split(",")
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bench-hostile-") as tmp:
+        for seed in seeds:  # seeds outermost: a variant's runs spread over the session, like the clean ones
+            for variant in variants:
+                results.setdefault(variant, {})[seed] = run_once(variant, seed, args, Path(tmp))
+                print(f"{variant:7s} seed {seed}: {results[variant][seed]}", flush=True)
+    report(results, args)
+    if args.out:
+        args.out.write_text(json.dumps(dict(rounds=args.rounds, inner_steps=args.inner_steps, runs=results), indent=1))
+    return 0
+
+
+def report(results: dict, args) -> None:
+    clean = statistics.fmean(r["val"] for r in results["clean"].values()) if "clean" in results else None
+    print(f"\n{args.rounds} rounds of H = {args.inner_steps}, 4 peers (d hostile unless clean), tiny, int4\n")
+    print("| variant | honest val loss by seed | mean | vs clean mean | honest rounds not merged (mean of a, b, c) "
+          "| rounds that merged d |")
+    print("|---|---|---|---|---|---|")
+    for variant, runs in results.items():
+        vals = [r["val"] for r in runs.values()]
+        mean = statistics.fmean(vals)
+        versus = "" if clean is None else f"{100 * (mean / clean - 1):+.2f} %"
+        spread = f" (spread {100 * (max(vals) - min(vals)) / mean:.1f} %)" if len(vals) > 1 else ""
+        print(f"| {variant} | {', '.join(f'{v:.4f}' for v in vals)} | {mean:.4f}{spread} | {versus} | "
+              f"{', '.join(format(r['honest_not_merged'], 'g') for r in runs.values())} | "
+              f"{', '.join(str(r['rounds_merging_d']) for r in runs.values())} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
