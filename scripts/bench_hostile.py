@@ -8,7 +8,8 @@ seed. In a clean run d is honest too; otherwise a test fault plan makes d hostil
 - scaled: ×100 its Δ and 1000× its tokens; random: noise of its Δ's spread and 1000× its tokens (both with
   --robust-merge, the option for swarms that expect attackers); nan: NaN in its Δ (no option needed).
 Reported per variant: the honest peers' final validation loss (the mean of a, b, c; by seed, then the mean over
-seeds), its difference to the clean runs' mean, the honest rounds not merged, and the rounds that merged d.
+seeds), its difference to the clean runs' mean, the honest rounds not merged, the rounds that merged d's
+contribution, and those whose reducers left d's parts out.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 from pathlib import Path
 
 from p2pdiloco.ops.launcher import join_command, start_bootstrap, start_process, stop_tree
-from p2pdiloco.runtime.schema import Round, Summary, of_kind, read_records
+from p2pdiloco.runtime.schema import Round, Start, Summary, of_kind, read_records
 
 HONEST = ("a", "b", "c")
 VARIANTS = {  # name → (fault plan of peer d, extra flags for every peer)
@@ -58,14 +59,19 @@ def run_once(variant: str, seed: int, args, root: Path) -> dict:
 
 
 def measure(log_dir: Path) -> dict:
-    finals, lost, merged_d = [], 0, set()
+    """A round merged d's contribution when d is among its members and no reducer left d's parts out (`excluded`
+    names it by peer id then)."""
+    d = of_kind(read_records(log_dir / "d.jsonl"), Start)[0].peer_id
+    finals, lost, merged_d, left_out_d = [], 0, set(), set()
     for name in HONEST:
         records = read_records(log_dir / f"{name}.jsonl")
         finals.append(of_kind(records, Summary)[-1].final_val)
         rounds = of_kind(records, Round)
         lost += sum(not r.applied for r in rounds)
-        merged_d |= {r.version for r in rounds if r.applied and "d" in r.members}
-    return dict(val=statistics.fmean(finals), honest_not_merged=lost / len(HONEST), rounds_merging_d=len(merged_d))
+        merged_d |= {r.version for r in rounds if r.applied and "d" in r.members and d not in r.excluded}
+        left_out_d |= {r.version for r in rounds if r.applied and d in r.excluded}
+    return dict(val=statistics.fmean(finals), honest_not_merged=lost / len(HONEST), rounds_merging_d=len(merged_d),
+                rounds_leaving_d_out=len(left_out_d))
 
 
 def main() -> int:
@@ -98,8 +104,8 @@ def report(results: dict, args) -> None:
     clean = statistics.fmean(r["val"] for r in results["clean"].values()) if "clean" in results else None
     print(f"\n{args.rounds} rounds of H = {args.inner_steps}, 4 peers (d hostile unless clean), tiny, int4\n")
     print("| variant | honest val loss by seed | mean | vs clean mean | honest rounds not merged (mean of a, b, c) "
-          "| rounds that merged d |")
-    print("|---|---|---|---|---|---|")
+          "| rounds that merged d's contribution | rounds that left d's parts out |")
+    print("|---|---|---|---|---|---|---|")
     for variant, runs in results.items():
         vals = [r["val"] for r in runs.values()]
         mean = statistics.fmean(vals)
@@ -107,7 +113,8 @@ def report(results: dict, args) -> None:
         spread = f" (spread {100 * (max(vals) - min(vals)) / mean:.1f} %)" if len(vals) > 1 else ""
         print(f"| {variant} | {', '.join(f'{v:.4f}' for v in vals)} | {mean:.4f}{spread} | {versus} | "
               f"{', '.join(format(r['honest_not_merged'], 'g') for r in runs.values())} | "
-              f"{', '.join(str(r['rounds_merging_d']) for r in runs.values())} |")
+              f"{', '.join(str(r['rounds_merging_d']) for r in runs.values())} | "
+              f"{', '.join(str(r['rounds_leaving_d_out']) for r in runs.values())} |")
 
 
 if __name__ == "__main__":
