@@ -41,8 +41,10 @@ from p2pdiloco.protocol.island import lower_median
 CHUNK = 1 << 20  # bytes per stream message (libp2p messages stay well under the daemon's limit)
 PART_WAIT = 0.6  # of the round's deadline: how long a reducer waits for every part before summing those it has
 # --robust-merge: a reducer leaves out a part whose codes mostly sit at ±L (sent beyond the scale its sender
-# claimed: honest codes reach ±L only at their block's maximum), or that does not point the way the others do
-SATURATED = 0.05
+# claimed), or that does not point the way the others do. Honest codes reach ±L at their block's maximum, and
+# beyond the island's clipped scale: a member whose Δ is 5× the others' has ~12 % there (a clean 4-peer run left
+# such a member out at 5 %); a ×100 liar has ~all of them there
+SATURATED = 0.5
 AGREEMENT = 0.25  # of the median cosine between each part and the sum of the others
 MAX_PENDING_GROUPS = 8  # reductions kept at once: a push may arrive before our own matchmaking finished, a
 # fetch after our own round is over (a slower member still needs our part's sum)
