@@ -7,6 +7,7 @@ Each run: a bootstrap node and peers a, b, c (honest) and d, all `tiny` with int
 seed. In a clean run d is honest too; otherwise a test fault plan makes d hostile from its first round:
 - scaled: ×100 its Δ and 1000× its tokens; random: noise of its Δ's spread and 1000× its tokens (both with
   --robust-merge, the option for swarms that expect attackers); nan: NaN in its Δ (no option needed).
+Controls (--variants three,clean-robust): the honest peers without d, and a clean run with --robust-merge.
 Reported per variant: the honest peers' final validation loss (the mean of a, b, c; by seed, then the mean over
 seeds), its difference to the clean runs' mean, the honest rounds not merged, the rounds that merged d's
 contribution, and those whose reducers left d's parts out.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import sys
 import tempfile
@@ -26,12 +28,16 @@ from p2pdiloco.ops.launcher import join_command, start_bootstrap, start_process,
 from p2pdiloco.runtime.schema import Round, Start, Summary, of_kind, read_records
 
 HONEST = ("a", "b", "c")
-VARIANTS = {  # name → (fault plan of peer d, extra flags for every peer)
+VARIANTS = {  # name → (fault plan of peer d, None: d does not run; extra flags for every peer)
     "clean": ("", []),
     "scaled": ("hostile_scaled@0", ["--robust-merge"]),
     "random": ("hostile_random@0", ["--robust-merge"]),
     "nan": ("hostile_nan@0", []),
+    # controls: what the honest peers reach without d at all, and clean with the robust merge
+    "three": (None, []),
+    "clean-robust": ("", ["--robust-merge"]),
 }
+DEFAULT_VARIANTS = ("clean", "scaled", "random", "nan")
 
 
 def run_once(variant: str, seed: int, args, root: Path) -> dict:
@@ -43,7 +49,7 @@ def run_once(variant: str, seed: int, args, root: Path) -> dict:
     procs = {}
     try:
         procs["bootstrap"], address = start_bootstrap(log_dir, ["--run-id", f"h{variant}{seed}"])
-        for name in (*HONEST, "d"):
+        for name in HONEST + (("d",) if fault is not None else ()):
             env = {"P2PDILOCO_FAULT_PLAN": fault} if name == "d" and fault else None
             procs[name] = start_process(join_command(address, name, log_dir, *common, run_id=f"h{variant}{seed}"),
                                         log_dir / f"{name}.log", env=env)
@@ -61,7 +67,8 @@ def run_once(variant: str, seed: int, args, root: Path) -> dict:
 def measure(log_dir: Path) -> dict:
     """A round merged d's contribution when d is among its members and no reducer left d's parts out (`excluded`
     names it by peer id then)."""
-    d = of_kind(read_records(log_dir / "d.jsonl"), Start)[0].peer_id
+    d_log = log_dir / "d.jsonl"
+    d = of_kind(read_records(d_log), Start)[0].peer_id if d_log.exists() else None
     finals, lost, merged_d, left_out_d = [], 0, set(), set()
     for name in HONEST:
         records = read_records(log_dir / f"{name}.jsonl")
@@ -77,12 +84,14 @@ def measure(log_dir: Path) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                        help=f"comma-separated, of: {', '.join(VARIANTS)}")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--inner-steps", type=int, default=20)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here too")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the run's peers (finally) when stopped
     seeds = [int(s) for s in args.seeds.split(",")]
     variants = args.variants.split(",")
     unknown = set(variants) - set(VARIANTS)

@@ -42,6 +42,15 @@ from p2pdiloco.swarm.transfer import MAX_PART
 logger = get_logger(__name__)
 
 
+def averager_prefix(cfg: SwarmConfig, outer: OuterConfig) -> str:
+    """The DHT prefix of the run's islands: peers with another merge rule or codec never meet."""
+    sparsity = f"top{cfg.topk:g}" if cfg.topk else "dense"
+    merge_rule = (f"{outer.weighting}_{'rda' if outer.rda else 'mean'}_{cfg.compression}_{sparsity}"
+                  f"_w{outer.max_weight_ratio:g}_s{outer.max_scale_ratio:g}{'_robust' if cfg.robust_merge else ''}"
+                  ).replace(".", "p")  # hivemind: no '.' in a prefix
+    return f"{cfg.run_id}_{merge_rule}"
+
+
 class SwarmMerger:
     def __init__(self, dht: DHT, cfg: SwarmConfig, outer: OuterConfig, n_params: int,
                  segments: Sequence[Segment], heartbeat: Optional[Heartbeat], state_provider: Callable[[], StateTuple],
@@ -62,12 +71,7 @@ class SwarmMerger:
             allreduce_cap=self.limits.allreduce_cap, buffer_elements=self.buffer_size, max_island=cfg.max_island,
             declared_bytes_per_s=self.limits.initial_bytes_per_s,
             rda_segments=tuple(self.segments) if outer.rda else ())
-        # peers with another merge rule or codec never meet
-        sparsity = f"top{cfg.topk:g}".replace(".", "p") if cfg.topk else "dense"  # hivemind: no '.' in a prefix
         bounds = Bounds(outer.max_weight_ratio, outer.max_scale_ratio)
-        merge_rule = (f"{outer.weighting}_{'rda' if outer.rda else 'mean'}_{cfg.compression}_{sparsity}"
-                      f"_w{bounds.weight_ratio:g}_s{bounds.scale_ratio:g}{'_robust' if cfg.robust_merge else ''}"
-                      ).replace(".", "p")
         self.bits, self.topk = codec.BITS.get(cfg.compression, 0), cfg.topk
         default_feedback = 0 < self.bits <= 4 or bool(cfg.topk)
         feedback = cfg.error_feedback if cfg.error_feedback is not None else default_feedback
@@ -78,7 +82,7 @@ class SwarmMerger:
             n_params, cfg.max_island, state_provider, outer.weighting, self.limits.allreduce_cap,
             Expect(n_params, len(self.segments) if outer.rda else 0), fault_plan, self.bits, cfg.topk, bounds,
             cfg.robust_merge, self.passes,
-            dht=dht, prefix=f"{cfg.run_id}_{merge_rule}", start=True,
+            dht=dht, prefix=averager_prefix(cfg, outer), start=True,
             min_group_size=max(2, cfg.quorum),  # hivemind would "form" a group of 1 at once; K=1 is ours
             min_matchmaking_time=self.limits.matchmaking, request_timeout=self.limits.request,
             allreduce_timeout=self.limits.allreduce_cap, next_chunk_timeout=self.limits.next_chunk,

@@ -1,8 +1,11 @@
 """A lying peer among honest ones (a test fault plan makes one peer hostile from its first round): it can cost
 the honest peers at most one round, and what it sends never decides their merge."""
 
+import sys
+
 import pytest
 
+from p2pdiloco.ops.launcher import start_process
 from tests.harness.swarm import digests_by_version, local_swarm
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
@@ -52,3 +55,28 @@ def test_a_scaled_liar_claiming_1000x_its_tokens_is_left_out_by_a_robust_merge(t
         assert "merge weight capped" in first.bounded[liar], first.bounded
         assert "beyond the scale it claimed" in first.excluded.get(liar, ""), first.excluded
         assert not any("liar" in r.members for r in rs[rs.index(first) + 1:])
+
+
+def test_a_plain_hivemind_averager_gathering_garbage_costs_the_honest_peers_at_most_one_round(tmp_path):
+    """The stranger of issue 11 (tests/harness/rogue.py). Its record does not parse, so every island leaves it
+    out; the fp32 parts it streams are not integers, so reducers refuse them and blame it; an honest leader then
+    turns it away at matchmaking. Groups it leads itself the honest peers still join, and leave it out there. It
+    asks all along (measured: in 4 of 12 rounds' groups) and the honest peers merge every round or all but one."""
+    with local_swarm(tmp_path, "rogue") as swarm:
+        rogue = start_process([sys.executable, "-m", "tests.harness.rogue", swarm.address, "rogue", "tiny", "120"],
+                              tmp_path / "rogue.log")
+        swarm.procs["rogue"] = rogue
+        swarm.wait_for(lambda: "rogue up" in swarm.log("rogue"), 60, "the rogue averager")
+        for name in HONEST:
+            swarm.start_peer(name, "-H", "10", "--max-rounds", "8", "--quorum", "2", "--eval-every", "0",
+                             "--compression", "none")
+        swarm.wait_clean(HONEST, timeout=400)
+        attempts = swarm.log("rogue").count("rogue ") - 1
+    rejected = []  # reasons of records that did not parse (keyed by position: their ids cannot be trusted)
+    for name in HONEST:
+        rounds = swarm.records(name, "round")
+        assert len(rounds) == 8 and sum(not r.applied for r in rounds) <= 1, [(r.applied, r.reason) for r in rounds]
+        assert not any(len(r.members) > 3 for r in rounds)  # its record never counted as a member's
+        rejected += [why for r in rounds for position, why in r.excluded.items() if position.isdigit()]
+    assert attempts >= 2, swarm.log("rogue")[-2000:]
+    assert rejected, "the rogue never got into an island: this test showed nothing"
