@@ -28,7 +28,7 @@ from p2pdiloco.ops.launcher import join_command, start_bootstrap, start_process,
 from p2pdiloco.runtime.schema import Round, Start, Summary, of_kind, read_records
 
 HONEST = ("a", "b", "c")
-VARIANTS = {  # name → (fault plan of peer d, None: d does not run; extra flags for every peer)
+VARIANTS = {  # name → (fault plan of peer d, None: d does not run; extra flags for every peer[; for d alone])
     "clean": ("", []),
     "scaled": ("hostile_scaled@0", ["--robust-merge"]),
     "random": ("hostile_random@0", ["--robust-merge"]),
@@ -36,12 +36,17 @@ VARIANTS = {  # name → (fault plan of peer d, None: d does not run; extra flag
     # controls: what the honest peers reach without d at all, and clean with the robust merge
     "three": (None, []),
     "clean-robust": ("", ["--robust-merge"]),
+    # the scaled liar without --robust-merge: int4, and fp32 (hivemind's all-reduce)
+    "scaled-plain": ("hostile_scaled@0", []),
+    "scaled-fp32": ("hostile_scaled@0", ["--compression", "none"]),
+    # the scaled liar in client mode: it reduces no part, so every part of its Δ goes through an honest reducer
+    "scaled-client": ("hostile_scaled@0", ["--robust-merge"], ["--client-mode"]),
 }
 DEFAULT_VARIANTS = ("clean", "scaled", "random", "nan")
 
 
 def run_once(variant: str, seed: int, args, root: Path) -> dict:
-    fault, extra = VARIANTS[variant]
+    fault, extra, *d_extra = VARIANTS[variant]
     log_dir = root / f"{variant}-{seed}"
     common = ["--model", "tiny", "--batch-size", "8", "--seq-len", "64", "--threads", "1", "-H", str(args.inner_steps),
               "--max-rounds", str(args.rounds), "--compression", "int4", "--quorum", "2", "--eval-every", "0",
@@ -51,7 +56,9 @@ def run_once(variant: str, seed: int, args, root: Path) -> dict:
         procs["bootstrap"], address = start_bootstrap(log_dir, ["--run-id", f"h{variant}{seed}"])
         for name in HONEST + (("d",) if fault is not None else ()):
             env = {"P2PDILOCO_FAULT_PLAN": fault} if name == "d" and fault else None
-            procs[name] = start_process(join_command(address, name, log_dir, *common, run_id=f"h{variant}{seed}"),
+            own = d_extra[0] if d_extra and name == "d" else []
+            procs[name] = start_process(join_command(address, name, log_dir, *common, *own,
+                                                     run_id=f"h{variant}{seed}"),
                                         log_dir / f"{name}.log", env=env)
         deadline = time.monotonic() + args.timeout
         for name in HONEST:
