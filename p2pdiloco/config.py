@@ -178,8 +178,8 @@ class SwarmConfig:
         None, "Send only this fraction of each block, the largest values (SparseLoCo-style; needs --compression, "
         "e.g. int2; error feedback carries the rest).")
     robust_merge: bool = option(
-        False, "For swarms that expect attackers: each reducer also leaves out parts that point away from the "
-        "others' (needs --compression; parts mostly at the range's edge are left out always).")
+        False, "For swarms that expect attackers: each reducer also leaves out parts whose codes sit at the range's "
+        "edge (scaled beyond the claimed maxima) or point away from the others' (needs --compression).")
     fault_plan: str = option("", "Test-only fault plan (p2pdiloco.runtime.faults).", hidden=True,
                              envvar="P2PDILOCO_FAULT_PLAN")
 
@@ -202,8 +202,8 @@ class SwarmConfig:
             raise ConfigError("--client-mode needs --initial-peers: a peer that nobody can dial cannot start a "
                               "swarm; join one through a peer that accepts connections")
         if self.robust_merge and self.compression == "none":
-            raise ConfigError("--robust-merge needs --compression int8|int4|int2: it compares whole parts, and "
-                              "hivemind's fp32 all-reduce sums each part's messages as they come")
+            raise ConfigError("--robust-merge needs --compression int8|int4|int2: it filters the parts of the "
+                              "compressed reduce-scatter")
         if self.quorum > self.max_island:
             raise ConfigError(f"quorum ({self.quorum}) cannot exceed max island size ({self.max_island})")
         _positive_float(self, "sync_wait", "bandwidth_mbps", "connect_timeout")

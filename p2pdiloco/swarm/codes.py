@@ -40,10 +40,10 @@ from p2pdiloco.protocol.island import lower_median
 
 CHUNK = 1 << 20  # bytes per stream message (libp2p messages stay well under the daemon's limit)
 PART_WAIT = 0.6  # of the round's deadline: how long a reducer waits for every part before summing those it has
-# Every reducer leaves out a part whose codes mostly sit at ±L: sent beyond the scale its sender claimed. Honest
-# codes reach ±L at their block's maximum, and beyond the island's clipped scale: a member whose Δ is 5× the
-# others' has ~12 % there (at 5 %, a clean 4-peer run left such a member out); a ×100 liar has ~all of them there.
-# --robust-merge also leaves out a part that does not point the way the others do.
+# --robust-merge: a reducer leaves out a part whose codes mostly sit at ±L (sent beyond the scale its sender
+# claimed), or that does not point the way the others do. Honest codes reach ±L at their block's maximum, and
+# beyond the island's clipped scale: a member whose Δ is 5× the others' has ~12 % there (a clean 4-peer run left
+# such a member out at 5 %); a ×100 liar has ~all of them there
 SATURATED = 0.5
 AGREEMENT = 0.25  # of the median cosine between each part and the sum of the others
 MAX_PENDING_GROUPS = 8  # reductions kept at once: a push may arrive before our own matchmaking finished, a
@@ -87,7 +87,7 @@ class Reduction:
     released: bool = False  # our round is over: only the sum is kept, for members still fetching it
     settling: bool = False  # its sum is being computed (off the event loop)
     cut_off: bool = False  # the wait for missing parts is over: sum those that came
-    robust: bool = False  # leave out parts that disagree with the others' too (robust_filter)
+    robust: bool = False  # leave out saturated and disagreeing parts too (robust_filter)
 
     def settle_if_complete(self) -> None:
         if self._due():
@@ -120,9 +120,8 @@ class Reduction:
                 parts[sender] = fmt.decode(self.payloads[sender], length)
             except ValueError as e:
                 self.dropped[sender] = f"malformed part: {e}"
-        levels = codec.levels(fmt.bits)
-        self.dropped.update(robust_filter(parts, self.own.to(torch.int64), levels) if self.robust
-                            else saturated_parts(parts, levels))
+        if self.robust:
+            self.dropped.update(robust_filter(parts, self.own.to(torch.int64), codec.levels(fmt.bits)))
         total = self.own.to(torch.int64).clone()
         for sender, codes in parts.items():
             if sender not in self.dropped:
@@ -150,21 +149,14 @@ class Reduction:
             self.fail("the reducer's round ended before its part's sum was complete")
 
 
-def saturated_parts(parts: dict, levels: int) -> dict:
-    """Sender → why, for the well-formed parts whose codes mostly sit at ±L (every reducer leaves them out)."""
+def robust_filter(parts: dict, own: torch.Tensor, levels: int) -> dict:
+    """Sender → why, for the well-formed parts a robust reducer leaves out (our own part is trusted)."""
     out = {}
-    if levels > 1:  # int2's codes are ±1 or 0: being at the edge says nothing
+    if levels > 1:
         for sender, codes in parts.items():
             saturated = float((codes.abs() == levels).double().mean()) if codes.numel() else 0.0
             if saturated > SATURATED:
                 out[sender] = f"{saturated:.0%} of its codes at ±{levels}: sent beyond the scale it claimed"
-    return out
-
-
-def robust_filter(parts: dict, own: torch.Tensor, levels: int) -> dict:
-    """Sender → why, for the well-formed parts a robust reducer leaves out (our own part is trusted): saturated
-    ones, and those that point away from the others'."""
-    out = saturated_parts(parts, levels)
     kept = {s: c.double() for s, c in parts.items() if s not in out}
     if len(kept) < 2:  # with one other member there is no majority direction to compare against
         return out

@@ -20,7 +20,7 @@ LIMIT = exact.levels(4)
 
 
 def part(values, weight: float = 1.0, dtype=torch.float32) -> averaging_pb2.AveragingData:
-    return averaging_pb2.AveragingData(tensor_part=serialize_torch_tensor(torch.as_tensor(values, dtype=dtype)),
+    return averaging_pb2.AveragingData(tensor_part=serialize_torch_tensor(torch.tensor(values, dtype=dtype)),
                                        weight=weight)
 
 
@@ -46,21 +46,6 @@ def test_an_honest_part_passes_codes_checksum_limbs_and_markers_alike():
 ])
 def test_a_part_no_honest_member_sends_is_named(message, why):
     assert why in check_exact_part(message, LIMIT)
-
-
-def test_a_part_mostly_at_the_edge_is_named_and_an_honest_outlier_is_not():
-    """A ×100 liar's values clamp at ±L (in range and integers: it passed every other check, and at its capped
-    weight one such liar took 3 peers' fp32 loss from 2.5 to 8.9); an honest member whose Δ is 5× the others'
-    (its maxima clipped to 2× the island's median) has some values there, far from most."""
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(4096, generator=g)
-    scale = torch.full((exact.n_blocks(4096),), float(x.abs().max()) / LIMIT, dtype=torch.float64)
-    liar = exact.quantize(x * 100, 0.4, scale, LIMIT)
-    outlier = exact.quantize(x * 5, 0.4, scale * 2, LIMIT)
-    assert 0 < float((outlier.abs() == LIMIT).double().mean()) < 0.5
-    assert "beyond the scale it claimed" in check_exact_part(part(liar), LIMIT)
-    assert check_exact_part(part(outlier), LIMIT) == ""
-    assert check_exact_part(part(torch.full((10,), float(LIMIT))), LIMIT) == ""  # too few values to judge
 
 
 def bare_averager(peer_id="me", passes=None) -> ExactAverager:
