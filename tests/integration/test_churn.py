@@ -2,6 +2,7 @@
 checkpoint, and a restart that resumes from it, all in one swarm to keep the suite short."""
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -9,6 +10,7 @@ import time
 import pytest
 from hivemind.p2p import P2P, PeerID
 
+from p2pdiloco.ops.launcher import stop_tree
 from p2pdiloco.training import checkpoint
 FAULTS_ENV = "P2PDILOCO_FAULT_PLAN"  # the hidden `join --fault-plan`, set through the environment
 from tests.harness.swarm import islands_disagreeing, local_swarm, unresolved_forks
@@ -98,8 +100,8 @@ def test_joiner_gets_the_state_when_its_donor_dies_mid_transfer(tmp_path):
             try:
                 swarm.procs["donor"].wait(45)
                 break
-            except subprocess.TimeoutExpired:
-                continue
+            except subprocess.TimeoutExpired:  # it holds the state now: stopped, so it cannot serve the next
+                stop_tree(swarm.procs[joiner], grace=10)  # joiner in the donor's place (CI saw that happen)
         assert swarm.procs["donor"].returncode == -signal.SIGKILL
         assert f"dying while sharing state with {joiner_ids[attempt]}" in swarm.log("donor")
         donor_id = swarm.records("donor", "start")[0].peer_id
@@ -107,7 +109,8 @@ def test_joiner_gets_the_state_when_its_donor_dies_mid_transfer(tmp_path):
         fetched = [line for line in swarm.log(joiner).splitlines() if "donor(s), parts" in line]
         assert fetched, swarm.log(joiner)[-3000:]
         assert f"'{donor_id}': 1" in fetched[0], fetched  # the part the donor served before dying is kept
-        assert f"re-fetched after ['{donor_id}']" in fetched[0], fetched  # the one it died on came from `other`
+        failed = re.search(r"re-fetched after (\[.*?\]) failed", fetched[0])
+        assert failed and donor_id in failed.group(1), fetched  # the one it died on came from another donor
         joined = swarm.records(joiner, "resync")[0]
         assert joined.why == "joining" and joined.version >= 2
         known = {(r.version, r.digest) for r in swarm.records("other", "round") + swarm.records("donor", "round")}
