@@ -7,7 +7,9 @@ Each run: a bootstrap node and peers a, b, c (honest) and d, all `tiny` with int
 seed. In a clean run d is honest too; otherwise a test fault plan makes d hostile from its first round:
 - scaled: ×100 its Δ and 1000× its tokens; random: noise of its Δ's spread and 1000× its tokens (both with
   --robust-merge, the option for swarms that expect attackers); nan: NaN in its Δ (no option needed).
-Controls (--variants three,clean-robust): the honest peers without d, and a clean run with --robust-merge.
+More variants (--variants): controls three (the honest peers without d) and clean-robust; the scaled liar without
+--robust-merge on int4 (scaled-plain) and fp32 (scaled-fp32), and in client mode (scaled-client).
+Saved runs (--out) can be reported together again without running anything: --load A.json B.json.
 Reported per variant: the honest peers' final validation loss (the mean of a, b, c; by seed, then the mean over
 seeds), its difference to the clean runs' mean, the honest rounds not merged, the rounds that merged d's
 contribution, and those whose reducers left d's parts out.
@@ -23,30 +25,39 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple, Optional
 
 from p2pdiloco.ops.launcher import join_command, start_bootstrap, start_process, stop_tree
 from p2pdiloco.runtime.schema import Round, Start, Summary, of_kind, read_records
 
 HONEST = ("a", "b", "c")
-VARIANTS = {  # name → (fault plan of peer d, None: d does not run; extra flags for every peer[; for d alone])
-    "clean": ("", []),
-    "scaled": ("hostile_scaled@0", ["--robust-merge"]),
-    "random": ("hostile_random@0", ["--robust-merge"]),
-    "nan": ("hostile_nan@0", []),
+
+
+class Variant(NamedTuple):
+    fault: Optional[str]  # peer d's fault plan ("": honest); None: d does not run
+    flags: tuple = ()  # for every peer, after the common ones (int4 unless they say otherwise)
+    d_flags: tuple = ()  # for d alone
+
+
+VARIANTS = {
+    "clean": Variant(""),
+    "scaled": Variant("hostile_scaled@0", ("--robust-merge",)),
+    "random": Variant("hostile_random@0", ("--robust-merge",)),
+    "nan": Variant("hostile_nan@0"),
     # controls: what the honest peers reach without d at all, and clean with the robust merge
-    "three": (None, []),
-    "clean-robust": ("", ["--robust-merge"]),
+    "three": Variant(None),
+    "clean-robust": Variant("", ("--robust-merge",)),
     # the scaled liar without --robust-merge: int4, and fp32 (hivemind's all-reduce)
-    "scaled-plain": ("hostile_scaled@0", []),
-    "scaled-fp32": ("hostile_scaled@0", ["--compression", "none"]),
+    "scaled-plain": Variant("hostile_scaled@0"),
+    "scaled-fp32": Variant("hostile_scaled@0", ("--compression", "none")),
     # the scaled liar in client mode: it reduces no part, so every part of its Δ goes through an honest reducer
-    "scaled-client": ("hostile_scaled@0", ["--robust-merge"], ["--client-mode"]),
+    "scaled-client": Variant("hostile_scaled@0", ("--robust-merge",), ("--client-mode",)),
 }
 DEFAULT_VARIANTS = ("clean", "scaled", "random", "nan")
 
 
 def run_once(variant: str, seed: int, args, root: Path) -> dict:
-    fault, extra, *d_extra = VARIANTS[variant]
+    fault, extra, d_extra = VARIANTS[variant]
     log_dir = root / f"{variant}-{seed}"
     common = ["--model", "tiny", "--batch-size", "8", "--seq-len", "64", "--threads", "1", "-H", str(args.inner_steps),
               "--max-rounds", str(args.rounds), "--compression", "int4", "--quorum", "2", "--eval-every", "0",
@@ -56,7 +67,7 @@ def run_once(variant: str, seed: int, args, root: Path) -> dict:
         procs["bootstrap"], address = start_bootstrap(log_dir, ["--run-id", f"h{variant}{seed}"])
         for name in HONEST + (("d",) if fault is not None else ()):
             env = {"P2PDILOCO_FAULT_PLAN": fault} if name == "d" and fault else None
-            own = d_extra[0] if d_extra and name == "d" else []
+            own = d_extra if name == "d" else ()
             procs[name] = start_process(join_command(address, name, log_dir, *common, *own,
                                                      run_id=f"h{variant}{seed}"),
                                         log_dir / f"{name}.log", env=env)
@@ -97,7 +108,17 @@ def main() -> int:
     parser.add_argument("--inner-steps", type=int, default=20)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here too")
+    parser.add_argument("--load", type=Path, nargs="+", default=None,
+                        help="report these saved --out files (later files win per variant) instead of running")
     args = parser.parse_args()
+    if args.load:
+        results = {}
+        for path in args.load:
+            saved = json.loads(path.read_text())
+            args.rounds, args.inner_steps = saved["rounds"], saved["inner_steps"]
+            results.update({v: {int(seed): r for seed, r in runs.items()} for v, runs in saved["runs"].items()})
+        report(results, args)
+        return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the run's peers (finally) when stopped
     seeds = [int(s) for s in args.seeds.split(",")]
     variants = args.variants.split(",")
@@ -118,7 +139,8 @@ def main() -> int:
 
 def report(results: dict, args) -> None:
     clean = statistics.fmean(r["val"] for r in results["clean"].values()) if "clean" in results else None
-    print(f"\n{args.rounds} rounds of H = {args.inner_steps}, 4 peers (d hostile unless clean), tiny, int4\n")
+    print(f"\n{args.rounds} rounds of H = {args.inner_steps}, 4 peers (d hostile unless clean), tiny, int4 unless the "
+          "variant says\n")
     print("| variant | honest val loss by seed | mean | vs clean mean | honest rounds not merged (mean of a, b, c) "
           "| rounds that merged d's contribution | rounds that left d's parts out |")
     print("|---|---|---|---|---|---|---|")
@@ -131,6 +153,25 @@ def report(results: dict, args) -> None:
               f"{', '.join(format(r['honest_not_merged'], 'g') for r in runs.values())} | "
               f"{', '.join(str(r['rounds_merging_d']) for r in runs.values())} | "
               f"{', '.join(str(r['rounds_leaving_d_out']) for r in runs.values())} |")
+
+    paired(results)
+
+
+def paired(results: dict) -> None:
+    """Each variant against each reference, seed by seed (same seed, same data order): the mean relative
+    difference and its standard error. Runs of one seed still differ by timing, so this is what a difference must
+    exceed to mean something."""
+    references = [r for r in ("clean", "clean-robust", "three") if r in results]
+    print("\n| variant | " + " | ".join(f"vs {r}, paired by seed" for r in references) + " |")
+    print("|---|" + "---|" * len(references))
+    for variant, runs in results.items():
+        cells = []
+        for ref in references:
+            seeds = sorted(set(runs) & set(results[ref]))
+            diffs = [100 * (runs[s]["val"] / results[ref][s]["val"] - 1) for s in seeds]
+            cells.append("–" if variant == ref or len(diffs) < 2 else
+                         f"{statistics.fmean(diffs):+.2f} % ± {statistics.stdev(diffs) / len(diffs) ** 0.5:.2f}")
+        print(f"| {variant} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -22,9 +22,6 @@ import time
 from functools import partial
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 HYGIENE = dict(start=True, use_ipfs=False, nat_port_map=False, auto_nat=False)
 RELAYED = dict(host_maddrs=[], no_listen=True, use_relay=True, use_auto_relay=True, client_mode=False)
 

@@ -43,7 +43,8 @@ PART_WAIT = 0.6  # of the round's deadline: how long a reducer waits for every p
 # --robust-merge: a reducer leaves out a part whose codes mostly sit at ±L (sent beyond the scale its sender
 # claimed), or that does not point the way the others do. Honest codes reach ±L at their block's maximum, and
 # beyond the island's clipped scale: a member whose Δ is 5× the others' has ~12 % there (a clean 4-peer run left
-# such a member out at 5 %); a ×100 liar has ~all of them there
+# such a member out at 5 %); a ×100 liar has ~all of them there. Still wrong for an honest Δ many times the
+# island's median (a veteran beside a fresh joiner had 86 %): docs/hostile.md says what would tell them apart
 SATURATED = 0.5
 AGREEMENT = 0.25  # of the median cosine between each part and the sum of the others
 MAX_PENDING_GROUPS = 8  # reductions kept at once: a push may arrive before our own matchmaking finished, a
