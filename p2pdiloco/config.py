@@ -110,6 +110,9 @@ class OuterConfig:
     max_scale_ratio: float = option(
         2.0, "No member's block maxima above this multiple of its island's median, so no member can coarsen "
         "everyone's quantization (0: no clip). Every peer of a swarm must use the same.")
+    max_norm_ratio: float = option(
+        2.0, "A member whose claimed pseudo-gradient norm is above this multiple of its island's median has its "
+        "merge weight cut to match (0: no cut). Every peer of a swarm must use the same.")
     application: str = option(
         "delayed", "While a round is in flight, train on from the local model and rebase onto the merge when it "
         "lands (delayed), or from an estimate of the next global model (eager).", choices=APPLICATIONS)
@@ -122,7 +125,7 @@ class OuterConfig:
             raise ConfigError(f"weighting must be one of {', '.join(WEIGHTINGS)}, got {self.weighting!r}")
         if not 0.0 <= self.momentum < 1.0:
             raise ConfigError(f"outer momentum must be in [0, 1), got {self.momentum}")
-        for name in ("max_weight_ratio", "max_scale_ratio"):
+        for name in ("max_weight_ratio", "max_scale_ratio", "max_norm_ratio"):
             value = getattr(self, name)
             if not (math.isfinite(value) and (value == 0 or value >= 1)):
                 raise ConfigError(f"{name.replace('_', ' ')} must be 0 (off) or a ratio >= 1, got {value}")
@@ -178,8 +181,8 @@ class SwarmConfig:
         None, "Send only this fraction of each block, the largest values (SparseLoCo-style; needs --compression, "
         "e.g. int2; error feedback carries the rest).")
     robust_merge: bool = option(
-        False, "For swarms that expect attackers: each reducer also leaves out parts whose codes sit at the range's "
-        "edge (scaled beyond the claimed maxima) or point away from the others' (needs --compression).")
+        False, "For swarms that expect attackers: each reducer also leaves out parts that point away from the "
+        "others' (needs --compression).")
     fault_plan: str = option("", "Test-only fault plan (p2pdiloco.runtime.faults).", hidden=True,
                              envvar="P2PDILOCO_FAULT_PLAN")
 

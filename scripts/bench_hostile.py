@@ -7,8 +7,9 @@ Each run: a bootstrap node and peers a, b, c (honest) and d, all `tiny` with int
 seed. In a clean run d is honest too; otherwise a test fault plan makes d hostile from its first round:
 - scaled: ×100 its Δ and 1000× its tokens; random: noise of its Δ's spread and 1000× its tokens (both with
   --robust-merge, the option for swarms that expect attackers); nan: NaN in its Δ (no option needed).
-More variants (--variants): controls three (the honest peers without d) and clean-robust; the scaled liar without
---robust-merge on int4 (scaled-plain) and fp32 (scaled-fp32), and in client mode (scaled-client).
+More variants (--variants): controls three (the honest peers without d), clean-robust and clean-fp32; the liars
+without --robust-merge, where only the claims check holds them (scaled-plain and random-plain on int4,
+scaled-fp32 on fp32), and the scaled liar in client mode (scaled-client).
 Saved runs (--out) can be reported together again without running anything: --load A.json B.json.
 Reported per variant: the honest peers' final validation loss (the mean of a, b, c; by seed, then the mean over
 seeds), its difference to the clean runs' mean, the honest rounds not merged, the rounds that merged d's
@@ -47,8 +48,10 @@ VARIANTS = {
     # controls: what the honest peers reach without d at all, and clean with the robust merge
     "three": Variant(None),
     "clean-robust": Variant("", ("--robust-merge",)),
-    # the scaled liar without --robust-merge: int4, and fp32 (hivemind's all-reduce)
+    "clean-fp32": Variant("", ("--compression", "none")),
+    # the liars without --robust-merge: int4, and fp32 (hivemind's all-reduce)
     "scaled-plain": Variant("hostile_scaled@0"),
+    "random-plain": Variant("hostile_random@0"),
     "scaled-fp32": Variant("hostile_scaled@0", ("--compression", "none")),
     # the scaled liar in client mode: it reduces no part, so every part of its Δ goes through an honest reducer
     "scaled-client": Variant("hostile_scaled@0", ("--robust-merge",), ("--client-mode",)),
@@ -161,7 +164,7 @@ def paired(results: dict) -> None:
     """Each variant against each reference, seed by seed (same seed, same data order): the mean relative
     difference and its standard error. Runs of one seed still differ by timing, so this is what a difference must
     exceed to mean something."""
-    references = [r for r in ("clean", "clean-robust", "three") if r in results]
+    references = [r for r in ("clean", "clean-robust", "clean-fp32", "three") if r in results]
     print("\n| variant | " + " | ".join(f"vs {r}, paired by seed" for r in references) + " |")
     print("|---|" + "---|" * len(references))
     for variant, runs in results.items():

@@ -8,7 +8,11 @@ Nothing a member claims is taken at face value (volunteers are strangers):
   `scale_ratio` × the island's median, so one member cannot set scales so coarse that everyone else's
   pseudo-gradient rounds to zero. Every sender's codes are clamped to the agreed range, and reducers refuse
   codes beyond it: whatever a member sends, it moves each value by at most its capped weight's share of the
-  clipped scale.
+  clipped scale;
+- its weight is cut further where the norm of its pseudo-gradient (the sum of its claimed block norms) stands
+  above `norm_ratio` × the island's median, so the vector it adds is bounded too, not only each value.
+Whoever reduces a part then checks each sender's codes against its claims (p2pdiloco.core.claims): a member
+cannot claim modest statistics and send more.
 The median is the lower one: with two members, an outlier is bounded by the other, not by their average.
 
 A member that failed a round (its part or its sum never came, or came malformed) is blamed by those it failed.
@@ -36,6 +40,7 @@ class Bounds:
 
     weight_ratio: float = 2.0
     scale_ratio: float = 2.0
+    norm_ratio: float = 2.0
 
 
 @dataclass
@@ -60,6 +65,8 @@ class IslandPlan:
     deadline: float  # the all-reduce deadline, seconds
     reason: str = ""  # why there is nothing to merge
     maxabs: list = field(default_factory=list)  # per member: its block statistics, clipped (zeros if excluded)
+    clipped: list = field(default_factory=list)  # per member: which of its block statistics were clipped
+    norms: list = field(default_factory=list)  # per member: its claimed block norms (zeros if excluded)
     bounded: dict = field(default_factory=dict)  # member index → what was capped, for the logs
     left_out: dict = field(default_factory=dict)  # member index → why (blamed by most others)
     clients: frozenset = frozenset()  # member indices in client mode: they accept no connections
@@ -102,20 +109,32 @@ def _plan(island: Island, weighting: str, cap: float, n_params: int, bounds: Bou
         return IslandPlan(None, deadline, str(e), left_out=left_out)
     index = [i for i, m in enumerate(island.members) if m is not None]
     capped, weight_notes = cap_to_median(raw, bounds.weight_ratio)
-    weights = [0.0] * len(island.members)
-    for i, w in zip(index, capped):
-        weights[i] = w
-    stats = [torch.frombuffer(bytearray(m.maxabs), dtype=torch.float32) for m in accepted]
-    clipped, clipped_blocks = clip_to_block_median(stats, bounds.scale_ratio)
-    maxabs = [torch.zeros(n_blocks(n_params))] * len(island.members)
-    for i, m in zip(index, clipped):
-        maxabs[i] = m
+    norms = [_fp32(m.block_norms) for m in accepted]
+    capped, norm_notes = cut_to_median_norm(capped, [float(x.double().square().sum().sqrt()) for x in norms],
+                                            bounds.norm_ratio)
+    stats = [_fp32(m.maxabs) for m in accepted]
+    clipped, over = clip_to_block_median(stats, bounds.scale_ratio)
     notes: dict[int, str] = {}
-    for k, why in weight_notes.items():
-        notes[index[k]] = why
-    for k, count in clipped_blocks.items():
-        notes[index[k]] = "; ".join(filter(None, [notes.get(index[k]), f"{count} block maxima clipped"]))
-    return IslandPlan(weights, deadline, maxabs=maxabs, bounded=notes, left_out=left_out)
+    for k, why in [*weight_notes.items(), *norm_notes.items(),
+                   *((k, f"{int(o.sum())} block maxima clipped") for k, o in enumerate(over) if o.any())]:
+        notes[index[k]] = "; ".join(filter(None, [notes.get(index[k]), why]))
+    nothing = torch.zeros(n_blocks(n_params))
+    return IslandPlan(_spread(capped, index, len(island.members), 0.0), deadline,
+                      maxabs=_spread(clipped, index, len(island.members), nothing),
+                      clipped=_spread(over, index, len(island.members), nothing.bool()),
+                      norms=_spread(norms, index, len(island.members), nothing), bounded=notes, left_out=left_out)
+
+
+def _fp32(blob: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(blob), dtype=torch.float32)
+
+
+def _spread(values: list, index: list[int], size: int, missing) -> list:
+    """Per accepted member → per group member, `missing` where a member is not accepted."""
+    out = [missing] * size
+    for i, value in zip(index, values):
+        out[i] = value
+    return out
 
 
 def blamed_by_majority(island: Island) -> dict[int, str]:
@@ -152,12 +171,29 @@ def cap_to_median(weights: list[float], ratio: float) -> tuple[list[float], dict
     return weights, notes
 
 
-def clip_to_block_median(stats: list[torch.Tensor], ratio: float) -> tuple[list[torch.Tensor], dict[int, int]]:
-    """Each member's per-block statistic clipped to `ratio` × the lower median across members, per block."""
+def cut_to_median_norm(weights: list[float], norms: list[float], ratio: float) -> tuple[list[float], dict[int, str]]:
+    """Normalised weights, each member's multiplied by min(1, `ratio` × lower median norm / its norm): what it
+    adds to the merge is at most `ratio` times a typical member's Δ at its weight, however large the Δ it claims.
+    An honest member with a large Δ (it trained longer, or from an older version) counts less, but is merged."""
+    positive = [n for n in norms if n > 0]
+    if ratio <= 0 or len(norms) < 2 or not positive:
+        return weights, {}
+    bound = ratio * lower_median(positive)
+    factors = [min(1.0, bound / n) if n > 0 else 1.0 for n in norms]
+    if all(f == 1.0 for f in factors):
+        return weights, {}
+    cut = [w * f for w, f in zip(weights, factors)]
+    total = sum(cut)
+    notes = {k: f"weight cut to {f:.2g}× (its Δ's norm is {1 / f:.2g}× the bound of {ratio:g}× the island's median)"
+             for k, f in enumerate(factors) if f < 1.0}
+    return [w / total for w in cut], notes
+
+
+def clip_to_block_median(stats: list[torch.Tensor], ratio: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each member's per-block statistic clipped to `ratio` × the lower median across members, per block, and
+    per member which blocks were clipped."""
     if ratio <= 0 or len(stats) < 2:
-        return stats, {}
+        return stats, [torch.zeros(s.numel(), dtype=torch.bool) for s in stats]
     stacked = torch.stack(stats)  # (members, blocks)
     bound = stacked.sort(dim=0).values[(len(stats) - 1) // 2] * ratio  # lower_median, per block
-    over = stacked > bound
-    clipped = torch.minimum(stacked, bound)
-    return list(clipped), {k: int(n) for k, n in enumerate(over.sum(dim=1).tolist()) if n}
+    return list(torch.minimum(stacked, bound)), list(stacked > bound)

@@ -64,6 +64,7 @@ class Member:
     budget: float  # the all-reduce deadline it asks for (from its measured link)
     norms: tuple[float, ...] = ()  # RDA: one norm per tensor segment
     maxabs: bytes = b""  # fp32 block maxima of its pseudo-gradient (p2pdiloco.core.exact)
+    block_norms: bytes = b""  # fp32 block L2 norms of it (p2pdiloco.core.claims): its codes may not exceed them
     blame: frozenset = frozenset()  # peers whose part or sum failed it in a recent round
     credential: bytes = b""  # its swarm pass (p2pdiloco.swarm.auth), where the swarm has a key
 
@@ -163,7 +164,8 @@ def _settings(value: Any) -> dict:
     return {_str(k, "settings key", 1, 32): _str(v, "settings value", 0, 64) for k, v in value.items()}
 
 
-_MEMBER_FIELDS = ("peer", "name", "version", "digest", "tokens", "steps", "budget", "norms", "maxabs")
+_MEMBER_FIELDS = ("peer", "name", "version", "digest", "tokens", "steps", "budget", "norms", "maxabs",
+                  "block_norms")
 _OPTIONAL_MEMBER_FIELDS = ("blame", "pass")
 MAX_PASS = 64
 
@@ -188,18 +190,25 @@ def parse_member(value: Any, expect: Expect) -> Member:
     norms = _floats(v["norms"], "norms", MAX_NORMS, lo=0.0)
     if len(norms) != expect.n_norms:
         raise Malformed(f"norms: expected {expect.n_norms}, got {len(norms)}")
-    maxabs = v["maxabs"]
-    if not isinstance(maxabs, bytes) or len(maxabs) != 4 * n_blocks(expect.n_params):
-        raise Malformed(f"maxabs must be {4 * n_blocks(expect.n_params)} bytes (fp32 per block)")
-    if not _finite_non_negative(maxabs):  # a NaN or negative maximum would poison the group's scales
-        raise Malformed("maxabs holds a non-finite or negative value")
+    maxabs, block_norms = _block_statistic(v, "maxabs", expect), _block_statistic(v, "block_norms", expect)
     credential = v.get("pass", b"")
     if not isinstance(credential, bytes) or len(credential) > MAX_PASS:
         raise Malformed(f"pass must be at most {MAX_PASS} bytes")
     return Member(peer=_str(v["peer"], "peer", 1, MAX_ID), name=_str(v["name"], "name", 0, MAX_NAME),
                   version=_int(v["version"], "version"), digest=_str(v["digest"], "digest", MIN_DIGEST, MAX_DIGEST),
                   tokens=tokens, steps=steps, budget=_budget(v["budget"]), norms=norms, maxabs=maxabs,
-                  blame=frozenset(_str(p, "blame", 1, MAX_ID) for p in blame), credential=credential)
+                  block_norms=block_norms, blame=frozenset(_str(p, "blame", 1, MAX_ID) for p in blame),
+                  credential=credential)
+
+
+def _block_statistic(v: dict, name: str, expect: Expect) -> bytes:
+    """fp32 per block, finite and non-negative: a NaN or negative one would poison the group's scales or bounds."""
+    value = v[name]
+    if not isinstance(value, bytes) or len(value) != 4 * n_blocks(expect.n_params):
+        raise Malformed(f"{name} must be {4 * n_blocks(expect.n_params)} bytes (fp32 per block)")
+    if not _finite_non_negative(value):
+        raise Malformed(f"{name} holds a non-finite or negative value")
+    return value
 
 
 def _finite_non_negative(fp32: bytes) -> bool:

@@ -29,7 +29,6 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.load_balancing import load_balance_peers
-from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import enter_asynchronously
@@ -37,12 +36,14 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.logging import get_logger
 
 from p2pdiloco.core import codec, exact
+from p2pdiloco.core.claims import block_norms
 from p2pdiloco.protocol.island import Bounds, PenaltyBox, plan_island
 from p2pdiloco.protocol.remote import Expect, parse_island
 from p2pdiloco.protocol.round import IslandReduced
 from p2pdiloco.runtime.faults import NO_FAULTS, FaultPlan
 from p2pdiloco.swarm.codes import MAX_PENDING_GROUPS, CodesError, CodesExchange, part_ranges
 from p2pdiloco.swarm.auth import MemberPasses
+from p2pdiloco.swarm.partchecks import ExactPartCheck, basic_problem, check_layout, claims_for, reducer_start
 from p2pdiloco.swarm.statefetch import PartServer, parse_part_request, request_pass
 from p2pdiloco.protocol.timing import allreduce_wire_bytes
 
@@ -102,7 +103,7 @@ class ExactAverager(DecentralizedAverager):
         self._state_provider = state_provider
         self._passes = passes  # a swarm with a key: who may join our group, be merged, fetch our state
         # averager process only: what the fp32 parts we reduce may hold, per group; who sent parts that did not
-        self._code_limits: dict[bytes, int] = {}
+        self._part_checks: dict[bytes, ExactPartCheck] = {}
         self._bad_senders: dict[bytes, set] = {}
         self._senders_seen: dict[bytes, set] = {}  # who streamed us a part, per group
         self._refused = PenaltyBox(seconds=REFUSE_SECONDS)  # members we turn away at matchmaking, for a while
@@ -111,7 +112,10 @@ class ExactAverager(DecentralizedAverager):
         # process; handed views of AVERAGED_CHUNK elements, a chunk. The views share the flat buffer's memory
         # (share_memory_ moves their one storage), which the exact codes and the host read and write as one.
         self._flat = torch.zeros(n_elements + exact.tail_size(max_group))
-        super().__init__(list(self._flat.split(AVERAGED_CHUNK)), target_group_size=max_group, **kwargs)
+        averaged = list(self._flat.split(AVERAGED_CHUNK))
+        self._averaged_sizes = [t.numel() for t in averaged]
+        check_layout(self._averaged_sizes)  # where each streamed part lies (swarm.partchecks)
+        super().__init__(averaged, target_group_size=max_group, **kwargs)
 
     @contextlib.contextmanager
     def buffer(self):
@@ -149,15 +153,16 @@ class ExactAverager(DecentralizedAverager):
         all-reduce among the included members only: a member left out neither sends nor reduces a part."""
         senders = plan.included
         group_id = group_info.group_id
-        self._code_limits[group_id] = exact.levels(len(senders))  # what the parts we reduce may hold
+        layout = await self._layout(group_info, plan, min_vector_size)
         with self.buffer() as buffer:  # codes, sum and merge all in the buffer, in place: no copies
             enc = exact.encode(buffer[: self.n_elements], plan.weights[my_index], [plan.maxabs[i] for i in senders],
                                senders.index(my_index), group_id, buffer.numel() - self.n_elements, out=buffer)
+        self._part_checks[group_id] = self._part_check(plan, group_info, enc.scales, layout[1])
         own = island.members[my_index]
         if own is not None and self.fault_plan.planned("die_in_allreduce", own.version):
-            await self._die_mid_allreduce(group_info, plan, min_vector_size, **kwargs)
+            await self._die_mid_allreduce(group_info, layout, **kwargs)
         try:
-            await asyncio.wait_for(self._allreduce(group_info, plan, min_vector_size, **kwargs), plan.deadline)
+            await asyncio.wait_for(self._allreduce(group_info, layout, **kwargs), plan.deadline)
             with self.buffer() as buffer:
                 decoded = exact.decode(buffer, self.n_elements, len(senders), enc)
             verified, reason = decoded.verified, decoded.reason
@@ -166,7 +171,7 @@ class ExactAverager(DecentralizedAverager):
         finally:
             culprits = self._bad_senders.pop(group_id, set())
             seen = self._senders_seen.pop(group_id, set())
-            self._code_limits.pop(group_id, None)
+            self._part_checks.pop(group_id, None)
         if not verified:
             logger.warning(f"round in group {group_id.hex()[:8]} not verified: {reason}")
             if my_index in plan.reducers:  # every sender streams a part to every reducer: silence failed us
@@ -177,17 +182,29 @@ class ExactAverager(DecentralizedAverager):
             logger.warning(f"group {group_id.hex()[:8]}: bad or no parts from {sorted(c[-6:] for c in culprits)}")
         return dataclasses.replace(reduced, blamed=frozenset(culprits))
 
-    async def _allreduce(self, group_info, plan, min_vector_size: int, **kwargs) -> None:
-        """hivemind's butterfly all-reduce over our buffer, with the group's roles from the plan: the included
-        members send; those that accept connections reduce, equal shares (a share follows no member's claim);
-        everyone else is auxiliary with no share, i.e. takes no part. hivemind's own PowerSGD averager runs
-        its all-reduce through this same `_run_allreduce_inplace_`."""
+    async def _layout(self, group_info, plan, min_vector_size: int) -> tuple[list, list]:
+        """(roles, fractions) of the group's all-reduce, from the plan: the included members send; those that
+        accept connections reduce, equal shares (a share follows no member's claim); everyone else is auxiliary
+        with no share, i.e. takes no part."""
         roles = [AveragingMode.AUX] * len(group_info.peer_ids)
         for i in plan.included:
             roles[i] = AveragingMode.NODE if i in plan.reducers else AveragingMode.CLIENT
         shares = [1.0 if role == AveragingMode.NODE else 0.0 for role in roles]
         fractions = await asyncio.get_running_loop().run_in_executor(
             None, load_balance_peers, self.total_size, shares, min_vector_size)
+        return roles, fractions
+
+    def _part_check(self, plan, group_info, scales: torch.Tensor, fractions) -> ExactPartCheck:
+        """What the senders' fp32 parts that we reduce may hold: their codes' range, and their claims."""
+        limit = exact.levels(len(plan.included))
+        start, per_part = reducer_start(self._averaged_sizes, fractions, list(group_info.peer_ids).index(self.peer_id))
+        return ExactPartCheck(limit, self.n_elements, start, per_part,
+                              claims_for(plan, plan.included, group_info.peer_ids, scales, limit))
+
+    async def _allreduce(self, group_info, layout: tuple[list, list], **kwargs) -> None:
+        """hivemind's butterfly all-reduce over our buffer, with the roles and shares of `_layout`. hivemind's own
+        PowerSGD averager runs its all-reduce through this same `_run_allreduce_inplace_`."""
+        roles, fractions = layout
         async with enter_asynchronously(self.get_tensors()) as tensors:
             await self._run_allreduce_inplace_(tensors, group_info, peer_fractions=fractions, modes=tuple(roles),
                                                **kwargs)
@@ -214,10 +231,12 @@ class ExactAverager(DecentralizedAverager):
             asyncio.get_running_loop().call_later(0.05, _die)
         peers = [group_info.peer_ids[i] for i in included]
         reducers = [group_info.peer_ids[i] for i in plan.reducers]
+        levels = codec.levels(self.bits)  # int2 agrees its scales from the mean |value|: no maximum to hold to
+        claims = claims_for(plan, included, group_info.peer_ids, scales, levels, maxima=levels > 1)
         try:
             total, left_out, dropped = await self._codes.run(
                 group_info.group_id, peers, reducers, self.peer_id, enc.codes, enc.selected, fmt,
-                lambda peer: self.get_stub(self._p2p, peer, namespace=self.prefix), plan.deadline)
+                lambda peer: self.get_stub(self._p2p, peer, namespace=self.prefix), plan.deadline, claims)
         except Exception as e:  # a reducer that served no sum, a part we could not push: the round rolls back
             logger.warning(f"compressed round in group {group_info.group_id.hex()[:8]} failed: {e!r}")
             failed = self._reduced(island, plan, group_info, False, f"compressed all-reduce failed: {e}", started)
@@ -286,23 +305,40 @@ class ExactAverager(DecentralizedAverager):
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData],
                                  context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
-        """As hivemind's reducer, with every fp32 part checked before it is summed (`check_exact_part`): a bad one
+        """As hivemind's reducer, with every fp32 part checked before it is summed (swarm.partchecks): a bad one
         ends its sender's stream, hivemind then reduces without it, and the round names it."""
         async for message in super().rpc_aggregate_part(self._checked_parts(stream, context), context):
             yield message
 
     async def _checked_parts(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext):
-        group_id = None
+        """The sender's messages, each checked before hivemind sums it. hivemind reads the first message before
+        it looks for the group: that one may come before our own round planned the group, so it gets the basic
+        checks then, and its check against the sender's claims as soon as the plan is there (at the next message,
+        or at the end of the stream), which still fails the sender's stream before the round can verify."""
+        group_id, sender, unchecked = None, str(context.remote_id), []
+        index = -1
         async for message in stream:
+            index += 1
             if group_id is None:
                 group_id = message.group_id
-                _bounded_entry(self._senders_seen, group_id).add(str(context.remote_id))
-            problem = check_exact_part(message, self._code_limits.get(group_id, exact.levels(1)))
-            if problem:
-                _bounded_entry(self._bad_senders, group_id).add(str(context.remote_id))
-                logger.warning(f"group {group_id.hex()[:8]}: a bad part from {str(context.remote_id)[-6:]}: {problem}")
-                raise BadPart(problem)
+                _bounded_entry(self._senders_seen, group_id).add(sender)
+            unchecked.append((index, message))
+            unchecked = self._check_parts(group_id, sender, unchecked)
             yield message
+        self._check_parts(group_id, sender, unchecked)
+
+    def _check_parts(self, group_id: bytes, sender: str, messages: list) -> list:
+        """Checks these (index, message) pairs of one sender's stream, raising BadPart at the first bad one; returns
+        those that could only get the basic checks (our round has not planned the group yet)."""
+        check = self._part_checks.get(group_id)
+        for index, message in messages:
+            problem = (check.why_not(message, sender, index) if check is not None
+                       else basic_problem(message, exact.levels(1))[0])
+            if problem:
+                _bounded_entry(self._bad_senders, group_id).add(sender)
+                logger.warning(f"group {group_id.hex()[:8]}: a bad part from {sender[-6:]}: {problem}")
+                raise BadPart(problem)
+        return [] if check is not None else messages
 
     def _gathered_client(self, blob: bytes) -> bool:
         """Whether a member said it is in client mode (hivemind's own field: its all-reduce reads it too)."""
@@ -328,9 +364,9 @@ class ExactAverager(DecentralizedAverager):
                              sync_seconds=time.monotonic() - started, deadline=plan.deadline, excluded=excluded,
                              bounded={island.members[i].peer: why for i, why in plan.bounded.items()})
 
-    async def _die_mid_allreduce(self, group_info, plan, min_vector_size: int, **kwargs) -> None:
+    async def _die_mid_allreduce(self, group_info, layout, **kwargs) -> None:
         """Fault injection: start the all-reduce, let some parts go out, then SIGKILL the whole peer."""
-        asyncio.create_task(self._allreduce(group_info, plan, min_vector_size, **kwargs))
+        asyncio.create_task(self._allreduce(group_info, layout, **kwargs))
         await asyncio.sleep(0.05)
         os.kill(os.getppid(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -403,29 +439,6 @@ class BadPart(ValueError):
     """A sender's fp32 part that an honest member could not have sent."""
 
 
-def check_exact_part(message: averaging_pb2.AveragingData, limit: int) -> str:
-    """Why an fp32 all-reduce part is not what p2pdiloco.core.exact sends, or "": every value an integer within
-    ±limit (the codes; the checksum tail's limbs and markers fit too), at weight 1 (hivemind weighs the mean by
-    what each sender claims)."""
-    if message.weight != 1.0:
-        return f"weight {message.weight}, not 1"
-    if not message.HasField("tensor_part"):
-        return ""
-    try:
-        values = deserialize_torch_tensor(message.tensor_part)
-    except Exception as e:  # bytes that make no tensor
-        return f"undecodable ({type(e).__name__})"
-    if values.dtype != torch.float32:
-        return f"dtype {values.dtype}, not float32"
-    if not bool(torch.isfinite(values).all()):
-        return "non-finite values"
-    if values.numel() and float(values.abs().max()) > limit:
-        return f"values beyond ±{limit}"
-    if not torch.equal(values, values.round()):
-        return "values that are not integers"
-    return ""
-
-
 class WholeMessagePipe:
     """The averager process's end of hivemind's command pipe, read one whole message at a time.
 
@@ -495,9 +508,11 @@ def gather_record(peer: str, name: str, version: int, tokens: int, steps: int, b
                   digest: str, budget: float, norms: Sequence[float] = (), wire_format=None,
                   blame: Sequence[str] = (), credential: bytes = b"") -> dict:
     """This member's metadata for the round, all-gathered during matchmaking (kept small: ~4 bytes per
-    16K parameters for the block statistic, one float per tensor for RDA norms). The statistic is the block
-    maximum (the exact path needs it), or what the compressed format agrees its scales from."""
+    16K parameters for each block statistic, one float per tensor for RDA norms). The statistic is the block
+    maximum (the exact path needs it), or what the compressed format agrees its scales from; the block norms
+    bound what our codes may hold (p2pdiloco.core.claims)."""
     statistic = exact.block_maxabs(body) if wire_format is None else wire_format.block_statistic(body)
     return dict(peer=peer, name=name, version=version, tokens=int(tokens), steps=int(steps), digest=digest,
                 budget=float(budget), norms=[float(x) for x in norms], maxabs=statistic.numpy().tobytes(),
+                block_norms=block_norms(body).numpy().tobytes(),
                 blame=list(blame), **({"pass": credential} if credential else {}))

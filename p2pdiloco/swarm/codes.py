@@ -8,8 +8,9 @@ A round, once matchmaking formed the group (N senders, R ≤ N of them reducers,
 1. the flat codes are split into R contiguous parts; reducer j reduces part j. The reducers are the senders that
    accept connections: a client-mode member (behind a NAT) sends and fetches, and is never dialled;
 2. every sender pushes its packed codes of part j to reducer j (`rpc_codes_push`, streamed in chunks);
-3. reducer j range-checks every code it receives (|code| ≤ L, the exact packed length) and, once it holds all N
-   contributions, sums them exactly and packs the sum at its width (`codec.sum_width`);
+3. reducer j checks every code it receives (|code| ≤ L, the exact packed length, and within what its sender
+   claimed: p2pdiloco.core.claims) and, once it holds all N contributions, sums them exactly and packs the sum
+   at its width (`codec.sum_width`);
 4. every sender fetches each part's sum from its reducer (`rpc_codes_fetch`) and unpacks it.
 A reducer serves a sum only when it is complete, so every member that fetched all parts holds the same bits; a
 member that cannot fetch a part raises, and its round rolls back.
@@ -40,12 +41,7 @@ from p2pdiloco.protocol.island import lower_median
 
 CHUNK = 1 << 20  # bytes per stream message (libp2p messages stay well under the daemon's limit)
 PART_WAIT = 0.6  # of the round's deadline: how long a reducer waits for every part before summing those it has
-# --robust-merge: a reducer leaves out a part whose codes mostly sit at ±L (sent beyond the scale its sender
-# claimed), or that does not point the way the others do. Honest codes reach ±L at their block's maximum, and
-# beyond the island's clipped scale: a member whose Δ is 5× the others' has ~12 % there (a clean 4-peer run left
-# such a member out at 5 %); a ×100 liar has ~all of them there. Still wrong for an honest Δ many times the
-# island's median (a veteran beside a fresh joiner had 86 %): docs/hostile.md says what would tell them apart
-SATURATED = 0.5
+# --robust-merge: a reducer also leaves out a part that does not point the way the others do
 AGREEMENT = 0.25  # of the median cosine between each part and the sum of the others
 MAX_PENDING_GROUPS = 8  # reductions kept at once: a push may arrive before our own matchmaking finished, a
 # fetch after our own round is over (a slower member still needs our part's sum)
@@ -88,7 +84,9 @@ class Reduction:
     released: bool = False  # our round is over: only the sum is kept, for members still fetching it
     settling: bool = False  # its sum is being computed (off the event loop)
     cut_off: bool = False  # the wait for missing parts is over: sum those that came
-    robust: bool = False  # leave out saturated and disagreeing parts too (robust_filter)
+    robust: bool = False  # leave out disagreeing parts too (robust_filter)
+    claims: dict = field(default_factory=dict)  # sender → what its codes may hold (p2pdiloco.core.claims)
+    start: int = 0  # our part's first element in the whole vector
 
     def settle_if_complete(self) -> None:
         if self._due():
@@ -121,8 +119,13 @@ class Reduction:
                 parts[sender] = fmt.decode(self.payloads[sender], length)
             except ValueError as e:
                 self.dropped[sender] = f"malformed part: {e}"
+                continue
+            beyond = self.claims[sender].why_not(parts[sender], self.start) if sender in self.claims else ""
+            if beyond:
+                self.dropped[sender] = beyond
+                del parts[sender]
         if self.robust:
-            self.dropped.update(robust_filter(parts, self.own.to(torch.int64), codec.levels(fmt.bits)))
+            self.dropped.update(robust_filter(parts, self.own.to(torch.int64)))
         total = self.own.to(torch.int64).clone()
         for sender, codes in parts.items():
             if sender not in self.dropped:
@@ -150,15 +153,12 @@ class Reduction:
             self.fail("the reducer's round ended before its part's sum was complete")
 
 
-def robust_filter(parts: dict, own: torch.Tensor, levels: int) -> dict:
-    """Sender → why, for the well-formed parts a robust reducer leaves out (our own part is trusted)."""
+def robust_filter(parts: dict, own: torch.Tensor) -> dict:
+    """Sender → why, for the well-formed parts a robust reducer leaves out (our own part is trusted): those that
+    point away from the sum of the others (random noise has a cosine of about 0 with it; honest pseudo-gradients
+    share a direction)."""
     out = {}
-    if levels > 1:
-        for sender, codes in parts.items():
-            saturated = float((codes.abs() == levels).double().mean()) if codes.numel() else 0.0
-            if saturated > SATURATED:
-                out[sender] = f"{saturated:.0%} of its codes at ±{levels}: sent beyond the scale it claimed"
-    kept = {s: c.double() for s, c in parts.items() if s not in out}
+    kept = {s: c.double() for s, c in parts.items()}
     if len(kept) < 2:  # with one other member there is no majority direction to compare against
         return out
     total = own.double() + sum(kept.values())
@@ -235,11 +235,13 @@ class CodesExchange:
 
     # ---- client side: one round ------------------------------------------------------------------------------
     async def run(self, group_id: bytes, senders: list, reducers: list, me, codes: torch.Tensor,
-                  selected: torch.Tensor, fmt, stub_of, timeout: float) -> tuple[list, list, dict]:
+                  selected: torch.Tensor, fmt, stub_of, timeout: float,
+                  claims: Optional[dict] = None) -> tuple[list, list, dict]:
         """The exact integer sum of every sender's codes (0 where the format did not select), part by part (in
         `part_ranges` order: no model-sized concatenation), or CodesError; per part, the senders its reducer left
         out; and why we left out those we did from our own part. Part j is reduced by `reducers[j]`, a member
-        that accepts connections; a client-mode sender (not among them) only pushes and fetches."""
+        that accepts connections; a client-mode sender (not among them) only pushes and fetches. `claims`: sender →
+        what its codes may hold (p2pdiloco.core.claims), checked in the part we reduce."""
         ranges = part_ranges(codes.numel(), len(reducers), align=codec.BLOCK)
         mine_at = reducers.index(me) if me in reducers else None
         mine = None
@@ -248,6 +250,7 @@ class CodesExchange:
             start, end = ranges[mine_at]
             mine.spec = ([str(p) for p in senders if p != me], end - start, fmt)
             mine.own = codes[start:end]
+            mine.claims, mine.start = dict(claims or {}), start
         others = [j for j in range(len(reducers)) if j != mine_at]
         pushes = [self._push(stub_of(reducers[j]), group_id, fmt, codes[a:b], selected[a:b])
                   for j, (a, b) in enumerate(ranges) if j != mine_at]

@@ -71,7 +71,7 @@ class SwarmMerger:
             allreduce_cap=self.limits.allreduce_cap, buffer_elements=self.buffer_size, max_island=cfg.max_island,
             declared_bytes_per_s=self.limits.initial_bytes_per_s,
             rda_segments=tuple(self.segments) if outer.rda else ())
-        bounds = Bounds(outer.max_weight_ratio, outer.max_scale_ratio)
+        bounds = Bounds(outer.max_weight_ratio, outer.max_scale_ratio, outer.max_norm_ratio)
         self.bits, self.topk = codec.BITS.get(cfg.compression, 0), cfg.topk
         default_feedback = 0 < self.bits <= 4 or bool(cfg.topk)
         feedback = cfg.error_feedback if cfg.error_feedback is not None else default_feedback

@@ -14,7 +14,12 @@ from hivemind.utils.serializer import MSGPackSerializer
 from p2pdiloco.core import exact
 from p2pdiloco.protocol.island import PenaltyBox, plan_island
 from p2pdiloco.protocol.remote import Expect, parse_island
-from p2pdiloco.swarm.averager import REFUSE_SECONDS, ExactAverager, check_exact_part
+from p2pdiloco.swarm.averager import REFUSE_SECONDS, ExactAverager
+from p2pdiloco.swarm.partchecks import ExactPartCheck, basic_problem
+
+
+def check_exact_part(message, limit: int) -> str:
+    return basic_problem(message, limit)[0]
 
 LIMIT = exact.levels(4)
 
@@ -52,7 +57,7 @@ def bare_averager(peer_id="me", passes=None) -> ExactAverager:
     """The hooks' state only: no DHT, no process (what __init__ sets for them)."""
     averager = ExactAverager.__new__(ExactAverager)
     averager._passes, averager.serializer = passes, MSGPackSerializer
-    averager._refused, averager._code_limits, averager._bad_senders = PenaltyBox(REFUSE_SECONDS), {}, {}
+    averager._refused, averager._part_checks, averager._bad_senders = PenaltyBox(REFUSE_SECONDS), {}, {}
     averager._senders_seen = {}
     averager.dht = SimpleNamespace(peer_id=peer_id)  # hivemind's peer_id reads it
     averager._parent_pid = None  # no process to stop when it is collected
@@ -76,7 +81,8 @@ def join(averager: ExactAverager, follower: str, gathered: bytes = b"") -> list:
 def test_members_rejected_left_out_or_blamed_are_turned_away_at_matchmaking_for_a_while():
     n = exact.BLOCK
     maxabs = exact.block_maxabs(torch.ones(n)).numpy().tobytes()
-    record = dict(name="x", version=1, digest="abcdef", tokens=10, steps=2, budget=5.0, norms=[], maxabs=maxabs)
+    record = dict(name="x", version=1, digest="abcdef", tokens=10, steps=2, budget=5.0, norms=[], maxabs=maxabs,
+                  block_norms=maxabs)
     records = [dict(record, peer=p, blame=["evil"] if p in ("me", "b") else []) for p in ("me", "b", "c")]
     records += [dict(record, peer="evil"), dict(record, peer="garbled", tokens="many")]
     island = parse_island(records, Expect(n))
@@ -118,7 +124,8 @@ def test_in_a_swarm_with_a_key_an_island_leaves_out_members_without_a_pass_or_wi
     passes = MemberPasses(b"k" * 32)
     n = exact.BLOCK
     maxabs = exact.block_maxabs(torch.ones(n)).numpy().tobytes()
-    base = dict(name="x", version=1, digest="abcdef", tokens=10, steps=2, budget=5.0, norms=[], maxabs=maxabs)
+    base = dict(name="x", version=1, digest="abcdef", tokens=10, steps=2, budget=5.0, norms=[], maxabs=maxabs,
+                block_norms=maxabs)
     records = [dict(base, peer="a", **{"pass": passes.of("a")}), dict(base, peer="b"),
                dict(base, peer="c", **{"pass": passes.of("a")}), dict(base, peer="a", **{"pass": passes.of("a")})]
     island = parse_island(records, Expect(n), ["a", "b", "c", "d"], passes.valid)
@@ -163,7 +170,7 @@ def test_in_a_swarm_with_a_key_state_parts_go_only_to_requesters_with_their_own_
 
 def test_parts_under_made_up_group_ids_cannot_grow_what_a_reducer_remembers():
     averager = bare_averager()
-    averager._code_limits = {b"ours": LIMIT}
+    averager._part_checks = {b"ours": ExactPartCheck(LIMIT)}
 
     async def send(group_id: bytes, values):
         async def stream():
@@ -178,3 +185,72 @@ def test_parts_under_made_up_group_ids_cannot_grow_what_a_reducer_remembers():
     for i in range(100):
         asyncio.run(send(f"junk{i}".encode(), [float("nan")]))
     assert len(averager._senders_seen) <= 8 and len(averager._bad_senders) <= 8
+
+
+@pytest.mark.parametrize("fractions", [[0.3, 0.0, 0.7], [0.5, 0.5], [0.2, 0.3, 0.1, 0.4]])
+def test_where_each_streamed_part_lies_is_where_hivemind_cut_it(fractions):
+    """The claims check needs each message's place in the buffer: `reducer_start` lays the buffer out with
+    hivemind's own TensorPartContainer (on meta tensors); here the real one cuts a real buffer, split as the
+    averager splits it, and every part a reducer receives sits where we say."""
+    from hivemind.averaging.partition import TensorPartContainer
+
+    from p2pdiloco.swarm.averager import AVERAGED_CHUNK
+    from p2pdiloco.swarm.partchecks import check_layout, reducer_start
+
+    flat = torch.arange(5 * AVERAGED_CHUNK + 1234, dtype=torch.float32)
+    tensors = list(flat.split(AVERAGED_CHUNK))
+    sizes = [t.numel() for t in tensors]
+    check_layout(sizes)
+    container = TensorPartContainer(tensors, fractions)
+    for j in range(len(fractions)):
+        start, per_part = reducer_start(sizes, fractions, j)
+        for k, received in enumerate(container.get_raw_input_parts(j)):
+            at = start + k * per_part
+            assert torch.equal(received, flat[at:at + received.numel()]), (j, k)
+    with pytest.raises(ValueError):
+        check_layout([AVERAGED_CHUNK + 1, 10])
+
+
+def test_a_part_beyond_its_senders_claims_fails_its_stream_even_when_it_came_before_our_plan():
+    """hivemind reads a stream's first message before it looks for the group, so it can come before our round
+    registered the group's check: it is checked against the claims at the next message, or at the end of the
+    stream, still before the round can verify."""
+    from p2pdiloco.core.claims import claims_in_codes
+    from p2pdiloco.swarm.averager import BadPart
+
+    blocks = 3
+    claims = claims_in_codes(torch.ones(blocks), torch.zeros(blocks, dtype=torch.bool), torch.full((blocks,), 3.0),
+                             1.0, torch.full((blocks,), 1 / 100, dtype=torch.float64), LIMIT)
+    per_part = exact.BLOCK
+    check = ExactPartCheck(LIMIT, blocks * exact.BLOCK, 0, per_part, {"x": claims})
+    honest = torch.zeros(per_part)
+    honest[:5] = 100.0  # at its claimed maximum, within its claimed norm
+    lie = torch.full((per_part,), 100.0)  # each value at the maximum: its norm is 43× what it claimed
+
+    def send(values_list, register_after_first: bool):
+        averager = bare_averager()
+        if not register_after_first:
+            averager._part_checks[b"g"] = check
+
+        async def stream():
+            for i, values in enumerate(values_list):
+                yield averaging_pb2.AveragingData(group_id=b"g", tensor_part=serialize_torch_tensor(values),
+                                                  weight=1.0)
+                averager._part_checks[b"g"] = check  # our round planned the group meanwhile
+
+        async def run():
+            got = []
+            try:
+                async for m in averager._checked_parts(stream(), SimpleNamespace(remote_id="x")):
+                    got.append(m)
+            except BadPart as e:
+                return len(got), str(e)
+            return len(got), ""
+        return asyncio.run(run())
+
+    assert send([honest, honest, honest], True) == (3, "")
+    assert send([lie, honest], False)[0] == 0  # checked before it is summed
+    count, why = send([lie, honest], True)
+    assert count == 1 and "norm" in why  # summed, then its stream fails at the next message
+    count, why = send([lie], True)
+    assert count == 1 and "norm" in why  # or at the end of the stream

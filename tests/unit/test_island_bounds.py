@@ -5,16 +5,18 @@ import pytest
 import torch
 
 from p2pdiloco.core import codec, exact
+from p2pdiloco.core.claims import block_norms
 from p2pdiloco.protocol.island import Bounds, cap_to_median, clip_to_block_median, plan_island
 from p2pdiloco.protocol.remote import Expect, parse_island
 
 N = 4 * codec.BLOCK
 
 
-def member(peer: str, delta: torch.Tensor, tokens: int = 4096, steps: int = 32, maxabs=None) -> dict:
+def member(peer: str, delta: torch.Tensor, tokens: int = 4096, steps: int = 32, maxabs=None, norms=None) -> dict:
     stat = exact.block_maxabs(delta) if maxabs is None else maxabs
+    norms = block_norms(delta) if norms is None else norms
     return dict(peer=peer, name=peer, version=3, digest="abcdef", tokens=tokens, steps=steps, budget=10.0,
-                norms=[], maxabs=stat.numpy().tobytes())
+                norms=[], maxabs=stat.numpy().tobytes(), block_norms=norms.numpy().tobytes())
 
 
 def test_a_member_claiming_1000x_the_tokens_gets_at_most_the_capped_share():
@@ -25,7 +27,7 @@ def test_a_member_claiming_1000x_the_tokens_gets_at_most_the_capped_share():
     assert sum(plan.weights) == pytest.approx(1.0)
     assert evil == pytest.approx(2 * honest[0]) and honest[0] == honest[1] == honest[2]  # 2/5, not 0.999999
     assert "merge weight capped" in plan.bounded[3] and set(plan.bounded) == {3}
-    unbounded = plan_island(parse_island(records, Expect(N)), "tokens2", 60.0, N, Bounds(0, 0))
+    unbounded = plan_island(parse_island(records, Expect(N)), "tokens2", 60.0, N, Bounds(0, 0, 0))
     assert unbounded.weights[3] > 0.999  # what one liar decided before
 
 
@@ -48,9 +50,10 @@ def test_between_two_members_the_outlier_is_bounded_by_the_other_not_by_their_me
 def test_claimed_block_maxima_are_clipped_to_the_islands_median_per_block():
     honest = [torch.tensor([1.0, 2.0, 0.0]), torch.tensor([1.5, 1.0, 0.0]), torch.tensor([0.5, 3.0, 0.0])]
     hostile = torch.tensor([1e6, 2.0, 5.0])
-    clipped, counts = clip_to_block_median(honest + [hostile], 4.0)
+    clipped, over = clip_to_block_median(honest + [hostile], 4.0)
     # per block, the lower median of the four is 1.0, 2.0 and 0.0: the hostile member is held to 4× that
-    assert clipped[3].tolist() == [4.0, 2.0, 0.0] and counts == {3: 2}
+    assert clipped[3].tolist() == [4.0, 2.0, 0.0] and [o.tolist() for o in over] == [[False] * 3] * 3 + [
+        [True, False, True]]
     assert all(torch.equal(a, b) for a, b in zip(clipped[:3], honest))  # honest maxima are untouched
 
 
@@ -67,7 +70,7 @@ def test_a_member_cannot_wipe_out_the_others_precision_with_huge_maxima():
         return float((sent - deltas[0]).norm() / deltas[0].norm())
 
     attacked = clean + [member("evil", torch.zeros(N), maxabs=huge)]
-    assert honest_error(attacked, Bounds(0, 0)) == pytest.approx(1.0)  # unclipped: every honest value rounds to 0
+    assert honest_error(attacked, Bounds(0, 0, 0)) == pytest.approx(1.0)  # unclipped: every honest value rounds to 0
     bounds = Bounds()
     # clipped: the scales can be at most scale_ratio× coarser than the honest ones, and so can the error
     assert honest_error(attacked, bounds) <= 1.1 * bounds.scale_ratio * honest_error(clean, bounds)
@@ -92,7 +95,7 @@ def test_a_scaled_lying_member_moves_the_merge_by_at_most_its_capped_share_of_th
     rounding = per_element(scales) * 3 / 2  # the honest members' own quantization error
     assert bool(((merged - honest).abs() <= liar_bound + rounding + 1e-6).all())
     assert plan.weights[3] == pytest.approx(0.4)
-    unbounded = plan_island(parse_island(records, Expect(N)), "tokens2", 60.0, N, Bounds(0, 0))
+    unbounded = plan_island(parse_island(records, Expect(N)), "tokens2", 60.0, N, Bounds(0, 0, 0))
     assert unbounded.weights[3] > 0.999  # before: its weight made its ×100 Δ the merge
 
 
@@ -160,4 +163,6 @@ def test_the_bounds_and_the_robust_merge_are_checked_at_configuration():
     for bad in (0.5, -1.0, float("inf")):
         with pytest.raises(ConfigError, match="max weight ratio"):
             OuterConfig(max_weight_ratio=bad)
-    assert OuterConfig(max_weight_ratio=0, max_scale_ratio=0).max_scale_ratio == 0
+    with pytest.raises(ConfigError, match="max norm ratio"):
+        OuterConfig(max_norm_ratio=0.9)
+    assert OuterConfig(max_weight_ratio=0, max_scale_ratio=0, max_norm_ratio=0).max_norm_ratio == 0

@@ -228,7 +228,7 @@ def test_a_hostile_member_claiming_a_far_newer_state_is_excluded_and_never_downl
 
     maxabs = exact.block_maxabs(torch.ones(8)).numpy().tobytes()
     honest = dict(peer=ME, name="me", version=3, digest="aaaaaa", tokens=100, steps=10, budget=5.0, norms=[],
-                  maxabs=maxabs)
+                  maxabs=maxabs, block_norms=maxabs)
     hostile = dict(honest, peer="evil", name="evil", version=2 ** 60, digest="zzzzzz", tokens=10 ** 30)
     island = parse_island([honest, hostile, dict(honest, peer="b", name="b")], Expect(8))
     plan = plan_island(island, "tokens2", 60.0, 8)

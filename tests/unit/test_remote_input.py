@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from p2pdiloco.core import exact
+from p2pdiloco.core.claims import block_norms
 from p2pdiloco.protocol.island import Bounds, plan_island
 from p2pdiloco.protocol.remote import Expect, Malformed, parse_island, parse_member, parse_peer_record
 
@@ -17,7 +18,8 @@ EXPECT = Expect(N)
 
 def good(**change) -> dict:
     record = dict(peer="12D3KooWpeer", name="a", version=4, digest="abcdef0123", tokens=2048, steps=16,
-                  budget=12.0, norms=[], maxabs=exact.block_maxabs(torch.ones(N)).numpy().tobytes())
+                  budget=12.0, norms=[], maxabs=exact.block_maxabs(torch.ones(N)).numpy().tobytes(),
+                  block_norms=block_norms(torch.ones(N)).numpy().tobytes())
     return {**record, **change}
 
 
@@ -28,6 +30,9 @@ def good(**change) -> dict:
     (dict(norms=[1.0]), "norms"), (dict(maxabs=b"\0" * 8), "maxabs"),
     (dict(maxabs=torch.full((3 + 1,), math.nan).numpy().tobytes()), "non-finite"),
     (dict(maxabs=torch.full((4,), -1.0).numpy().tobytes()), "negative"),
+    (dict(block_norms=b"\0" * 8), "block_norms"), (dict(block_norms=None), "block_norms"),
+    (dict(block_norms=torch.full((4,), math.inf).numpy().tobytes()), "non-finite"),
+    (dict(block_norms=torch.full((4,), -1.0).numpy().tobytes()), "negative"),
     (dict(extra=1), "unknown fields"),
 ])
 def test_each_malformed_field_is_rejected_with_its_reason(change, why):

@@ -1,0 +1,87 @@
+"""What a member's codes may hold, from what it claimed: whoever reduces a part checks every sender against it.
+
+At matchmaking each member gathers two statistics per block of its pseudo-gradient: the block maximum (the
+group's scales come from it) and the block's L2 norm. The island bounds the claims (p2pdiloco.protocol.island:
+maxima clipped to a multiple of the median, weights cut where a claimed norm stands out), and then the codes a
+member sends must stay within what it claimed, in code units:
+- every code in a block whose maximum the island did not clip is within round(w·max / scale): an honest member's
+  codes are round(w·Δ / scale) of values at most its maximum, and rounding is monotone, so this bound is exact;
+  where the maximum was clipped (or the statistic is not a maximum), only the codec's ±L applies;
+- the norm of the codes over any run of blocks is within ‖w·norm / scale‖ of those blocks plus what rounding can
+  add: 1/2 per nonzero code.
+So a liar that claims honest statistics and sends a scaled or random Δ breaks one of the two, and one that claims
+huge statistics is bounded by the island: its maxima clipped, its weight cut. Neither needs any other member's
+part, so a reducer decides each sender alone, and a member whose Δ differs from the others' many-fold (a veteran
+beside a fresh joiner) is bounded, never refused.
+
+Pure tensor code: no network, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from p2pdiloco.core.exact import BLOCK, blocked, blockwise, n_blocks
+
+NORM_SLACK = 1e-4  # relative: a claimed norm is rounded to fp32 once, and sums of squares round on the way
+
+
+def block_norms(x: torch.Tensor) -> torch.Tensor:
+    """The L2 norm of each block (fp32, rounded up from float64 so a claim is never below the truth)."""
+    out = torch.empty(n_blocks(x.numel()), dtype=torch.float32)
+    for part, blocks in blockwise(x.numel()):
+        norms = blocked(x[part].double()).square_().sum(dim=1).sqrt_()
+        out[blocks] = _round_up_to_fp32(norms)
+    return out
+
+
+def _round_up_to_fp32(x: torch.Tensor) -> torch.Tensor:
+    down = x.float()
+    return torch.where(down.double() < x, torch.nextafter(down, torch.tensor(math.inf)), down)
+
+
+@dataclass(frozen=True)
+class Claims:
+    """One sender's bounds in code units, per block of the whole model."""
+
+    max_code: torch.Tensor  # int64: the largest |code| it may send in each block
+    norm: torch.Tensor  # float64: the norm its codes in each block may reach, before rounding's share
+
+    def why_not(self, codes: torch.Tensor, start: int) -> str:
+        """Why `codes`, the sender's codes from element `start` (a block boundary) on, break its claims, or ""."""
+        if codes.numel() == 0:
+            return ""
+        if start % BLOCK:
+            raise ValueError(f"a checked span starts at element {start}, inside a block")
+        first, count = start // BLOCK, n_blocks(codes.numel())
+        if first + count > self.max_code.numel():
+            return f"codes beyond the model's {self.max_code.numel()} blocks"
+        magnitude = blocked(codes.abs().to(torch.int64))
+        beyond = magnitude > self.max_code[first:first + count].unsqueeze(1)
+        if bool(beyond.any()):
+            return (f"{int(beyond.sum())} codes beyond the block maxima it claimed (of {codes.numel()}; the first in "
+                    f"block {first + int(beyond.any(dim=1).nonzero()[0])})")
+        actual = float(magnitude.double().square().sum().sqrt())
+        nonzero = int((codes != 0).sum())
+        bound = float(self.norm[first:first + count].square().sum().sqrt()) * (1 + NORM_SLACK) + 0.5 * nonzero ** 0.5
+        if actual > bound:
+            return f"its codes' norm {actual:.4g} is beyond the {bound:.4g} its claimed norms allow"
+        return ""
+
+
+def claims_in_codes(maxabs: torch.Tensor, clipped: torch.Tensor, norms: torch.Tensor, weight: float,
+                    scales: torch.Tensor, limit: int, maxima: bool = True) -> Claims:
+    """A sender's claims as code bounds, on the group's scales. `maxabs`: its block maxima as the island
+    clipped them; `clipped`: which were; `norms`: its claimed block norms; `maxima`: whether the block statistic
+    is the maximum (int2 agrees its scale from the mean |value|, which honest codes exceed). The arithmetic
+    follows the quantizer's (p2pdiloco.core.exact.quantize: w·x first, then / scale, in float64), so an honest
+    member's codes meet the bound exactly."""
+    scales = scales.double()
+    top = torch.full_like(scales, limit, dtype=torch.int64)
+    if maxima:
+        own = (maxabs.double() * weight).div_(scales).round_().clamp_(0, limit).to(torch.int64)
+        top = torch.where(clipped, top, own)
+    return Claims(top, (norms.double() * weight).div_(scales))

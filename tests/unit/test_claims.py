@@ -1,0 +1,132 @@
+"""Every sender's codes are checked against what it claimed (p2pdiloco.core.claims): exact for honest members,
+whatever their Δs look like beside the others', and broken by a liar that claims honest statistics."""
+
+import pytest
+import torch
+
+from p2pdiloco.core import codec, exact
+from p2pdiloco.core.claims import block_norms, claims_in_codes
+from p2pdiloco.protocol.island import Bounds, plan_island
+from p2pdiloco.protocol.remote import Expect, parse_island
+
+N = 6 * codec.BLOCK + 123  # a short last block too
+
+
+def record(peer: str, delta: torch.Tensor, tokens: int = 4096, steps: int = 32, claimed=None,
+           statistic=exact.block_maxabs) -> dict:
+    """What gather_record sends: `statistic` is the wire format's (the maximum, or int2's mean |value|)."""
+    claimed = delta if claimed is None else claimed
+    return dict(peer=peer, name=peer, version=3, digest="abcdef", tokens=tokens, steps=steps, budget=10.0,
+                norms=[], maxabs=statistic(claimed).numpy().tobytes(),
+                block_norms=block_norms(claimed).numpy().tobytes())
+
+
+def deltas(scales, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    common = torch.randn(N, generator=g)
+    return [s * (common + 0.7 * torch.randn(N, generator=g)) for s in scales]
+
+
+def island_codes(records, sent, bits: int, fmt=None):
+    """Each member's codes as it would send them (`sent`: what it actually encodes), and its claims."""
+    plan = plan_island(parse_island(records, Expect(N)), "tokens2", 60.0, N)
+    included = plan.included
+    if bits:
+        scales = codec.agreed_scales([plan.maxabs[i].double() * plan.weights[i] for i in included], bits)
+        limit, maxima = codec.levels(bits), codec.levels(bits) > 1
+        codes = [codec.encode(sent[i], plan.weights[i], scales, bits, fmt, with_sent=False).codes for i in included]
+    else:
+        scales = exact.group_scales([plan.maxabs[i] for i in included], len(included))
+        limit, maxima = exact.levels(len(included)), True
+        codes = [exact.quantize(sent[i], plan.weights[i], scales, limit) for i in included]
+    claims = [claims_in_codes(plan.maxabs[i], plan.clipped[i], plan.norms[i], plan.weights[i], scales, limit, maxima)
+              for i in included]
+    return plan, codes, claims
+
+
+def problems(codes, claims, parts: int = 3) -> list[str]:
+    """Each member's codes checked the way reducers see them: in block-aligned parts."""
+    out = []
+    for c, claim in zip(codes, claims):
+        for start, end in codec_parts(parts):
+            out.append(claim.why_not(c[start:end], start))
+    return out
+
+
+def codec_parts(parts: int):
+    from p2pdiloco.swarm.codes import part_ranges
+
+    return part_ranges(N, parts, align=codec.BLOCK)
+
+
+FORMATS = [(0, None), (8, None), (4, None), (2, None), (2, codec.TopKFormat(2, 4, 0.1))]
+
+
+@pytest.mark.parametrize("bits, fmt", FORMATS)
+@pytest.mark.parametrize("sizes", [(1, 1, 1, 1), (1, 1, 1, 5), (1, 20), (20, 1), (1, 1, 0), (3, 1, 0.2)])
+def test_honest_members_meet_their_claims_exactly_however_their_deltas_differ(bits, fmt, sizes):
+    """Among them: a member whose Δ is 5× the others' (left out at 5 % saturation in a clean run), and a veteran
+    beside a fresh joiner, 20× apart, in a 2-member island (refused every round by the saturation test CI
+    caught); their maxima are clipped and their weights cut, and they are still merged."""
+    xs = deltas(sizes)
+    statistic = (fmt or codec.DenseFormat(bits, 1)).block_statistic if bits else exact.block_maxabs
+    records = [record(f"p{i}", x, statistic=statistic) for i, x in enumerate(xs)]
+    plan, codes, claims = island_codes(records, xs, bits, fmt)
+    assert problems(codes, claims) == [""] * len(codes) * 3
+    assert len(plan.included) == len(sizes)
+
+
+@pytest.mark.parametrize("bits", [0, 8, 4])
+def test_a_liar_claiming_honest_statistics_is_caught_scaled_or_sign_saturated(bits):
+    """×100 its Δ, or every code at the range's edge in its Δ's signs, while claiming its honest maxima and
+    norms (and 1000× its tokens): its codes leave its claims in every part."""
+    xs = deltas((1, 1, 1, 1), seed=2)
+    records = [record(f"h{i}", x) for i, x in enumerate(xs[:3])] + [record("evil", xs[3], tokens=4096 * 1000)]
+    for lie in (xs[3] * 100, xs[3].sign() * 1e6):
+        _, codes, claims = island_codes(records, xs[:3] + [lie], bits)
+        found = problems(codes, claims)
+        assert found[:9] == [""] * 9 and all(found[9:]), found[9:]
+
+
+def test_a_liar_whose_maxima_were_clipped_is_held_by_the_norm_it_claimed():
+    """It claims honest norms but maxima 10× larger (so they are clipped and its codes may reach ±L everywhere)
+    and sends ×100: the maxima cannot tell, its norm can."""
+    xs = deltas((1, 1, 1, 1), seed=4)
+    claimed = xs[3].clone()
+    claimed[:: codec.BLOCK] = 100.0  # one element per block: its maxima ~15× the others', its norms +13 %
+    records = [record(f"h{i}", x) for i, x in enumerate(xs[:3])] + [record("evil", xs[3], claimed=claimed)]
+    plan, codes, claims = island_codes(records, xs[:3] + [xs[3] * 100], 4)
+    assert bool(plan.clipped[3].all())
+    found = problems(codes, claims)
+    assert found[:9] == [""] * 9 and all("norm" in why for why in found[9:]), found[9:]
+
+
+def test_a_liar_claiming_huge_statistics_has_its_weight_cut_so_its_delta_counts_like_a_typical_one():
+    xs = deltas((1, 1, 1, 1), seed=5)
+    lie = xs[3] * 100
+    records = [record(f"h{i}", x) for i, x in enumerate(xs[:3])] + [record("evil", lie, tokens=4096 * 1000)]
+    plan, codes, claims = island_codes(records, xs[:3] + [lie], 4)
+    assert problems(codes, claims) == [""] * 12  # it sends what it claims: nothing to refuse
+    norm = lambda i, x: plan.weights[i] * float(x.norm())  # noqa: E731
+    honest = sorted(norm(i, xs[i]) for i in range(3))
+    bounds = Bounds()
+    assert norm(3, lie) <= bounds.weight_ratio * bounds.norm_ratio * honest[1] * 1.01
+    assert "weight cut" in plan.bounded[3]
+    unbounded = plan_island(parse_island(records, Expect(N)), "tokens2", 60.0, N, Bounds(2.0, 2.0, 0))
+    assert unbounded.weights[3] * float(lie.norm()) > 50 * honest[1]  # without the cut: 100× a member's
+
+
+def test_a_claim_must_start_on_a_block_and_stay_within_the_model():
+    claims = claims_in_codes(torch.ones(2), torch.zeros(2, dtype=torch.bool), torch.ones(2), 1.0,
+                             torch.ones(2, dtype=torch.float64), 7)
+    with pytest.raises(ValueError, match="inside a block"):
+        claims.why_not(torch.zeros(4, dtype=torch.int32), 3)
+    assert "beyond the model" in claims.why_not(torch.zeros(3 * codec.BLOCK, dtype=torch.int32), 0)
+
+
+def test_claimed_block_norms_are_never_below_the_truth():
+    g = torch.Generator().manual_seed(7)
+    for _ in range(20):
+        x = torch.randn(3 * codec.BLOCK, generator=g) * float(torch.rand(1, generator=g)) * 1e3
+        truth = exact.blocked(x.double()).square().sum(dim=1).sqrt()
+        assert bool((block_norms(x).double() >= truth).all())
