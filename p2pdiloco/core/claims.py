@@ -72,6 +72,26 @@ class Claims:
         return ""
 
 
+def sum_why_not(total: torch.Tensor, start: int, claims: list[Claims]) -> str:
+    """Why `total`, a reducer's sum of a part from element `start` on, cannot be a sum of codes that each met
+    these senders' claims, or "". Every member holds every sender's claims, so each can check each part's sum
+    alike: a reducer that serves a sum beyond them fails the round for everyone, and everyone names it."""
+    if total.numel() == 0 or not claims:
+        return ""
+    first, count = start // BLOCK, n_blocks(total.numel())
+    top = sum(c.max_code[first:first + count] for c in claims)
+    magnitude = blocked(total.abs().to(torch.int64))
+    if bool((magnitude > top.unsqueeze(1)).any()):
+        return "a sum beyond what its senders' claimed block maxima allow"
+    rounding = 0.5 * total.numel() ** 0.5
+    bound = sum(float(c.norm[first:first + count].square().sum().sqrt()) * (1 + NORM_SLACK) + rounding
+                for c in claims)
+    actual = float(magnitude.double().square().sum().sqrt())
+    if actual > bound:
+        return f"a sum of norm {actual:.4g}, beyond the {bound:.4g} its senders' claimed norms allow"
+    return ""
+
+
 def claims_in_codes(maxabs: torch.Tensor, clipped: torch.Tensor, norms: torch.Tensor, weight: float,
                     scales: torch.Tensor, limit: int, maxima: bool = True) -> Claims:
     """A sender's claims as code bounds, on the group's scales. `maxabs`: its block maxima as the island

@@ -11,7 +11,9 @@ A round, once matchmaking formed the group (N senders, R ≤ N of them reducers,
 3. reducer j checks every code it receives (|code| ≤ L, the exact packed length, and within what its sender
    claimed: p2pdiloco.core.claims) and, once it holds all N contributions, sums them exactly and packs the sum
    at its width (`codec.sum_width`);
-4. every sender fetches each part's sum from its reducer (`rpc_codes_fetch`) and unpacks it.
+4. every sender fetches each part's sum from its reducer (`rpc_codes_fetch`), unpacks it, and checks it against
+   the claims of the senders summed into it (p2pdiloco.core.claims.sum_why_not): a reducer cannot serve more
+   than its senders could have sent, itself included.
 A reducer serves a sum only when it is complete, so every member that fetched all parts holds the same bits; a
 member that cannot fetch a part raises, and its round rolls back.
 
@@ -37,6 +39,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
 from p2pdiloco.core import codec
+from p2pdiloco.core.claims import sum_why_not
 from p2pdiloco.protocol.island import lower_median
 
 CHUNK = 1 << 20  # bytes per stream message (libp2p messages stay well under the daemon's limit)
@@ -279,6 +282,12 @@ class CodesExchange:
         if failures:
             raise CodesError(f"{failures[0]}", culprits | frozenset(dropped))
         sums, left_out = zip(*fetched)
+        if claims:  # every member checks every part's sum alike: all roll back and all blame a forging reducer
+            for j, ((start, _), total, out) in enumerate(zip(ranges, sums, left_out)):
+                summed = [claims[s] for s in map(str, senders) if s not in out and s in claims]
+                why = sum_why_not(total, start, summed)
+                if why:
+                    raise CodesError(f"reducer {str(reducers[j])[-6:]} served {why}", frozenset({str(reducers[j])}))
         return list(sums), list(left_out), dropped
 
     async def _push(self, stub, group_id: bytes, fmt, codes: torch.Tensor, selected: torch.Tensor) -> None:

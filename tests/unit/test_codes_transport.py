@@ -309,3 +309,50 @@ def test_pushes_under_made_up_group_ids_cannot_evict_a_round_in_progress():
     for i in range(50):
         exchange.reduction(f"junk{i}".encode())
     assert exchange.reductions.get(b"ours") is ours
+
+
+def test_every_member_refuses_a_sum_beyond_its_senders_claims_and_blames_the_reducer_that_served_it():
+    """b reduces the second part and serves the others 20× its sum (clamped to the sum's 6 bits). Each member holds
+    every sender's claims (p2pdiloco.core.claims), so a and c find that sum impossible: both roll back and name b
+    (b itself may keep what it likes: the honest members agree with each other). The honest sum passes the same
+    check (the claims are those of the codes actually sent)."""
+    from p2pdiloco.core.claims import block_norms, claims_in_codes
+
+    n, fmt = 4 * codec.BLOCK, codec.DenseFormat(4, 3)
+    g = torch.Generator().manual_seed(5)
+    xs = {name: torch.randn(n, generator=g) for name in "abc"}
+    scales = codec.agreed_scales([codec.block_maxabs(x) for x in xs.values()], 4)
+    codes = {name: codec.quantize(x, scales, 4).to(torch.int64) for name, x in xs.items()}
+    claims = {name: claims_in_codes(codec.block_maxabs(x), torch.zeros(4, dtype=torch.bool), block_norms(x), 1.0,
+                                    scales, 7) for name, x in xs.items()}
+    selected = torch.ones(n, dtype=torch.bool)
+
+    class Forging(LoopbackStub):
+        async def rpc_codes_fetch(self, request):
+            honest = await super().rpc_codes_fetch(request)
+
+            async def answer():
+                messages = [m async for m in honest]
+                total = (fmt.decode_sum(b"".join(m.tensor_part.buffer for m in messages), n // 2) * 20).clamp(-31, 31)
+                yield averaging_pb2.DownloadData(metadata=messages[0].metadata,
+                                                 tensor_part=runtime_pb2.Tensor(buffer=fmt.encode_sum(total)))
+            return answer()
+
+    def run_round(forge: bool):
+        ex = {name: CodesExchange(max_payload=1 << 20) for name in "abc"}
+
+        def stub_of(me):
+            return lambda peer: (Forging if forge and peer == "b" else LoopbackStub)(ex[peer], me)
+
+        async def all_three():
+            return await asyncio.gather(*(ex[me].run(b"g", ["a", "b", "c"], ["a", "b"], me, codes[me], selected, fmt,
+                                                     stub_of(me), timeout=3.0, claims=claims) for me in "abc"),
+                                        return_exceptions=True)
+        return asyncio.run(all_three())
+
+    for sums, _, _ in run_round(forge=False):
+        assert torch.equal(torch.cat(sums).to(torch.int64), sum(codes.values()))
+    forged = run_round(forge=True)
+    honest = forged[0], forged[2]
+    assert all(isinstance(r, CodesError) and r.culprits == frozenset({"b"}) and "beyond" in str(r)
+               for r in honest), honest
