@@ -4,12 +4,12 @@ clean runs', and how many rounds the hostile peer cost them (issue 11's closing 
     unshare -n bash -c 'ip link set lo up && .venv/bin/python scripts/bench_hostile.py --seeds 0,1,2'
 
 Each run: a bootstrap node and peers a, b, c (honest) and d, all `tiny` with int4 rounds, the same H, rounds and
-seed. In a clean run d is honest too; otherwise a test fault plan makes d hostile from its first round:
-- scaled: ×100 its Δ and 1000× its tokens; random: noise of its Δ's spread and 1000× its tokens (both with
-  --robust-merge, the option for swarms that expect attackers); nan: NaN in its Δ (no option needed).
-More variants (--variants): controls three (the honest peers without d), clean-robust and clean-fp32; the liars
-without --robust-merge, where only the claims check holds them (scaled-plain and random-plain on int4,
-scaled-fp32 on fp32), and the scaled liar in client mode (scaled-client).
+seed. In a clean run d is honest too; otherwise a test fault plan makes d hostile from its first round: ×100 its
+Δ and 1000× its tokens (scaled-plain), noise of its Δ's spread and 1000× its tokens (random-plain), NaN in its Δ
+(nan), all with no option set; and the random liar under --robust-merge (random), the option for swarms that
+expect attackers.
+More variants (--variants): controls three (the honest peers without d), clean-robust and clean-fp32; the scaled
+liar on fp32 (scaled-fp32; nan-fp32 beside it), with --robust-merge (scaled) and in client mode (scaled-client).
 Saved runs (--out) can be reported together again without running anything: --load A.json B.json.
 Reported per variant: the honest peers' final validation loss (the mean of a, b, c; by seed, then the mean over
 seeds), its difference to the clean runs' mean, the honest rounds not merged, the rounds that merged d's
@@ -53,10 +53,11 @@ VARIANTS = {
     "scaled-plain": Variant("hostile_scaled@0"),
     "random-plain": Variant("hostile_random@0"),
     "scaled-fp32": Variant("hostile_scaled@0", ("--compression", "none")),
+    "nan-fp32": Variant("hostile_nan@0", ("--compression", "none")),
     # the scaled liar in client mode: it reduces no part, so every part of its Δ goes through an honest reducer
     "scaled-client": Variant("hostile_scaled@0", ("--robust-merge",), ("--client-mode",)),
 }
-DEFAULT_VARIANTS = ("clean", "scaled", "random", "nan")
+DEFAULT_VARIANTS = ("clean", "scaled-plain", "random-plain", "nan", "random")
 
 
 def run_once(variant: str, seed: int, args, root: Path) -> dict:
@@ -112,14 +113,15 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here too")
     parser.add_argument("--load", type=Path, nargs="+", default=None,
-                        help="report these saved --out files (later files win per variant) instead of running")
+                        help="report these saved --out files (later files win per variant and seed) instead of running")
     args = parser.parse_args()
     if args.load:
         results = {}
         for path in args.load:
             saved = json.loads(path.read_text())
             args.rounds, args.inner_steps = saved["rounds"], saved["inner_steps"]
-            results.update({v: {int(seed): r for seed, r in runs.items()} for v, runs in saved["runs"].items()})
+            for variant, runs in saved["runs"].items():
+                results.setdefault(variant, {}).update({int(seed): r for seed, r in runs.items()})
         report(results, args)
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the run's peers (finally) when stopped
