@@ -67,6 +67,7 @@ def test_a_scaled_liar_claiming_1000x_its_tokens_costs_the_honest_peers_at_most_
         assert any("claimed" in why for why in reasons), reasons
 
 
+@pytest.mark.slow  # opt-in option; bench_hostile measures it too (the default suite stays under 15 minutes)
 def test_a_random_liar_claiming_1000x_its_tokens_is_left_out_by_a_robust_merge(tmp_path):
     """Noise of its Δ's spread, 1000× its tokens: within the claims it may make, so only --robust-merge's
     direction test leaves it out; the honest peers merge every round."""
