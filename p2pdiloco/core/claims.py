@@ -50,25 +50,24 @@ class Claims:
     max_code: torch.Tensor  # int64: the largest |code| it may send in each block
     norm: torch.Tensor  # float64: the norm its codes in each block may reach, before rounding's share
 
+    def norm_over(self, blocks: slice) -> float:
+        return float(self.norm[blocks].square().sum().sqrt()) * (1 + NORM_SLACK)
+
     def why_not(self, codes: torch.Tensor, start: int) -> str:
         """Why `codes`, the sender's codes from element `start` (a block boundary) on, break its claims, or ""."""
         if codes.numel() == 0:
             return ""
-        if start % BLOCK:
-            raise ValueError(f"a checked span starts at element {start}, inside a block")
-        first, count = start // BLOCK, n_blocks(codes.numel())
-        if first + count > self.max_code.numel():
+        blocks = _blocks_of(codes, start)
+        if blocks.stop > self.max_code.numel():
             return f"codes beyond the model's {self.max_code.numel()} blocks"
         magnitude = blocked(codes.abs().to(torch.int64))
-        beyond = magnitude > self.max_code[first:first + count].unsqueeze(1)
+        beyond = magnitude > self.max_code[blocks].unsqueeze(1)
         if bool(beyond.any()):
             return (f"{int(beyond.sum())} codes beyond the block maxima it claimed (of {codes.numel()}; the first in "
-                    f"block {first + int(beyond.any(dim=1).nonzero()[0])})")
-        actual = float(magnitude.double().square().sum().sqrt())
-        nonzero = int((codes != 0).sum())
-        bound = float(self.norm[first:first + count].square().sum().sqrt()) * (1 + NORM_SLACK) + 0.5 * nonzero ** 0.5
-        if actual > bound:
-            return f"its codes' norm {actual:.4g} is beyond the {bound:.4g} its claimed norms allow"
+                    f"block {blocks.start + int(beyond.any(dim=1).nonzero()[0])})")
+        bound = self.norm_over(blocks) + 0.5 * int((codes != 0).sum()) ** 0.5
+        if _norm(magnitude) > bound:
+            return f"its codes' norm {_norm(magnitude):.4g} is beyond the {bound:.4g} its claimed norms allow"
         return ""
 
 
@@ -78,18 +77,25 @@ def sum_why_not(total: torch.Tensor, start: int, claims: list[Claims]) -> str:
     alike: a reducer that serves a sum beyond them fails the round for everyone, and everyone names it."""
     if total.numel() == 0 or not claims:
         return ""
-    first, count = start // BLOCK, n_blocks(total.numel())
-    top = sum(c.max_code[first:first + count] for c in claims)
+    blocks = _blocks_of(total, start)
     magnitude = blocked(total.abs().to(torch.int64))
-    if bool((magnitude > top.unsqueeze(1)).any()):
+    if bool((magnitude > sum(c.max_code[blocks] for c in claims).unsqueeze(1)).any()):
         return "a sum beyond what its senders' claimed block maxima allow"
-    rounding = 0.5 * total.numel() ** 0.5
-    bound = sum(float(c.norm[first:first + count].square().sum().sqrt()) * (1 + NORM_SLACK) + rounding
-                for c in claims)
-    actual = float(magnitude.double().square().sum().sqrt())
-    if actual > bound:
-        return f"a sum of norm {actual:.4g}, beyond the {bound:.4g} its senders' claimed norms allow"
+    rounding = 0.5 * total.numel() ** 0.5  # each sender's share, at most (a sum does not say who sent zeros)
+    bound = sum(c.norm_over(blocks) + rounding for c in claims)
+    if _norm(magnitude) > bound:
+        return f"a sum of norm {_norm(magnitude):.4g}, beyond the {bound:.4g} its senders' claimed norms allow"
     return ""
+
+
+def _blocks_of(values: torch.Tensor, start: int) -> slice:
+    if start % BLOCK:
+        raise ValueError(f"a checked span starts at element {start}, inside a block")
+    return slice(start // BLOCK, start // BLOCK + n_blocks(values.numel()))
+
+
+def _norm(magnitude: torch.Tensor) -> float:
+    return float(magnitude.double().square().sum().sqrt())
 
 
 def claims_in_codes(maxabs: torch.Tensor, clipped: torch.Tensor, norms: torch.Tensor, weight: float,

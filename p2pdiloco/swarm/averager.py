@@ -329,9 +329,10 @@ class ExactAverager(DecentralizedAverager):
 
     def _check_parts(self, group_id: bytes, sender: str, messages: list) -> list:
         """Checks these (index, message) pairs of one sender's stream, raising BadPart at the first bad one; returns
-        those that could only get the basic checks (our round has not planned the group yet)."""
+        those that could only get the basic checks (our round has not planned the group yet: the earlier ones
+        had those already)."""
         check = self._part_checks.get(group_id)
-        for index, message in messages:
+        for index, message in (messages if check is not None else messages[-1:]):
             problem = (check.why_not(message, sender, index) if check is not None
                        else basic_problem(message, exact.levels(1))[0])
             if problem:

@@ -130,3 +130,21 @@ def test_claimed_block_norms_are_never_below_the_truth():
         x = torch.randn(3 * codec.BLOCK, generator=g) * float(torch.rand(1, generator=g)) * 1e3
         truth = exact.blocked(x.double()).square().sum(dim=1).sqrt()
         assert bool((block_norms(x).double() >= truth).all())
+
+
+@pytest.mark.parametrize("bits", [0, 4])
+def test_a_sum_is_held_to_what_its_senders_claimed_by_maxima_and_by_norm(bits):
+    """What every member checks of a reducer's sum (sum_why_not): the honest sum passes; a forged one with every
+    value at the senders' summed maxima stays within those maxima, and only the norm bound refuses it; one beyond
+    the maxima is refused by them."""
+    from p2pdiloco.core.claims import sum_why_not
+
+    xs = deltas((1, 1, 1), seed=8)
+    _, codes, claims = island_codes([record(f"h{i}", x) for i, x in enumerate(xs)], xs, bits)
+    total = sum(c.to(torch.int64) for c in codes)
+    for start, end in codec_parts(3):
+        assert sum_why_not(total[start:end], start, claims) == ""
+    top = sum(c.max_code for c in claims).repeat_interleave(codec.BLOCK)[:N]
+    at_the_maxima = top * total.sign()
+    assert "norm" in sum_why_not(at_the_maxima, 0, claims)
+    assert "maxima" in sum_why_not(at_the_maxima + total.sign(), 0, claims)
