@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import signal
@@ -41,7 +42,7 @@ from p2pdiloco.protocol.island import Bounds, PenaltyBox, plan_island
 from p2pdiloco.protocol.remote import Expect, parse_island
 from p2pdiloco.protocol.round import IslandReduced
 from p2pdiloco.runtime.faults import NO_FAULTS, FaultPlan
-from p2pdiloco.swarm.codes import MAX_PENDING_GROUPS, CodesError, CodesExchange, part_ranges
+from p2pdiloco.swarm.codes import MAX_PENDING_GROUPS, Codes, CodesError, CodesExchange, piece_ranges
 from p2pdiloco.swarm.auth import MemberPasses
 from p2pdiloco.swarm.partchecks import ExactPartCheck, basic_problem, check_layout, claims_for, reducer_start
 from p2pdiloco.swarm.statefetch import PartServer, parse_part_request, request_pass
@@ -99,7 +100,9 @@ class ExactAverager(DecentralizedAverager):
         self.allreduce_cap, self.expect, self.fault_plan = allreduce_cap, expect, fault_plan
         self.bits = bits  # 0: exact fp32 integers through hivemind's all-reduce; else packed codes (swarm.codes)
         self.topk = topk  # send only this fraction of each block (codec.TopKFormat)
-        self._codes = CodesExchange(max_payload=codec.packed_bytes(n_elements, 16) + 1024, robust=robust)
+        pieces = len(piece_ranges(0, n_elements))  # one part's can be no more than the whole model's
+        self._codes = CodesExchange(max_payload=codec.packed_bytes(n_elements, 16) + 1024 + pieces, robust=robust,
+                                    max_pieces=pieces)
         self._state_provider = state_provider
         self._passes = passes  # a swarm with a key: who may join our group, be merged, fetch our state
         # averager process only: what the fp32 parts we reduce may hold, per group; who sent parts that did not
@@ -214,13 +217,11 @@ class ExactAverager(DecentralizedAverager):
         exactly by our own reduce-scatter and all-gather (p2pdiloco.swarm.codes)."""
         included = plan.included  # only they send and reduce parts: an excluded member's codes are never summed
         maxabs = [plan.maxabs[i].double() * plan.weights[i] for i in included]
-        with self.buffer() as buffer:  # read in place: the host writes it only between rounds
-            delta = buffer[: self.n_elements]
+        with self.buffer() as buffer:  # our Δ, read in place a piece at a time as the streams ask for its codes;
+            vector = buffer[: self.n_elements]  # Σ wᵢΔᵢ lands there piece by piece as the sums come (the host
+            # reads it only once we return, and writes Δ again for its next attempt if this one fails)
         scales = codec.agreed_scales(maxabs, self.bits)
         fmt = self.wire_format(len(included))
-        # codec work in a worker thread: the event loop keeps serving other members' pushes meanwhile
-        enc = await asyncio.to_thread(codec.encode, delta, plan.weights[my_index], scales, self.bits, fmt,
-                                      with_sent=False)
         # hivemind's contract at this seam (its PowerSGD averager does the same): the group's future holds the
         # runner that serves its all-reduce parts; ours has none, our parts travel through rpc_codes_*
         running = self._running_groups.get(group_info.group_id)
@@ -233,19 +234,19 @@ class ExactAverager(DecentralizedAverager):
         reducers = [group_info.peer_ids[i] for i in plan.reducers]
         levels = codec.levels(self.bits)  # int2 agrees its scales from the mean |value|: no maximum to hold to
         claims = claims_for(plan, included, group_info.peer_ids, scales, levels, maxima=levels > 1)
+        weights = {str(group_info.peer_ids[i]): plan.weights[i] for i in included}
+        ours = Codes(self.n_elements, functools.partial(_encode_piece, vector, plan.weights[my_index], scales,
+                                                        self.bits, fmt))
         try:
-            total, left_out, dropped = await self._codes.run(
-                group_info.group_id, peers, reducers, self.peer_id, enc.codes, enc.selected, fmt,
-                lambda peer: self.get_stub(self._p2p, peer, namespace=self.prefix), plan.deadline, claims)
+            exchanged = await self._codes.run(
+                group_info.group_id, peers, reducers, self.peer_id, ours, fmt,
+                lambda peer: self.get_stub(self._p2p, peer, namespace=self.prefix), plan.deadline, claims,
+                land=functools.partial(_land_piece, vector, scales, weights))
         except Exception as e:  # a reducer that served no sum, a part we could not push: the round rolls back
             logger.warning(f"compressed round in group {group_info.group_id.hex()[:8]} failed: {e!r}")
             failed = self._reduced(island, plan, group_info, False, f"compressed all-reduce failed: {e}", started)
             return dataclasses.replace(failed, blamed=frozenset(getattr(e, "culprits", ())))
-        ranges = part_ranges(self.n_elements, len(reducers), align=codec.BLOCK)
-        with self.buffer() as buffer:  # Σ wᵢΔᵢ into the buffer part by part, the same bits everywhere
-            merged = buffer[: self.n_elements]  # (the host reads it only once we return)
-        await asyncio.to_thread(_dequantize_parts, total, ranges, scales, merged)
-        reweigh_parts(merged, ranges, left_out, {str(group_info.peer_ids[i]): plan.weights[i] for i in included})
+        dropped = exchanged.dropped
         reduced = self._reduced(island, plan, group_info, True, "ok", started)
         if dropped:
             logger.warning(f"group {group_info.group_id.hex()[:8]}: left out of the part we reduce: {dropped}")
@@ -490,10 +491,24 @@ def _transfer_of(request: averaging_pb2.DownloadData, context: P2PContext) -> Op
     return str(context.remote_id), version, digest
 
 
-def _dequantize_parts(sums: Sequence[torch.Tensor], ranges, scales: torch.Tensor, out: torch.Tensor) -> None:
-    for total, (start, end) in zip(sums, ranges):  # parts start on block boundaries (part_ranges' alignment)
-        first = start // codec.BLOCK
-        codec.dequantize(total, scales[first:first + codec.n_blocks(end - start)], out=out[start:end])
+def _encode_piece(delta: torch.Tensor, weight: float, scales: torch.Tensor, bits: int, fmt, start: int,
+                  end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our codes of [start, end), a block-aligned piece: the same bits as the whole vector's codes there (codes
+    and top-k selection are per block). Read from the buffer before that piece's sum can land there: a sum needs
+    our codes, or was made without them (then what we send for it is ignored)."""
+    first = start // codec.BLOCK
+    enc = codec.encode(delta[start:end], weight, scales[first:first + codec.n_blocks(end - start)], bits, fmt,
+                       with_sent=False)
+    return enc.codes, enc.selected
+
+
+def _land_piece(merged: torch.Tensor, scales: torch.Tensor, weights: dict, start: int, end: int,
+                total: torch.Tensor, left_out: frozenset) -> None:
+    """One piece's exact sum of codes, dequantized into the buffer and scaled back to a weighted mean if its
+    reducer left senders out. Pieces start on block boundaries (swarm.codes)."""
+    first = start // codec.BLOCK
+    codec.dequantize(total, scales[first:first + codec.n_blocks(end - start)], out=merged[start:end])
+    reweigh_parts(merged, [(start, end)], [left_out], weights)
 
 
 def reweigh_parts(merged: torch.Tensor, ranges, left_out, weights: dict) -> None:

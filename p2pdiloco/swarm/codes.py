@@ -1,4 +1,5 @@
-"""Our own reduce-scatter and all-gather of packed integer codes, over the averager's libp2p streams.
+"""Our own reduce-scatter and all-gather of packed integer codes, over the averager's libp2p streams, streamed
+piece by piece.
 
 Why not a codec at hivemind's seam: hivemind deserializes every tensor part through a fixed protobuf enum of
 codecs (a module-level registry) and sends each reduced part back with the sender's codec, so a lossless packed
@@ -6,25 +7,30 @@ codec cannot be added without patching hivemind, and its fp32 way back would cos
 
 A round, once matchmaking formed the group (N senders, R ≤ N of them reducers, in the group's order):
 1. the flat codes are split into R contiguous parts; reducer j reduces part j. The reducers are the senders that
-   accept connections: a client-mode member (behind a NAT) sends and fetches, and is never dialled;
-2. every sender pushes its packed codes of part j to reducer j (`rpc_codes_push`, streamed in chunks);
-3. reducer j checks every code it receives (|code| ≤ L, the exact packed length, and within what its sender
-   claimed: p2pdiloco.core.claims) and, once it holds all N contributions, sums them exactly and packs the sum
-   at its width (`codec.sum_width`);
-4. every sender fetches each part's sum from its reducer (`rpc_codes_fetch`), unpacks it, and checks it against
-   the claims of the senders summed into it (p2pdiloco.core.claims.sum_why_not): a reducer cannot serve more
-   than its senders could have sent, itself included.
-A reducer serves a sum only when it is complete, so every member that fetched all parts holds the same bits; a
-member that cannot fetch a part raises, and its round rolls back.
+   accept connections: a client-mode member (behind a NAT) sends and fetches, and is never dialled. Each part is
+   cut into pieces of PIECE elements (whole blocks), the unit that travels, is checked, summed and served;
+2. every sender pushes its part j to reducer j (`rpc_codes_push`), one message per piece, each packed in a worker
+   thread as the stream asks for it;
+3. reducer j checks every piece it receives (|code| ≤ L, the exact packed length, and within what its sender
+   claimed: p2pdiloco.core.claims) and, once it holds all N senders' piece, sums it exactly and packs the sum at
+   its width (`codec.sum_width`), while the next pieces are still arriving;
+4. every sender fetches part j's sums from reducer j (`rpc_codes_fetch`), each piece as soon as it is summed,
+   unpacks it, and checks it against the claims of the senders summed into it (core.claims.sum_why_not): a
+   reducer cannot serve more than its senders could have sent, itself included.
+So packing, sending, summing and fetching overlap: a round costs about its transfer time plus one piece's work,
+not the sum of the phases. The codec and the transport do not care how much of the model a round carries.
 
-A malformed part (bad length, a code out of range, a corrupt stream), or one that has not come when
-PART_WAIT of the round's deadline has passed, is left out of its reducer's sum: the sender contributes nothing
-to that part, the others' contributions still merge, and the reducer logs who and why. The reducer serves the
-names of those it left out with the sum, so every member rescales that part by the weight that is left (the
-sum stays a weighted mean, not a shrunken one). Every member fetches the same sum and names, so they still
-agree bit for bit. A reducer that serves no sum fails the round for everyone; members
-then blame it (CodesError.culprits), and an island whose majority blames a member leaves it out of the next
-rounds (p2pdiloco.protocol.island).
+A reducer serves a piece's sum only when it is complete, so every member that fetched all pieces holds the same
+bits; a member that cannot fetch a piece raises, and its round rolls back.
+
+A malformed piece (bad length, a code out of range, beyond its sender's claims), or one that has not come when
+PART_WAIT of the round's deadline has passed, is left out of its reducer's sum of that piece: the sender
+contributes nothing there, the others' contributions still merge, and the reducer logs who and why. The reducer
+serves the names of those it left out with each piece's sum, so every member rescales that piece by the weight
+that is left (the sum stays a weighted mean, not a shrunken one). Every member fetches the same sums and names,
+so they still agree bit for bit. A reducer that serves no sum fails the round for everyone; members then blame it
+(CodesError.culprits), and an island whose majority blames a member leaves it out of the next rounds
+(p2pdiloco.protocol.island).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional
 
 import torch
 from hivemind.proto import averaging_pb2
@@ -42,10 +48,11 @@ from p2pdiloco.core import codec
 from p2pdiloco.core.claims import sum_why_not
 from p2pdiloco.protocol.island import lower_median
 
-CHUNK = 1 << 20  # bytes per stream message (libp2p messages stay well under the daemon's limit)
-PART_WAIT = 0.6  # of the round's deadline: how long a reducer waits for every part before summing those it has
-# --robust-merge: a reducer also leaves out a part that does not point the way the others do
-AGREEMENT = 0.25  # of the median cosine between each part and the sum of the others
+PIECE = 16 * codec.BLOCK  # elements per stream message: even a 32-bit sum of a piece is 1 MB, a quarter of what
+# the p2p daemon's messages may carry, and a piece's work (~5 ms to pack int4) is small beside its transfer
+PART_WAIT = 0.6  # of the round's deadline: how long a reducer waits for every piece before summing those it has
+# --robust-merge: a reducer also leaves out a piece that does not point the way the others do
+AGREEMENT = 0.25  # of the median cosine between each piece and the sum of the others
 MAX_PENDING_GROUPS = 8  # reductions kept at once: a push may arrive before our own matchmaking finished, a
 # fetch after our own round is over (a slower member still needs our part's sum)
 serializer = MSGPackSerializer
@@ -71,88 +78,183 @@ def part_ranges(n: int, members: int, align: int = 1) -> list[tuple[int, int]]:
     return bounds
 
 
-@dataclass
-class Reduction:
-    """Our part of one group's sum: contributions arrive from every member, the sum is served once complete."""
+def piece_ranges(start: int, end: int) -> list[tuple[int, int]]:
+    """[start, end) cut into pieces of PIECE elements (whole blocks, as parts start on block boundaries). An
+    empty part is one empty piece: every push and every fetch carries at least one message."""
+    return [(a, min(a + PIECE, end)) for a in range(start, end, PIECE)] or [(start, end)]
 
-    created: float = field(default_factory=time.monotonic)
+
+@dataclass
+class Piece:
+    """One piece of the part we reduce: each sender's packed codes of it, then their sum."""
+
     payloads: dict = field(default_factory=dict)  # sender peer id → packed codes
-    spec: Optional[tuple] = None  # (senders, length, wire format) once our own round knows the group
-    own: Optional[torch.Tensor] = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     result: Optional[bytes] = None
-    error: str = ""
-    dropped: dict = field(default_factory=dict)  # sender → why its part was left out of the sum
-
-    released: bool = False  # our round is over: only the sum is kept, for members still fetching it
+    dropped: dict = field(default_factory=dict)  # sender → why its codes were left out of this piece's sum
     settling: bool = False  # its sum is being computed (off the event loop)
-    cut_off: bool = False  # the wait for missing parts is over: sum those that came
-    robust: bool = False  # leave out disagreeing parts too (robust_filter)
+
+
+@dataclass
+class Reduction:
+    """Our part of one group's sum: pieces arrive from every member, each piece's sum is served once complete."""
+
+    created: float = field(default_factory=time.monotonic)
+    pieces: dict = field(default_factory=dict)  # index in our part → Piece (pushes may come before we know it)
+    pushed: set = field(default_factory=set)  # senders that opened a push: a second one is refused
+    spec: Optional[tuple] = None  # (senders, length, wire format) once our own round knows the group
+    own: Optional[torch.Tensor] = None
+    known: asyncio.Event = field(default_factory=asyncio.Event)  # spec set, or the reduction failed
+    error: str = ""
+
+    released: bool = False  # our round is over: only the sums are kept, for members still fetching them
+    cut_off: bool = False  # the wait for missing pieces is over: sum those that came
+    robust: bool = False  # leave out disagreeing pieces too (robust_filter)
     claims: dict = field(default_factory=dict)  # sender → what its codes may hold (p2pdiloco.core.claims)
     start: int = 0  # our part's first element in the whole vector
+    summing: set = field(default_factory=set)  # background sums in flight (kept referenced until done)
+
+    def begin(self, senders: list, own: torch.Tensor, fmt, claims: Optional[dict] = None, start: int = 0) -> None:
+        """Our round knows the group: who sends to us (others than ourselves), our own codes of the part."""
+        self.spec, self.own = (list(senders), own.numel(), fmt), own
+        self.claims, self.start = dict(claims or {}), start
+        for index in [i for i in self.pieces if i >= len(self.ranges)]:  # pushed before we knew the part's size
+            del self.pieces[index]
+        for index in range(len(self.ranges)):
+            self.piece(index)
+        self.known.set()
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        """The pieces of our part, relative to its start."""
+        return piece_ranges(0, self.spec[1])
+
+    @property
+    def ready(self) -> bool:
+        return self.known.is_set() and all(p.ready.is_set() for p in self.pieces.values())
+
+    def piece(self, index: int) -> Piece:
+        if index not in self.pieces:
+            self.pieces[index] = Piece()
+            if self.error:
+                self.pieces[index].ready.set()
+        return self.pieces[index]
+
+    def admit(self, sender: str) -> str:
+        """Why a push from `sender` is refused, or ""."""
+        if self.released:
+            return "the round of this group is over"
+        if sender in self.pushed:
+            return "duplicate part"
+        if self.spec is not None and sender not in self.spec[0]:
+            return "not a member of this group"  # else a stranger's part would sit beside the members' ones
+        self.pushed.add(sender)
+        return ""
+
+    def add(self, sender: str, index: int, data: bytes, max_pieces: int) -> str:
+        """Keep a sender's piece; why it is refused, or ""."""
+        if self.released:
+            return "the round of this group is over"
+        if index >= (len(self.ranges) if self.spec is not None else max_pieces):
+            return "more pieces than the part has"
+        self.piece(index).payloads[sender] = data
+        return ""
+
+    # ---- summing ---------------------------------------------------------------------------------------------
+    def _due(self, index: int) -> bool:
+        piece = self.pieces.get(index)
+        return (piece is not None and not piece.ready.is_set() and not piece.settling and self.spec is not None
+                and self.own is not None and (self.cut_off or set(self.spec[0]) <= set(piece.payloads)))
 
     def settle_if_complete(self) -> None:
-        if self._due():
-            self._finish(*self._sum())
+        """Sum, here and now, every piece that has all its senders' codes."""
+        for index in [i for i in self.pieces if self._due(i)]:
+            self._finish(index, self._sum(index))
+
+    async def settle(self, index: int) -> None:
+        """Sum one piece if it is due, in a worker thread: the event loop keeps moving the round's streams."""
+        if not self._due(index):
+            return
+        self.pieces[index].settling = True
+        try:
+            result = await asyncio.to_thread(self._sum, index)
+        except Exception as e:  # a bug must fail the round, not leave its fetchers waiting until the deadline
+            return self.fail(f"summing a piece failed: {e!r}")
+        self._finish(index, result)
 
     async def settle_soon(self) -> None:
-        """`settle_if_complete` with the decoding and summing in a worker thread: while a large part is summed,
-        the event loop keeps moving the other streams of the round."""
-        if self._due():
-            self.settling = True
-            self._finish(*await asyncio.to_thread(self._sum))
+        """`settle` every due piece."""
+        await asyncio.gather(*(self.settle(i) for i in list(self.pieces)))
 
-    def _due(self) -> bool:
-        return (not self.ready.is_set() and not self.settling and self.spec is not None and self.own is not None
-                and (self.cut_off or set(self.spec[0]) <= set(self.payloads)))
+    def settle_in_background(self, index: int) -> None:
+        if self._due(index):
+            task = asyncio.ensure_future(self.settle(index))
+            self.summing.add(task)
+            task.add_done_callback(self.summing.discard)
 
     async def cut_off_after(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
         self.cut_off = True
         await self.settle_soon()
 
-    def _sum(self) -> tuple[Optional[bytes], str]:
-        senders, length, fmt = self.spec
+    def _sum(self, index: int) -> bytes:
+        senders, _, fmt = self.spec
+        piece, (a, b) = self.pieces[index], self.ranges[index]
         parts = {}
         for sender in senders:
-            if sender not in self.payloads:
-                self.dropped[sender] = "its part did not come in time"
+            if sender not in piece.payloads:
+                piece.dropped[sender] = "its part did not come in time"
                 continue
             try:  # the exact packed length, codes within ±L, top-k counts and indices: anything else is left out
-                parts[sender] = fmt.decode(self.payloads[sender], length)
+                parts[sender] = fmt.decode(piece.payloads[sender], b - a)
             except ValueError as e:
-                self.dropped[sender] = f"malformed part: {e}"
+                piece.dropped[sender] = f"malformed part: {e}"
                 continue
-            beyond = self.claims[sender].why_not(parts[sender], self.start) if sender in self.claims else ""
+            beyond = self.claims[sender].why_not(parts[sender], self.start + a) if sender in self.claims else ""
             if beyond:
-                self.dropped[sender] = beyond
+                piece.dropped[sender] = beyond
                 del parts[sender]
+        own = self.own[a:b].to(torch.int64)
         if self.robust:
-            self.dropped.update(robust_filter(parts, self.own.to(torch.int64)))
-        total = self.own.to(torch.int64).clone()
+            piece.dropped.update(robust_filter(parts, own))
+        total = own.clone()
         for sender, codes in parts.items():
-            if sender not in self.dropped:
+            if sender not in piece.dropped:
                 total += codes
-        return fmt.encode_sum(total), ""
+        return fmt.encode_sum(total)
 
-    def _finish(self, result: Optional[bytes], error: str) -> None:
-        if error:
-            return self.fail(error)
-        self.result = result
-        self.ready.set()
+    def _finish(self, index: int, result: bytes) -> None:
+        piece = self.pieces[index]
+        piece.result = result
+        piece.payloads.clear()  # summed: its contributions are no longer needed
+        piece.ready.set()
+
+    @property
+    def dropped(self) -> dict:
+        """Sender → why, for those we left out of any piece of our part (the first reason)."""
+        out = {}
+        for index in sorted(self.pieces):
+            for sender, why in self.pieces[index].dropped.items():
+                out.setdefault(sender, why)
+        return out
 
     def fail(self, why: str) -> None:
         self.error = why
-        self.ready.set()
+        for piece in self.pieces.values():
+            piece.ready.set()
+        self.known.set()
 
     def release(self) -> None:
-        """Our round is over. The sum stays served: another member may not have fetched it yet (it started
-        later, or its fetch was slow to open), and dropping it here would roll that member back while we commit,
-        a split. The contributions are freed; the sum is 1/N of the model at its packed width."""
+        """Our round is over. The sums stay served: another member may not have fetched them yet (it started
+        later, or its fetch was slow to open), and dropping them here would roll that member back while we
+        commit, a split. The contributions are freed; the sums are 1/N of the model at their packed width."""
         self.released = True
-        self.payloads.clear()
+        for task in self.summing:
+            task.cancel()
+        for piece in self.pieces.values():
+            piece.payloads.clear()
         self.own = None
-        if not self.ready.is_set():
+        if not self.ready:
             self.fail("the reducer's round ended before its part's sum was complete")
 
 
@@ -178,11 +280,41 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(a @ b) / norms if norms > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class Codes:
+    """What we send: our codes of [a, b) and which of them the format selected, made when a stream asks for
+    them (`of(a, b)`, in a worker thread), so quantizing overlaps sending and no codes of the whole model are held."""
+
+    numel: int
+    of: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+
+    @staticmethod
+    def made(codes: torch.Tensor, selected: torch.Tensor) -> "Codes":
+        return Codes(codes.numel(), lambda a, b: (codes[a:b], selected[a:b]))
+
+
+SumCheck = Callable[[torch.Tensor, int, frozenset], str]  # (a piece's sum, its first element, left out) → why not
+Land = Callable[[int, int, torch.Tensor, frozenset], None]  # (start, end, a piece's checked sum, left out)
+
+
+@dataclass
+class Exchanged:
+    """A round's result, piece by piece in the vector's order: the exact integer sums (int32; none kept when they
+    were landed as they came), the senders each piece's reducer left out, and why we left out those we did from our
+    own part."""
+
+    ranges: list  # (start, end) of each piece in the whole vector
+    sums: list
+    left_out: list
+    dropped: dict
+
+
 class CodesExchange:
     """Lives in the averager process: the reductions we serve and the client side of a round."""
 
-    def __init__(self, max_payload: int, robust: bool = False):
+    def __init__(self, max_payload: int, robust: bool = False, max_pieces: int = 1 << 16):
         self.max_payload = max_payload  # bytes one contribution may take: anything longer is refused
+        self.max_pieces = max_pieces  # pieces one contribution may take (the whole model's), before we know ours
         self.robust = robust
         self.reductions: dict[bytes, Reduction] = {}
 
@@ -201,69 +333,64 @@ class CodesExchange:
 
     # ---- server side: RPC bodies ----------------------------------------------------------------------------
     async def receive(self, requests: AsyncIterator[averaging_pb2.DownloadData], sender: str) -> str:
-        header, chunks, size = None, [], 0
+        """A sender's pieces of our part, summed as each completes; why the push was refused, or ""."""
+        reduction, index, size = None, 0, 0
         async for message in requests:
-            if header is None:
-                header = _header(message.metadata)
-            size += len(message.tensor_part.buffer)
+            if reduction is None:
+                reduction = self.reduction(_header(message.metadata)["group"])
+                refused = reduction.admit(sender)
+                if refused:
+                    return refused
+            data = message.tensor_part.buffer
+            size += len(data)
             if size > self.max_payload:
                 return "part too large"
-            chunks.append(message.tensor_part.buffer)
-        if header is None:
-            return "empty push"
-        reduction = self.reduction(header["group"])
-        if reduction.released:
-            return "the round of this group is over"
-        if sender in reduction.payloads:
-            return "duplicate part"
-        if reduction.spec is not None and sender not in reduction.spec[0]:
-            return "not a member of this group"  # else a stranger's part would sit beside the members' ones
-        reduction.payloads[sender] = b"".join(chunks)
-        await reduction.settle_soon()
-        return ""
+            refused = reduction.add(sender, index, data, self.max_pieces)
+            if refused:
+                return refused
+            reduction.settle_in_background(index)
+            index += 1
+        return "" if reduction is not None else "empty push"
 
     async def serve(self, request: averaging_pb2.DownloadData, timeout: float) -> AsyncIterator[tuple[bytes, bytes]]:
-        """(metadata, chunk) pairs of our part's sum: the first names the senders left out of it."""
-        header = _header(request.metadata)
-        reduction = self.reduction(header["group"])
-        try:
-            await asyncio.wait_for(reduction.ready.wait(), timeout)
-        except asyncio.TimeoutError:
-            raise CodesError("the part's sum was not complete in time") from None
+        """(metadata, sum) per piece of our part, each as soon as it is complete; the metadata names the senders
+        left out of that piece."""
+        reduction = self.reduction(_header(request.metadata)["group"])
+        deadline = time.monotonic() + timeout
+        await _until(reduction.known.wait(), deadline)
         if reduction.error:
             raise CodesError(reduction.error)
-        left_out = serializer.dumps(dict(dropped=sorted(reduction.dropped)))
-        for start in range(0, max(len(reduction.result), 1), CHUNK):
-            yield (left_out if start == 0 else b""), reduction.result[start:start + CHUNK]
+        for index in range(len(reduction.ranges)):
+            piece = reduction.piece(index)
+            await _until(piece.ready.wait(), deadline)
+            if reduction.error:
+                raise CodesError(reduction.error)
+            yield serializer.dumps(dict(dropped=sorted(piece.dropped))), piece.result
 
     # ---- client side: one round ------------------------------------------------------------------------------
-    async def run(self, group_id: bytes, senders: list, reducers: list, me, codes: torch.Tensor,
-                  selected: torch.Tensor, fmt, stub_of, timeout: float,
-                  claims: Optional[dict] = None) -> tuple[list, list, dict]:
-        """The exact integer sum of every sender's codes (0 where the format did not select), part by part (in
-        `part_ranges` order: no model-sized concatenation), or CodesError; per part, the senders its reducer left
-        out; and why we left out those we did from our own part. Part j is reduced by `reducers[j]`, a member
-        that accepts connections; a client-mode sender (not among them) only pushes and fetches. `claims`: sender →
-        what its codes may hold (p2pdiloco.core.claims), checked in the part we reduce."""
-        ranges = part_ranges(codes.numel(), len(reducers), align=codec.BLOCK)
+    async def run(self, group_id: bytes, senders: list, reducers: list, me, codes: Codes, fmt, stub_of,
+                  timeout: float,
+                  claims: Optional[dict] = None, land: Optional[Land] = None) -> Exchanged:
+        """The exact integer sum of every sender's codes (0 where the format did not select), piece by piece (no
+        model-sized concatenation), or CodesError. Part j is reduced by `reducers[j]`, a member that accepts
+        connections; a client-mode sender (not among them) only pushes and fetches. `claims`: sender → what its
+        codes may hold (p2pdiloco.core.claims), checked in the part we reduce and in every sum we fetch. `land`,
+        if given, takes each piece's checked sum in a worker thread as it comes (decoding overlaps the transfer,
+        and no sum of the whole model is held); a round that then fails has landed some pieces and not others."""
+        take = _taker(fmt, _sum_check(claims, senders), land)
+        parts = [piece_ranges(a, b) for a, b in part_ranges(codes.numel, len(reducers), align=codec.BLOCK)]
         mine_at = reducers.index(me) if me in reducers else None
-        mine = None
-        if mine_at is not None:
-            mine = self.reduction(group_id)
-            start, end = ranges[mine_at]
-            mine.spec = ([str(p) for p in senders if p != me], end - start, fmt)
-            mine.own = codes[start:end]
-            mine.claims, mine.start = dict(claims or {}), start
-        others = [j for j in range(len(reducers)) if j != mine_at]
-        pushes = [self._push(stub_of(reducers[j]), group_id, fmt, codes[a:b], selected[a:b])
-                  for j, (a, b) in enumerate(ranges) if j != mine_at]
+        mine = self.reduction(group_id) if mine_at is not None else None
+        pushes = [self._push(stub_of(reducers[j]), group_id, fmt, codes, pieces)
+                  for j, pieces in enumerate(parts) if j != mine_at]
         members = {str(p) for p in senders}
-        fetches = [self._fetch(stub_of(reducers[j]), group_id, b - a, fmt, members) if j != mine_at
-                   else self._own_sum(mine, timeout) for j, (a, b) in enumerate(ranges)]
+        fetches = [self._fetch(stub_of(reducers[j]), group_id, pieces, members, take) if j != mine_at
+                   else self._own_sums(mine, pieces, timeout, take) for j, pieces in enumerate(parts)]
         cut_off = asyncio.ensure_future(mine.cut_off_after(PART_WAIT * timeout)) if mine else None
         each = [asyncio.wait_for(step, 0.95 * timeout) for step in (*pushes, *fetches)]  # a hung one is a culprit
-        if mine is not None:  # every push may have come before we knew the group: sum them now
-            each.insert(0, mine.settle_soon())
+        if mine is not None:  # our own codes of our part; every piece may have come before we knew the group
+            start, end = parts[mine_at][0][0], parts[mine_at][-1][1]
+            each.insert(0, self._begin(mine, [str(p) for p in senders if p != me], codes, start, end, fmt, claims))
         try:
             results = await asyncio.wait_for(asyncio.gather(*each, return_exceptions=True), timeout)
         except asyncio.TimeoutError:
@@ -274,59 +401,105 @@ class CodesExchange:
                 mine.release()
         results = results[1:] if mine is not None else results
         pushed, fetched = results[:len(pushes)], results[len(pushes):]
-        dropped = dict(mine.dropped) if mine is not None else {}
-        # a reducer we could not push to, or whose sum did not come, failed the round; so did our own reduction
+        dropped = mine.dropped if mine is not None else {}
+        # a reducer we could not push to, or whose sums did not come or were refused, failed the round; so did our
+        # own reduction
+        others = [j for j in range(len(reducers)) if j != mine_at]
         culprits = frozenset(str(reducers[j]) for j, r in zip(others, pushed) if isinstance(r, BaseException)) | \
             frozenset(str(reducers[j]) for j, r in enumerate(fetched) if j != mine_at and isinstance(r, BaseException))
         failures = [r for r in (*pushed, *fetched) if isinstance(r, BaseException)]
         if failures:
             raise CodesError(f"{failures[0]}", culprits | frozenset(dropped))
-        sums, left_out = zip(*fetched)
-        if claims:  # every member checks every part's sum alike: all roll back and all blame a forging reducer
-            for j, ((start, _), total, out) in enumerate(zip(ranges, sums, left_out)):
-                summed = [claims[s] for s in map(str, senders) if s not in out and s in claims]
-                why = sum_why_not(total, start, summed)
-                if why:
-                    raise CodesError(f"reducer {str(reducers[j])[-6:]} served {why}", frozenset({str(reducers[j])}))
-        return list(sums), list(left_out), dropped
+        return Exchanged([p for pieces in parts for p in pieces],
+                         [s for sums, _ in fetched for s in sums if s is not None],
+                         [o for _, out in fetched for o in out], dropped)
 
-    async def _push(self, stub, group_id: bytes, fmt, codes: torch.Tensor, selected: torch.Tensor) -> None:
-        data = await asyncio.to_thread(fmt.encode, codes, selected)  # packing one part overlaps pushing another
+    @staticmethod
+    async def _begin(mine: Reduction, senders: list, codes: Codes, start: int, end: int, fmt,
+                     claims: Optional[dict]) -> None:
+        own, _ = await asyncio.to_thread(codes.of, start, end)
+        mine.begin(senders, own, fmt, claims, start)
+        await mine.settle_soon()
+
+    async def _push(self, stub, group_id: bytes, fmt, codes: Codes, pieces: list) -> None:
+        def packed(a: int, b: int) -> bytes:
+            return fmt.encode(*codes.of(a, b))
 
         async def messages():
             header = serializer.dumps(dict(group=group_id))
-            for i, start in enumerate(range(0, max(len(data), 1), CHUNK)):
-                yield averaging_pb2.DownloadData(metadata=header if i == 0 else b"",
-                                                 tensor_part=_blob(data[start:start + CHUNK]))
+            for i, (a, b) in enumerate(pieces):  # each made as the stream asks: quantizing, packing overlap sending
+                data = await asyncio.to_thread(packed, a, b)
+                yield averaging_pb2.DownloadData(metadata=header if i == 0 else b"", tensor_part=_blob(data))
 
         async for answer in await stub.rpc_codes_push(messages()):
             error = serializer.loads(answer.metadata).get("error") if answer.metadata else None
             if error:
                 raise CodesError(f"a reducer refused our part: {error}")
 
-    async def _fetch(self, stub, group_id: bytes, length: int, fmt, members: set) -> tuple[torch.Tensor, frozenset]:
+    async def _fetch(self, stub, group_id: bytes, pieces: list, members: set, take) -> tuple[list, list]:
+        """A reducer's sums of its part, each checked (and landed) as it arrives."""
         request = averaging_pb2.DownloadData(metadata=serializer.dumps(dict(group=group_id)))
-        chunks, left_out = [], None
+        sums, left_out = [], []
         async for message in await stub.rpc_codes_fetch(request):
-            if message.metadata:
-                header = _reply(message.metadata)
-                if "error" in header or left_out is not None:
-                    raise CodesError(f"a reducer failed: {header.get('error', 'a second header')}")
-                left_out = _left_out(header.get("dropped"), members)
-            chunks.append(message.tensor_part.buffer)
-        try:  # a reducer that died mid-stream leaves a short sum: it fails here like a malformed one
-            if left_out is None:
-                raise ValueError("no header")
-            return await asyncio.to_thread(_decode_sum, fmt, b"".join(chunks), length), left_out
-        except ValueError as e:
-            raise CodesError(f"a reducer's sum arrived incomplete or malformed: {e}") from None
+            header = _reply(message.metadata)
+            if "error" in header:
+                raise CodesError(f"a reducer failed: {header['error']}")
+            if len(sums) == len(pieces):
+                raise CodesError("a reducer sent more pieces than its part has")
+            (start, end), out = pieces[len(sums)], _left_out(header.get("dropped"), members)
+            sums.append(await asyncio.to_thread(take, message.tensor_part.buffer, start, end, out))
+            left_out.append(out)
+        if len(sums) < len(pieces):  # a reducer that died mid-stream
+            raise CodesError(f"a reducer's sum arrived incomplete: {len(sums)} of {len(pieces)} pieces")
+        return sums, left_out
 
-    async def _own_sum(self, mine: Reduction, timeout: float) -> tuple[torch.Tensor, frozenset]:
-        await asyncio.wait_for(mine.ready.wait(), timeout)
-        if mine.error:
-            raise CodesError(mine.error)
-        _, length, fmt = mine.spec
-        return await asyncio.to_thread(_decode_sum, fmt, mine.result, length), frozenset(mine.dropped)
+    async def _own_sums(self, mine: Reduction, pieces: list, timeout: float, take) -> tuple[list, list]:
+        deadline = time.monotonic() + timeout
+        await _until(mine.known.wait(), deadline)
+        sums, left_out = [], []
+        for index, (start, end) in enumerate(pieces):
+            piece = mine.piece(index)
+            await _until(piece.ready.wait(), deadline)
+            if mine.error:
+                raise CodesError(mine.error)
+            out = frozenset(piece.dropped)
+            sums.append(await asyncio.to_thread(take, piece.result, start, end, out))
+            left_out.append(out)
+        return sums, left_out
+
+
+def _sum_check(claims: Optional[dict], senders: list) -> SumCheck:
+    """Every member checks every piece's sum alike, against the claims of the senders summed into it: all roll
+    back and all blame a forging reducer."""
+    def why_not(total: torch.Tensor, start: int, left_out: frozenset) -> str:
+        if not claims:
+            return ""
+        return sum_why_not(total, start, [claims[s] for s in map(str, senders) if s not in left_out and s in claims])
+    return why_not
+
+
+def _taker(fmt, check: SumCheck, land: Optional[Land]):
+    """A piece's sum as it arrives: decoded, checked, then landed (None returned) or kept (returned)."""
+    def take(data: bytes, start: int, end: int, left_out: frozenset) -> Optional[torch.Tensor]:
+        try:
+            total = _decode_sum(fmt, data, end - start)
+        except ValueError as e:
+            raise CodesError(f"a reducer's sum arrived malformed: {e}") from None
+        why = check(total, start, left_out)
+        if why:
+            raise CodesError(f"its reducer served {why}")
+        if land is None:
+            return total
+        land(start, end, total, left_out)
+        return None
+    return take
+
+
+async def _until(waiting, deadline: float) -> None:
+    try:
+        await asyncio.wait_for(waiting, max(0.0, deadline - time.monotonic()))
+    except asyncio.TimeoutError:
+        raise CodesError("the part's sum was not complete in time") from None
 
 
 def _header(blob: bytes) -> dict:
@@ -341,7 +514,7 @@ def _header(blob: bytes) -> dict:
 
 def _reply(blob: bytes) -> dict:
     try:
-        header = serializer.loads(blob)
+        header = serializer.loads(blob) if blob else None
     except Exception:
         header = None
     if not isinstance(header, dict):
@@ -363,6 +536,6 @@ def _blob(data: bytes):
 
 
 def _decode_sum(fmt, data: bytes, length: int) -> torch.Tensor:
-    """A part's sum, held as int32 until the round dequantizes it (sums of ≤ 64 codes fit in 31 bits): the
-    parts of a whole model wait here at once, at half the memory of int64."""
+    """A piece's sum, held as int32 until the round dequantizes it (sums of ≤ 64 codes fit in 31 bits): the
+    pieces of a whole model wait here at once, at half the memory of int64."""
     return fmt.decode_sum(data, length).to(torch.int32)

@@ -144,19 +144,26 @@ def test_top_k_error_feedback_carries_the_unselected_values_whole():
     assert torch.equal(enc.sent[~enc.selected], torch.zeros(int((~enc.selected).sum())))  # all of it rides along
 
 
-def test_the_averager_dequantizes_the_sum_part_by_part_into_its_buffer_with_the_same_bits():
-    """No model-sized concatenation of the parts' sums: each part is dequantized on its own block scales."""
-    from p2pdiloco.swarm.averager import _dequantize_parts
-    from p2pdiloco.swarm.codes import part_ranges
+@pytest.mark.parametrize("fmt", [codec.DenseFormat(4, 3), codec.TopKFormat(2, 3, 0.02)], ids=["int4", "topk"])
+def test_the_averager_encodes_and_lands_piece_by_piece_with_the_bits_of_the_whole_vector(fmt):
+    """No model-sized codes or sums: each piece is quantized (and top-k selected) on its own block scales as its
+    stream asks, and each piece's sum is dequantized into the buffer as it comes: the same bits as the whole."""
+    from p2pdiloco.swarm.averager import _encode_piece, _land_piece
+    from p2pdiloco.swarm.codes import PIECE, part_ranges, piece_ranges
 
-    n = 5 * codec.BLOCK + 123  # the last part ends inside a block
+    n = 2 * PIECE + 5 * codec.BLOCK + 123  # two parts of two pieces; the last piece ends inside a block
     x = torch.randn(n, generator=torch.Generator().manual_seed(3))
-    scales = codec.agreed_scales([codec.block_maxabs(x)], 4)
-    codes = codec.encode(x, 1.0, scales, 4).codes
-    ranges = part_ranges(n, 3, align=codec.BLOCK)
+    scales = codec.agreed_scales([codec.block_maxabs(x) * 0.7], fmt.bits)
+    whole = codec.encode(x, 0.7, scales, fmt.bits, fmt, with_sent=False)
+    pieces = [p for a, b in part_ranges(n, 2, align=codec.BLOCK) for p in piece_ranges(a, b)]
+    assert len(pieces) == 4
+    made = [_encode_piece(x, 0.7, scales, fmt.bits, fmt, a, b) for a, b in pieces]
+    assert torch.equal(torch.cat([c for c, _ in made]), whole.codes)
+    assert torch.equal(torch.cat([s for _, s in made]), whole.selected)
     out = torch.full((n,), float("nan"))
-    _dequantize_parts([codes[a:b].to(torch.int64) for a, b in ranges], ranges, scales, out)
-    assert torch.equal(out, codec.dequantize(codes, scales))
+    for (a, b), (codes, _) in zip(pieces, made):
+        _land_piece(out, scales, {"me": 0.7}, a, b, codes.to(torch.int64), frozenset())
+    assert torch.equal(out, codec.dequantize(whole.codes, scales))
 
 
 @pytest.mark.parametrize("width", [2, 3, 4, 6, 12, 20, 32])

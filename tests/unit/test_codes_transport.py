@@ -1,13 +1,14 @@
 """The reducer side of compressed rounds, without a network: it sums only complete, in-range contributions."""
 
 import asyncio
+import functools
 
 import pytest
 import torch
 from hivemind.proto import averaging_pb2, runtime_pb2
 
 from p2pdiloco.core import codec
-from p2pdiloco.swarm.codes import CodesError, CodesExchange, Reduction, part_ranges, serializer
+from p2pdiloco.swarm.codes import PIECE, Codes, CodesError, CodesExchange, Reduction, part_ranges, piece_ranges, serializer
 
 
 def test_parts_cover_every_element_once_at_block_boundaries():
@@ -20,11 +21,12 @@ def test_parts_cover_every_element_once_at_block_boundaries():
         assert max(sizes) - min(sizes) <= 1
 
 
-def reduction(own, payloads, bits=4):
-    r = Reduction()
-    r.spec = (sorted(payloads), own.numel(), codec.DenseFormat(bits, len(payloads) + 1))
-    r.own = own
-    r.payloads.update(payloads)
+def reduction(own, payloads, fmt=None, claims=None, robust=False):
+    """A reduction of one piece (every part here is smaller than PIECE), with every sender's codes in."""
+    r = Reduction(robust=robust)
+    r.begin(list(payloads), own, fmt or codec.DenseFormat(4, len(payloads) + 1), claims)
+    for sender, data in payloads.items():
+        assert r.add(sender, 0, data, max_pieces=1) == ""
     r.settle_if_complete()
     return r
 
@@ -34,22 +36,22 @@ def test_a_complete_reduction_is_the_exact_sum_packed_at_its_width():
     parts = [torch.randint(-7, 8, (1001,), generator=g) for _ in range(4)]
     fmt = codec.DenseFormat(4, 4)
     r = reduction(parts[0], {f"p{i}": fmt.encode(parts[i], None) for i in range(1, 4)})
-    assert r.ready.is_set() and not r.error
-    assert torch.equal(fmt.decode_sum(r.result, 1001), sum(parts))
-    assert len(codec.inflate(r.result, 1 << 20)) == codec.packed_bytes(1001, codec.sum_width(4, 4))
+    assert r.ready and not r.error
+    assert torch.equal(fmt.decode_sum(r.pieces[0].result, 1001), sum(parts))
+    assert len(codec.inflate(r.pieces[0].result, 1 << 20)) == codec.packed_bytes(1001, codec.sum_width(4, 4))
 
 
 def test_a_reduction_waits_for_every_member_and_never_serves_a_partial_sum():
     own = torch.zeros(10, dtype=torch.int64)
     r = Reduction()
-    r.spec, r.own = (["p1", "p2"], 10, codec.DenseFormat(4, 3)), own
     fmt = codec.DenseFormat(4, 3)
-    r.payloads["p1"] = fmt.encode(own, None)
+    r.begin(["p1", "p2"], own, fmt)
+    r.add("p1", 0, fmt.encode(own, None), 1)
     r.settle_if_complete()
-    assert not r.ready.is_set() and r.result is None  # p2's part is still missing
-    r.payloads["p2"] = fmt.encode(own + 1, None)
+    assert not r.ready and r.pieces[0].result is None  # p2's part is still missing
+    r.add("p2", 0, fmt.encode(own + 1, None), 1)
     r.settle_if_complete()
-    assert r.ready.is_set() and torch.equal(fmt.decode_sum(r.result, 10), own + 1)
+    assert r.ready and torch.equal(fmt.decode_sum(r.pieces[0].result, 10), own + 1)
 
 
 @pytest.mark.parametrize("payload, why", [
@@ -62,8 +64,8 @@ def test_a_contribution_out_of_range_or_of_the_wrong_size_is_left_out_and_the_ot
     fmt = codec.DenseFormat(4, 3)
     own, honest = torch.full((10,), 2, dtype=torch.int64), torch.full((10,), -3, dtype=torch.int64)
     r = reduction(own, {"evil": payload, "honest": fmt.encode(honest, None)})
-    assert r.ready.is_set() and not r.error and why in r.dropped["evil"] and set(r.dropped) == {"evil"}
-    assert torch.equal(fmt.decode_sum(r.result, 10), own + honest)  # served to every member alike
+    assert r.ready and not r.error and why in r.dropped["evil"] and set(r.dropped) == {"evil"}
+    assert torch.equal(fmt.decode_sum(r.pieces[0].result, 10), own + honest)  # served to every member alike
 
 
 def test_pushes_are_bounded_and_checked_before_they_are_kept():
@@ -76,10 +78,12 @@ def test_pushes_are_bounded_and_checked_before_they_are_kept():
                                                  tensor_part=runtime_pb2.Tensor(buffer=b))
         return await exchange.receive(messages(), "peerA")
 
-    group = serializer.dumps(dict(group=b"g1"))
-    assert asyncio.run(push(group, b"x" * 60, b"x" * 60)) == "part too large"
+    assert asyncio.run(push(serializer.dumps(dict(group=b"g1")), b"x" * 60, b"x" * 60)) == "part too large"
+    group = serializer.dumps(dict(group=b"g2"))
     assert asyncio.run(push(group, b"x" * 10)) == ""
     assert asyncio.run(push(group, b"x" * 10)) == "duplicate part"
+    exchange.max_pieces = 3  # the whole model's pieces: a push of more, before we know our part, is refused
+    assert asyncio.run(push(serializer.dumps(dict(group=b"g3")), *[b"x"] * 4)) == "more pieces than the part has"
     with pytest.raises(CodesError):
         asyncio.run(push(b"not msgpack", b"x"))
 
@@ -126,8 +130,8 @@ def test_a_strangers_part_is_refused_and_cannot_stall_the_members_sum():
     group = b"g2"
     reduction = exchange.reduction(group)
     own = torch.zeros(10, dtype=torch.int64)
-    reduction.spec, reduction.own = (["p1"], 10, codec.DenseFormat(4, 2)), own
-    reduction.payloads["early-stranger"] = b"junk"  # arrived before we knew the group: kept aside, never summed
+    reduction.add("early-stranger", 0, b"junk", 1)  # arrived before we knew the group: kept aside, never summed
+    reduction.begin(["p1"], own, codec.DenseFormat(4, 2))
 
     async def push(sender, data):
         async def messages():
@@ -135,28 +139,33 @@ def test_a_strangers_part_is_refused_and_cannot_stall_the_members_sum():
                                              tensor_part=runtime_pb2.Tensor(buffer=data))
         return await exchange.receive(messages(), sender)
 
+    async def pushes():
+        fmt = reduction.spec[2]
+        assert await push("stranger", fmt.encode(own, None)) == "not a member of this group"
+        assert await push("p1", fmt.encode(own + 2, None)) == ""
+        await asyncio.gather(*reduction.summing)  # each piece is summed in the background as it completes
+
+    asyncio.run(pushes())
     fmt = reduction.spec[2]
-    assert asyncio.run(push("stranger", fmt.encode(own, None))) == "not a member of this group"
-    assert asyncio.run(push("p1", fmt.encode(own + 2, None))) == ""
-    assert reduction.ready.is_set() and not reduction.error
-    assert torch.equal(fmt.decode_sum(reduction.result, 10), own + 2)
+    assert reduction.ready and not reduction.error
+    assert torch.equal(fmt.decode_sum(reduction.pieces[0].result, 10), own + 2)
 
 
 def test_a_part_that_never_comes_is_left_out_once_the_wait_is_over():
     fmt = codec.DenseFormat(4, 3)
     own, honest = torch.full((10,), 1, dtype=torch.int64), torch.full((10,), 2, dtype=torch.int64)
     r = Reduction()
-    r.spec, r.own = (["honest", "silent"], 10, fmt), own
-    r.payloads["honest"] = fmt.encode(honest, None)
+    r.begin(["honest", "silent"], own, fmt)
+    r.add("honest", 0, fmt.encode(honest, None), 1)
 
     async def wait():
         await r.settle_soon()
-        assert not r.ready.is_set()  # still waiting for the silent member
+        assert not r.ready  # still waiting for the silent member
         await r.cut_off_after(0.01)
 
     asyncio.run(wait())
-    assert r.ready.is_set() and "did not come in time" in r.dropped["silent"]
-    assert torch.equal(fmt.decode_sum(r.result, 10), own + honest)
+    assert r.ready and "did not come in time" in r.dropped["silent"]
+    assert torch.equal(fmt.decode_sum(r.pieces[0].result, 10), own + honest)
 
 
 def _honest_parts(seed=0, n=4096, members=4):
@@ -196,27 +205,21 @@ def test_a_reduction_leaves_out_a_part_beyond_its_senders_claims_and_keeps_an_ho
     parts = [codec.quantize(x, scales, 4).to(torch.int64) for x in sent]
     assert 0.05 < float((parts[3].abs() == 7).double().mean()) < 0.5
     fmt = codec.DenseFormat(4, 5)
-    r = Reduction()
-    r.spec, r.own = (["h1", "h2", "big", "evil"], parts[0].numel(), fmt), parts[0]
     names = ["me", "h1", "h2", "big", "evil"]
-    r.claims = {names[i]: claims_in_codes(clipped[i], over[i], block_norms(xs[i]), 1.0, scales, 7) for i in range(5)}
-    r.payloads.update({names[i]: fmt.encode(parts[i], None) for i in range(1, 5)})
-    r.settle_if_complete()
+    claims = {names[i]: claims_in_codes(clipped[i], over[i], block_norms(xs[i]), 1.0, scales, 7) for i in range(5)}
+    r = reduction(parts[0], {names[i]: fmt.encode(parts[i], None) for i in range(1, 5)}, fmt, claims)
     assert set(r.dropped) == {"evil"} and "beyond the block maxima it claimed" in r.dropped["evil"]
-    assert torch.equal(fmt.decode_sum(r.result, parts[0].numel()), sum(parts[:4]))
+    assert torch.equal(fmt.decode_sum(r.pieces[0].result, parts[0].numel()), sum(parts[:4]))
 
 
 def test_a_robust_reduction_sums_only_the_kept_parts():
     parts, _ = _honest_parts(seed=1, members=3)
     fmt = codec.DenseFormat(4, 4)
     flipped = -parts[1]  # a sign-flipping member: in range, plausible size, opposite direction
-    r = Reduction(robust=True)
-    r.spec, r.own = (["h1", "h2", "evil"], parts[0].numel(), fmt), parts[0]
-    r.payloads.update({"h1": fmt.encode(parts[1], None), "h2": fmt.encode(parts[2], None),
-                       "evil": fmt.encode(flipped, None)})
-    r.settle_if_complete()
+    r = reduction(parts[0], {"h1": fmt.encode(parts[1], None), "h2": fmt.encode(parts[2], None),
+                             "evil": fmt.encode(flipped, None)}, fmt, robust=True)
     assert set(r.dropped) == {"evil"}
-    assert torch.equal(fmt.decode_sum(r.result, parts[0].numel()), parts[0] + parts[1] + parts[2])
+    assert torch.equal(fmt.decode_sum(r.pieces[0].result, parts[0].numel()), parts[0] + parts[1] + parts[2])
 
 
 def test_a_part_missing_a_sender_is_scaled_back_to_a_weighted_mean():
@@ -263,16 +266,15 @@ def test_a_member_that_fetches_after_the_reducer_finished_its_round_still_gets_t
         stubs = {("a", "b"): LoopbackStub(ex["b"], "a"), ("b", "a"): LoopbackStub(ex["a"], "b", hold_fetch=a_done)}
 
         async def member(me):
-            other = "b" if me == "a" else "a"
-            result = await ex[me].run(b"g", ["a", "b"], ["a", "b"], me, codes[me], selected, fmt,
+            result = await ex[me].run(b"g", ["a", "b"], ["a", "b"], me, Codes.made(codes[me], selected), fmt,
                                       lambda peer: stubs[(me, peer)], timeout=3.0)
             if me == "a":
                 a_done.set()
             return result
         return await asyncio.gather(member("a"), member("b"))
 
-    (sums_a, *_), (sums_b, *_) = asyncio.run(both())
-    sum_a, sum_b = torch.cat(sums_a), torch.cat(sums_b)  # the parts, in order
+    a, b = asyncio.run(both())
+    sum_a, sum_b = torch.cat(a.sums), torch.cat(b.sums)  # the pieces, in order
     assert torch.equal(sum_a, sum_b) and torch.equal(sum_a, codes["a"] + codes["b"])
 
 
@@ -291,21 +293,22 @@ def test_a_client_mode_member_sends_and_fetches_but_is_never_dialled_and_all_get
         return stub
 
     async def all_three():
-        return await asyncio.gather(*(ex[me].run(b"g", ["a", "b", "c"], ["a", "b"], me, codes[me], selected, fmt,
+        return await asyncio.gather(*(ex[me].run(b"g", ["a", "b", "c"], ["a", "b"], me, Codes.made(codes[me], selected), fmt,
                                                  stub_of(me), timeout=3.0) for me in "abc"))
 
     results = asyncio.run(all_three())
     expected = codes["a"] + codes["b"] + codes["c"]
-    for sums, left_out, dropped in results:
-        assert len(sums) == 2 and torch.equal(torch.cat(sums).to(torch.int64), expected)
-        assert left_out == [frozenset(), frozenset()] and dropped == {}
+    for r in results:
+        assert r.ranges == [(0, 2 * codec.BLOCK), (2 * codec.BLOCK, n)]
+        assert torch.equal(torch.cat(r.sums).to(torch.int64), expected)
+        assert r.left_out == [frozenset(), frozenset()] and r.dropped == {}
     assert "g".encode() not in ex["c"].reductions  # the client reduced nothing
 
 
 def test_pushes_under_made_up_group_ids_cannot_evict_a_round_in_progress():
     exchange = CodesExchange(max_payload=1 << 20)
     ours = exchange.reduction(b"ours")
-    ours.spec = (["p1"], 10, codec.DenseFormat(4, 2))
+    ours.begin(["p1"], torch.zeros(10, dtype=torch.int64), codec.DenseFormat(4, 2))
     for i in range(50):
         exchange.reduction(f"junk{i}".encode())
     assert exchange.reductions.get(b"ours") is ours
@@ -345,14 +348,117 @@ def test_every_member_refuses_a_sum_beyond_its_senders_claims_and_blames_the_red
             return lambda peer: (Forging if forge and peer == "b" else LoopbackStub)(ex[peer], me)
 
         async def all_three():
-            return await asyncio.gather(*(ex[me].run(b"g", ["a", "b", "c"], ["a", "b"], me, codes[me], selected, fmt,
+            return await asyncio.gather(*(ex[me].run(b"g", ["a", "b", "c"], ["a", "b"], me, Codes.made(codes[me], selected), fmt,
                                                      stub_of(me), timeout=3.0, claims=claims) for me in "abc"),
                                         return_exceptions=True)
         return asyncio.run(all_three())
 
-    for sums, _, _ in run_round(forge=False):
-        assert torch.equal(torch.cat(sums).to(torch.int64), sum(codes.values()))
+    for r in run_round(forge=False):
+        assert torch.equal(torch.cat(r.sums).to(torch.int64), sum(codes.values()))
     forged = run_round(forge=True)
     honest = forged[0], forged[2]
     assert all(isinstance(r, CodesError) and r.culprits == frozenset({"b"}) and "beyond" in str(r)
                for r in honest), honest
+
+
+def test_a_reducer_serves_each_piece_as_soon_as_every_sender_sent_it():
+    """The round streams: piece 0's sum goes out while piece 1 has not come from anyone yet, so packing, sending,
+    summing and fetching overlap instead of running as phases."""
+    fmt = codec.DenseFormat(4, 3)
+    n = PIECE + 3 * codec.BLOCK
+    own = torch.ones(n, dtype=torch.int64)
+    senders = {name: torch.full((n,), v, dtype=torch.int64) for name, v in (("p1", 2), ("p2", -3))}
+    pieces = piece_ranges(0, n)
+    assert pieces == [(0, PIECE), (PIECE, n)]
+    exchange = CodesExchange(max_payload=1 << 22)
+    r = exchange.reduction(b"g")
+    r.begin(list(senders), own, fmt)
+    request = averaging_pb2.DownloadData(metadata=serializer.dumps(dict(group=b"g")))
+
+    async def stream():
+        for name, codes in senders.items():
+            r.add(name, 0, fmt.encode(codes[:PIECE], None), 2)
+            r.settle_in_background(0)
+        served = exchange.serve(request, timeout=5.0)
+        header, first = await served.__anext__()
+        assert r.pieces[1].payloads == {} and not r.pieces[1].ready.is_set()  # nobody's piece 1 yet
+        assert serializer.loads(header) == dict(dropped=[])
+        assert torch.equal(fmt.decode_sum(first, PIECE), (own + 2 - 3)[:PIECE])
+        for name, codes in senders.items():
+            r.add(name, 1, fmt.encode(codes[PIECE:], None), 2)
+            r.settle_in_background(1)
+        _, second = await served.__anext__()
+        assert torch.equal(fmt.decode_sum(second, n - PIECE), (own + 2 - 3)[PIECE:])
+
+    asyncio.run(stream())
+
+
+def test_a_sender_that_stops_mid_part_is_left_out_of_the_pieces_it_did_not_send_only():
+    """p2 sent piece 0 and went silent: piece 0 sums all three, piece 1 (after the cut-off) leaves p2 out and says
+    so, and reweigh_parts then scales piece 1 alone back to a weighted mean."""
+    from p2pdiloco.swarm.averager import reweigh_parts
+
+    fmt = codec.DenseFormat(4, 3)
+    n = 2 * PIECE
+    own, c1, c2 = (torch.full((n,), v, dtype=torch.int64) for v in (1, 2, 4))
+    r = Reduction()
+    r.begin(["p1", "p2"], own, fmt)
+    for index, (a, b) in enumerate(piece_ranges(0, n)):
+        r.add("p1", index, fmt.encode(c1[a:b], None), 2)
+    r.add("p2", 0, fmt.encode(c2[:PIECE], None), 2)
+
+    async def rest():
+        await r.settle_soon()
+        assert r.pieces[0].ready.is_set() and not r.pieces[1].ready.is_set()
+        await r.cut_off_after(0.01)
+
+    asyncio.run(rest())
+    assert r.pieces[0].dropped == {} and set(r.pieces[1].dropped) == {"p2"}
+    assert torch.equal(fmt.decode_sum(r.pieces[0].result, PIECE), (own + c1 + c2)[:PIECE])
+    assert torch.equal(fmt.decode_sum(r.pieces[1].result, PIECE), (own + c1)[PIECE:])
+    merged = torch.tensor([0.7, 0.7, 0.3, 0.3])  # two pieces; the second misses p2, so 0.3 of the weight is in it …
+    reweigh_parts(merged, [(0, 2), (2, 4)], [frozenset(), frozenset({"p2"})], {"me": 0.2, "p1": 0.1, "p2": 0.7})
+    assert merged.tolist() == pytest.approx([0.7, 0.7, 1.0, 1.0])  # … only the piece p2 missed is rescaled
+
+
+def test_a_round_of_many_pieces_ends_with_the_exact_sum_and_a_reducer_that_dies_mid_stream_fails_it():
+    n, fmt = 2 * PIECE + 5 * codec.BLOCK + 7, codec.DenseFormat(4, 2)
+    codes = {name: torch.randint(-7, 8, (n,), generator=torch.Generator().manual_seed(i)) for i, name in enumerate("ab")}
+    selected = torch.ones(n, dtype=torch.bool)
+
+    class DiesAfterOnePiece(LoopbackStub):
+        async def rpc_codes_fetch(self, request):
+            served = await super().rpc_codes_fetch(request)
+
+            async def answer():
+                yield await served.__anext__()
+            return answer()
+
+    landed = {name: torch.zeros(n, dtype=torch.int64) for name in "ab"}
+
+    def land(me, start, end, total, left_out):
+        assert left_out == frozenset()
+        landed[me][start:end] += total
+
+    def run_round(dying: bool, landing: bool = False):
+        ex = {name: CodesExchange(max_payload=1 << 22) for name in "ab"}
+
+        def stub_of(me):
+            return lambda peer: (DiesAfterOnePiece if dying and peer == "b" else LoopbackStub)(ex[peer], me)
+
+        async def both():
+            return await asyncio.gather(*(ex[me].run(b"g", ["a", "b"], ["a", "b"], me, Codes.made(codes[me], selected), fmt,
+                                                     stub_of(me), timeout=3.0,
+                                                     land=functools.partial(land, me) if landing else None)
+                                          for me in "ab"), return_exceptions=True)
+        return asyncio.run(both())
+
+    for r in run_round(dying=False):
+        assert len(r.ranges) == 4 and r.ranges[0][0] == 0 and r.ranges[-1][1] == n  # two parts, two pieces each
+        assert all(x[1] == y[0] for x, y in zip(r.ranges, r.ranges[1:]))
+        assert torch.equal(torch.cat(r.sums).to(torch.int64), codes["a"] + codes["b"])
+    for r in run_round(dying=False, landing=True):  # each piece landed as it came, once, and none kept
+        assert r.sums == [] and len(r.left_out) == 4
+    assert all(torch.equal(landed[me], codes["a"] + codes["b"]) for me in "ab")
+    a, _ = run_round(dying=True)
+    assert isinstance(a, CodesError) and "incomplete: 1 of 2 pieces" in str(a) and a.culprits == frozenset({"b"})
