@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Optional
 
@@ -56,6 +57,15 @@ AGREEMENT = 0.25  # of the median cosine between each piece and the sum of the o
 MAX_PENDING_GROUPS = 8  # reductions kept at once: a push may arrive before our own matchmaking finished, a
 # fetch after our own round is over (a slower member still needs our part's sum)
 serializer = MSGPackSerializer
+# The codec work of a round (quantizing, packing, summing, decoding its pieces) runs in one worker thread, off the
+# averager's event loop: a piece's work then overlaps the transfer of the others, and the round takes at most one
+# core beside the training process (measured on 2 shared cores, docs/bandwidth.md: with a thread per stream the
+# round was no faster and every peer trained ~15 % slower). The thread starts when first used, in the averager.
+_CODEC = ThreadPoolExecutor(max_workers=1, thread_name_prefix="codes")
+
+
+async def off_loop(fn, *args):
+    return await asyncio.get_running_loop().run_in_executor(_CODEC, fn, *args)
 
 
 class CodesError(RuntimeError):
@@ -177,7 +187,7 @@ class Reduction:
             return
         self.pieces[index].settling = True
         try:
-            result = await asyncio.to_thread(self._sum, index)
+            result = await off_loop(self._sum, index)
         except Exception as e:  # a bug must fail the round, not leave its fetchers waiting until the deadline
             return self.fail(f"summing a piece failed: {e!r}")
         self._finish(index, result)
@@ -417,7 +427,7 @@ class CodesExchange:
     @staticmethod
     async def _begin(mine: Reduction, senders: list, codes: Codes, start: int, end: int, fmt,
                      claims: Optional[dict]) -> None:
-        own, _ = await asyncio.to_thread(codes.of, start, end)
+        own, _ = await off_loop(codes.of, start, end)
         mine.begin(senders, own, fmt, claims, start)
         await mine.settle_soon()
 
@@ -428,7 +438,7 @@ class CodesExchange:
         async def messages():
             header = serializer.dumps(dict(group=group_id))
             for i, (a, b) in enumerate(pieces):  # each made as the stream asks: quantizing, packing overlap sending
-                data = await asyncio.to_thread(packed, a, b)
+                data = await off_loop(packed, a, b)
                 yield averaging_pb2.DownloadData(metadata=header if i == 0 else b"", tensor_part=_blob(data))
 
         async for answer in await stub.rpc_codes_push(messages()):
@@ -447,7 +457,7 @@ class CodesExchange:
             if len(sums) == len(pieces):
                 raise CodesError("a reducer sent more pieces than its part has")
             (start, end), out = pieces[len(sums)], _left_out(header.get("dropped"), members)
-            sums.append(await asyncio.to_thread(take, message.tensor_part.buffer, start, end, out))
+            sums.append(await off_loop(take, message.tensor_part.buffer, start, end, out))
             left_out.append(out)
         if len(sums) < len(pieces):  # a reducer that died mid-stream
             raise CodesError(f"a reducer's sum arrived incomplete: {len(sums)} of {len(pieces)} pieces")
@@ -463,7 +473,7 @@ class CodesExchange:
             if mine.error:
                 raise CodesError(mine.error)
             out = frozenset(piece.dropped)
-            sums.append(await asyncio.to_thread(take, piece.result, start, end, out))
+            sums.append(await off_loop(take, piece.result, start, end, out))
             left_out.append(out)
         return sums, left_out
 
