@@ -508,16 +508,15 @@ def _land_piece(merged: torch.Tensor, scales: torch.Tensor, weights: dict, start
     reducer left senders out. Pieces start on block boundaries (swarm.codes)."""
     first = start // codec.BLOCK
     codec.dequantize(total, scales[first:first + codec.n_blocks(end - start)], out=merged[start:end])
-    reweigh_parts(merged, [(start, end)], [left_out], weights)
+    reweigh(merged[start:end], left_out, weights)
 
 
-def reweigh_parts(merged: torch.Tensor, ranges, left_out, weights: dict) -> None:
-    """A part some senders were left out of sums the others' weights only: scale it back to a weighted mean.
-    The names come from the part's reducer, the same for every member, so every member gets the same bits."""
-    for (start, end), out in zip(ranges, left_out):
-        kept = sum(w for peer, w in weights.items() if peer not in out)  # dict order: the group's, everywhere
-        if out and kept > 0:
-            merged[start:end].mul_(torch.tensor(1.0 / kept, dtype=torch.float32))
+def reweigh(piece: torch.Tensor, left_out: frozenset, weights: dict) -> None:
+    """A piece some senders were left out of sums the others' weights only: scale it back to a weighted mean.
+    The names come from the piece's reducer, the same for every member, so every member gets the same bits."""
+    kept = sum(w for peer, w in weights.items() if peer not in left_out)  # dict order: the group's, everywhere
+    if left_out and kept > 0:
+        piece.mul_(torch.tensor(1.0 / kept, dtype=torch.float32))
 
 
 def gather_record(peer: str, name: str, version: int, tokens: int, steps: int, body: torch.Tensor,

@@ -167,7 +167,9 @@ class Reduction:
             return "the round of this group is over"
         if index >= (len(self.ranges) if self.spec is not None else max_pieces):
             return "more pieces than the part has"
-        self.piece(index).payloads[sender] = data
+        piece = self.piece(index)
+        if not (piece.ready.is_set() or piece.settling):  # else summed without it (cut off): not worth keeping
+            piece.payloads[sender] = data
         return ""
 
     # ---- summing ---------------------------------------------------------------------------------------------
@@ -175,11 +177,6 @@ class Reduction:
         piece = self.pieces.get(index)
         return (piece is not None and not piece.ready.is_set() and not piece.settling and self.spec is not None
                 and self.own is not None and (self.cut_off or set(self.spec[0]) <= set(piece.payloads)))
-
-    def settle_if_complete(self) -> None:
-        """Sum, here and now, every piece that has all its senders' codes."""
-        for index in [i for i in self.pieces if self._due(i)]:
-            self._finish(index, self._sum(index))
 
     async def settle(self, index: int) -> None:
         """Sum one piece if it is due, in a worker thread: the event loop keeps moving the round's streams."""
@@ -297,10 +294,6 @@ class Codes:
 
     numel: int
     of: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
-
-    @staticmethod
-    def made(codes: torch.Tensor, selected: torch.Tensor) -> "Codes":
-        return Codes(codes.numel(), lambda a, b: (codes[a:b], selected[a:b]))
 
 
 SumCheck = Callable[[torch.Tensor, int, frozenset], str]  # (a piece's sum, its first element, left out) → why not

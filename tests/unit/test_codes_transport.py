@@ -8,7 +8,8 @@ import torch
 from hivemind.proto import averaging_pb2, runtime_pb2
 
 from p2pdiloco.core import codec
-from p2pdiloco.swarm.codes import PIECE, Codes, CodesError, CodesExchange, Reduction, part_ranges, piece_ranges, serializer
+from p2pdiloco.swarm.codes import (PIECE, Codes, CodesError, CodesExchange, Reduction, part_ranges, piece_ranges,
+                                   serializer)
 
 
 def test_parts_cover_every_element_once_at_block_boundaries():
@@ -21,13 +22,18 @@ def test_parts_cover_every_element_once_at_block_boundaries():
         assert max(sizes) - min(sizes) <= 1
 
 
+def made(codes, selected) -> Codes:
+    """Codes already made, served a piece at a time."""
+    return Codes(codes.numel(), lambda a, b: (codes[a:b], selected[a:b]))
+
+
 def reduction(own, payloads, fmt=None, claims=None, robust=False):
     """A reduction of one piece (every part here is smaller than PIECE), with every sender's codes in."""
     r = Reduction(robust=robust)
     r.begin(list(payloads), own, fmt or codec.DenseFormat(4, len(payloads) + 1), claims)
     for sender, data in payloads.items():
         assert r.add(sender, 0, data, max_pieces=1) == ""
-    r.settle_if_complete()
+    asyncio.run(r.settle_soon())
     return r
 
 
@@ -47,10 +53,10 @@ def test_a_reduction_waits_for_every_member_and_never_serves_a_partial_sum():
     fmt = codec.DenseFormat(4, 3)
     r.begin(["p1", "p2"], own, fmt)
     r.add("p1", 0, fmt.encode(own, None), 1)
-    r.settle_if_complete()
+    asyncio.run(r.settle_soon())
     assert not r.ready and r.pieces[0].result is None  # p2's part is still missing
     r.add("p2", 0, fmt.encode(own + 1, None), 1)
-    r.settle_if_complete()
+    asyncio.run(r.settle_soon())
     assert r.ready and torch.equal(fmt.decode_sum(r.pieces[0].result, 10), own + 1)
 
 
@@ -222,12 +228,14 @@ def test_a_robust_reduction_sums_only_the_kept_parts():
     assert torch.equal(fmt.decode_sum(r.pieces[0].result, parts[0].numel()), parts[0] + parts[1] + parts[2])
 
 
-def test_a_part_missing_a_sender_is_scaled_back_to_a_weighted_mean():
-    from p2pdiloco.swarm.averager import reweigh_parts
+def test_a_piece_missing_a_sender_is_scaled_back_to_a_weighted_mean():
+    from p2pdiloco.swarm.averager import reweigh
 
-    merged = torch.tensor([0.6, 0.6, 0.6, 0.6])  # two parts; the second reducer left out "c" (weight 0.4)
-    reweigh_parts(merged, [(0, 2), (2, 4)], [frozenset(), frozenset({"c"})], {"a": 0.3, "b": 0.3, "c": 0.4})
-    assert merged.tolist() == pytest.approx([0.6, 0.6, 1.0, 1.0])
+    weights = {"a": 0.3, "b": 0.3, "c": 0.4}
+    whole, missing_c = torch.tensor([0.6, 0.6]), torch.tensor([0.6, 0.6])  # the second piece's reducer left out c
+    reweigh(whole, frozenset(), weights)
+    reweigh(missing_c, frozenset({"c"}), weights)
+    assert whole.tolist() == pytest.approx([0.6, 0.6]) and missing_c.tolist() == pytest.approx([1.0, 1.0])
 
 
 class LoopbackStub:
@@ -266,7 +274,7 @@ def test_a_member_that_fetches_after_the_reducer_finished_its_round_still_gets_t
         stubs = {("a", "b"): LoopbackStub(ex["b"], "a"), ("b", "a"): LoopbackStub(ex["a"], "b", hold_fetch=a_done)}
 
         async def member(me):
-            result = await ex[me].run(b"g", ["a", "b"], ["a", "b"], me, Codes.made(codes[me], selected), fmt,
+            result = await ex[me].run(b"g", ["a", "b"], ["a", "b"], me, made(codes[me], selected), fmt,
                                       lambda peer: stubs[(me, peer)], timeout=3.0)
             if me == "a":
                 a_done.set()
@@ -293,7 +301,7 @@ def test_a_client_mode_member_sends_and_fetches_but_is_never_dialled_and_all_get
         return stub
 
     async def all_three():
-        return await asyncio.gather(*(ex[me].run(b"g", ["a", "b", "c"], ["a", "b"], me, Codes.made(codes[me], selected), fmt,
+        return await asyncio.gather(*(ex[me].run(b"g", ["a", "b", "c"], ["a", "b"], me, made(codes[me], selected), fmt,
                                                  stub_of(me), timeout=3.0) for me in "abc"))
 
     results = asyncio.run(all_three())
@@ -348,8 +356,8 @@ def test_every_member_refuses_a_sum_beyond_its_senders_claims_and_blames_the_red
             return lambda peer: (Forging if forge and peer == "b" else LoopbackStub)(ex[peer], me)
 
         async def all_three():
-            return await asyncio.gather(*(ex[me].run(b"g", ["a", "b", "c"], ["a", "b"], me, Codes.made(codes[me], selected), fmt,
-                                                     stub_of(me), timeout=3.0, claims=claims) for me in "abc"),
+            return await asyncio.gather(*(ex[me].run(b"g", ["a", "b", "c"], ["a", "b"], me, made(codes[me], selected),
+                                                     fmt, stub_of(me), timeout=3.0, claims=claims) for me in "abc"),
                                         return_exceptions=True)
         return asyncio.run(all_three())
 
@@ -394,10 +402,8 @@ def test_a_reducer_serves_each_piece_as_soon_as_every_sender_sent_it():
 
 
 def test_a_sender_that_stops_mid_part_is_left_out_of_the_pieces_it_did_not_send_only():
-    """p2 sent piece 0 and went silent: piece 0 sums all three, piece 1 (after the cut-off) leaves p2 out and says
-    so, and reweigh_parts then scales piece 1 alone back to a weighted mean."""
-    from p2pdiloco.swarm.averager import reweigh_parts
-
+    """p2 sent piece 0 and went silent: piece 0 sums all three; piece 1 (after the cut-off) leaves p2 out and says
+    so, and what p2 sends for it later is not kept."""
     fmt = codec.DenseFormat(4, 3)
     n = 2 * PIECE
     own, c1, c2 = (torch.full((n,), v, dtype=torch.int64) for v in (1, 2, 4))
@@ -416,14 +422,13 @@ def test_a_sender_that_stops_mid_part_is_left_out_of_the_pieces_it_did_not_send_
     assert r.pieces[0].dropped == {} and set(r.pieces[1].dropped) == {"p2"}
     assert torch.equal(fmt.decode_sum(r.pieces[0].result, PIECE), (own + c1 + c2)[:PIECE])
     assert torch.equal(fmt.decode_sum(r.pieces[1].result, PIECE), (own + c1)[PIECE:])
-    merged = torch.tensor([0.7, 0.7, 0.3, 0.3])  # two pieces; the second misses p2, so 0.3 of the weight is in it …
-    reweigh_parts(merged, [(0, 2), (2, 4)], [frozenset(), frozenset({"p2"})], {"me": 0.2, "p1": 0.1, "p2": 0.7})
-    assert merged.tolist() == pytest.approx([0.7, 0.7, 1.0, 1.0])  # … only the piece p2 missed is rescaled
+    assert r.add("p2", 1, fmt.encode(c2[PIECE:], None), 2) == "" and r.pieces[1].payloads == {}
 
 
 def test_a_round_of_many_pieces_ends_with_the_exact_sum_and_a_reducer_that_dies_mid_stream_fails_it():
     n, fmt = 2 * PIECE + 5 * codec.BLOCK + 7, codec.DenseFormat(4, 2)
-    codes = {name: torch.randint(-7, 8, (n,), generator=torch.Generator().manual_seed(i)) for i, name in enumerate("ab")}
+    codes = {name: torch.randint(-7, 8, (n,), generator=torch.Generator().manual_seed(i))
+             for i, name in enumerate("ab")}
     selected = torch.ones(n, dtype=torch.bool)
 
     class DiesAfterOnePiece(LoopbackStub):
@@ -447,7 +452,7 @@ def test_a_round_of_many_pieces_ends_with_the_exact_sum_and_a_reducer_that_dies_
             return lambda peer: (DiesAfterOnePiece if dying and peer == "b" else LoopbackStub)(ex[peer], me)
 
         async def both():
-            return await asyncio.gather(*(ex[me].run(b"g", ["a", "b"], ["a", "b"], me, Codes.made(codes[me], selected), fmt,
+            return await asyncio.gather(*(ex[me].run(b"g", ["a", "b"], ["a", "b"], me, made(codes[me], selected), fmt,
                                                      stub_of(me), timeout=3.0,
                                                      land=functools.partial(land, me) if landing else None)
                                           for me in "ab"), return_exceptions=True)
