@@ -16,7 +16,7 @@ import torch
 from p2pdiloco.training import checkpoint
 from p2pdiloco.config import ConfigError, PeerConfig, model_config
 from p2pdiloco.training.data import BatchStream, load_corpus, stream_seed, validation_batches
-from p2pdiloco.core.consensus import consensus_distance, sketch
+from p2pdiloco.core.consensus import consensus_distance, fork_distance, sketch
 from p2pdiloco.training.diloco import DiLoCo, Settled, train
 from p2pdiloco.protocol.outcomes import Contribution
 from p2pdiloco.training.inner import InnerTrainer, bitsandbytes, evaluate, flat_params
@@ -472,8 +472,9 @@ class Peer:
         o, c = settled.outcome, settled.contribution
         # the others as of the last heartbeat (never a DHT call on the training thread), and us as we are now
         others = [r for r in self.heartbeat.records() if r.peer != self.peer_id]
-        states = [(r.version, r.digest, r.sketch) for r in others if r.sketch]
-        states.append((self.state.version, self.state.digest, self.own_sketch))
+        own = (self.state.version, self.state.digest, self.own_sketch)
+        others_states = [(r.version, r.digest, r.sketch) for r in others if r.sketch]
+        states = [*others_states, own]
         versions = [r.version for r in others] + [self.state.version]
         distance = consensus_distance(states)
         wall = time.monotonic() - self.started
@@ -491,7 +492,7 @@ class Peer:
             step_seconds_ema=self.diloco.clock.step.get(), bytes_sent=o.bytes_sent, bytes_received=o.bytes_received,
             allreduce_bytes_model=o.allreduce_bytes_model,
             adopted=o.adopted, consensus_distance=distance,
-            fork_distance=consensus_distance(states, same_version=True),
+            fork_distance=fork_distance(own, others_states),
             version_spread=max(versions) - min(versions), live_peers=len(versions), recovered_tokens=self.diloco.recovered_tokens,
             **self._goodput_fields(), utilization=self.compute_seconds / max(wall, 1e-9), wall=wall,
             digest=self.state.digest))

@@ -16,6 +16,7 @@ import torch
 SKETCH_DIM = 64
 _SEED = 0x5EED
 _CHUNK = 1 << 20
+State = tuple[int, str, Sequence[float]]  # a peer's (version, digest, sketch), as its record publishes them
 
 
 def sketch(x: torch.Tensor, k: int = SKETCH_DIM) -> list[float]:
@@ -37,12 +38,19 @@ def sketch_distance(a: Sequence[float], b: Sequence[float]) -> float:
     return math.sqrt(sum((x - y) ** 2 for x, y in zip(a, b)))
 
 
-def consensus_distance(states: Sequence[tuple[int, str, Sequence[float]]], same_version: bool = False) -> float:
-    """Max pairwise distance among live peers' (version, digest, sketch); 0 exactly for equal digests.
-    same_version=True measures disagreement only (forks): peers at different versions are merely at
-    different points of the same history while rounds are in flight."""
+def consensus_distance(states: Sequence[State]) -> float:
+    """Max pairwise distance among live peers' (version, digest, sketch); 0 exactly for equal digests. Includes
+    peers merely at different versions, i.e. at different points of one history while rounds are in flight."""
     worst = 0.0
-    for (va, digest_a, sketch_a), (vb, digest_b, sketch_b) in itertools.combinations(states, 2):
-        if digest_a != digest_b and (va == vb or not same_version):
+    for (_, digest_a, sketch_a), (_, digest_b, sketch_b) in itertools.combinations(states, 2):
+        if digest_a != digest_b:
             worst = max(worst, sketch_distance(sketch_a, sketch_b))
     return worst
+
+
+def fork_distance(own: State, others: Sequence[State]) -> float:
+    """Max distance from our state to other peers' states at our version with another digest: a fork we are part
+    of. Others' forks among themselves are not ours to judge: their records may be seconds old (a killed peer's
+    stays until it expires), so two stale records could show a fork that already healed."""
+    version, digest, own_sketch = own
+    return max((sketch_distance(own_sketch, s) for v, d, s in others if v == version and d != digest), default=0.0)
