@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import threading
@@ -48,11 +49,13 @@ class PeakSampler(threading.Thread):
         super().__init__(daemon=True)
         self.pid, self.interval, self.peak, self.stopped = pid, interval, 0, threading.Event()
         self.peak_by_process: dict = {}
+        self.timeline: list = []  # (wall-clock time, {process: PSS}): where the peak came from
 
     def run(self) -> None:
         while not self.stopped.is_set():
             pids = [self.pid, *descendants(self.pid)]
             sizes = {pid: pss_bytes(pid) for pid in pids}
+            self.timeline.append((round(time.time(), 3), {_name(p): s for p, s in sizes.items() if s}))
             total = sum(sizes.values())
             if total > self.peak:
                 self.peak, self.peak_by_process = total, {_name(p): s for p, s in sizes.items() if s}
@@ -87,6 +90,10 @@ def measure(model: str, optimizer: str, args, log_dir: Path) -> dict:
         sampler.stopped.set()
         for proc in (first, *others):
             stop_tree(proc)
+    if args.timeline:  # the samples, and the peer's own records (its rounds and checkpoints, by wall-clock time)
+        with open(args.timeline.with_suffix(f".{model}-{optimizer}.jsonl"), "w") as f:
+            f.writelines(json.dumps(dict(time=t, pss=sizes)) + "\n" for t, sizes in sampler.timeline)
+        shutil.copy(log_dir / "peer0.jsonl", args.timeline.with_suffix(f".{model}-{optimizer}.peer0.jsonl"))
     summary = of_kind(read_records(log_dir / "peer0.jsonl"), Summary)
     n_params = sum_params(model)
     device_peak = summary[-1].device_peak_bytes if summary else None
@@ -134,6 +141,8 @@ def main() -> None:
     p.add_argument("--compression", default="none", help="the rounds' wire format (none: exact fp32, the default)")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
+    p.add_argument("--timeline", type=Path, default=None,
+                   help="also write each size's samples (time, PSS per process) to TIMELINE.<model>-<optimizer>.jsonl")
     args = p.parse_args()
     rows = []
     for model in args.models.split(","):

@@ -37,6 +37,7 @@ from p2pdiloco.training.inner import (InnerTrainer, flat_params, load_flat_param
 from p2pdiloco.protocol.outcomes import Contribution, RolledBack, RoundOutcome, Solo
 from p2pdiloco.core.state import GlobalState, contains
 from p2pdiloco.protocol.timing import RoundClock
+from p2pdiloco.training.spill import InMemory, Kept
 
 
 class Merger(Protocol):
@@ -60,6 +61,7 @@ class InFlight:
     contribution: Contribution
     started: float
     steps_at_snapshot: int
+    kept: Optional[Kept] = None  # Δ as fork recovery will keep it, should this round merge
     origin: Optional[torch.Tensor] = None  # eager: the estimate of Θ' the in-flight steps start from
 
     @property
@@ -73,7 +75,7 @@ class LastMerge:
     `key` (our island lost a fork), this progress is restored locally and contributed again."""
 
     key: tuple[int, str]  # the global state right after it was merged
-    delta: torch.Tensor
+    delta: Kept  # in memory, or on disk until a lost fork needs it (p2pdiloco.training.spill)
     tokens: int
     steps: int
     seconds: float
@@ -94,8 +96,9 @@ class DiLoCo:
     """Owns θ (the trainer's model), Θ (GlobalState) and the bookkeeping between rounds."""
 
     def __init__(self, trainer: InnerTrainer, state: GlobalState, merger: Merger, peer: str, name: str,
-                 clock: Optional[RoundClock] = None, eager: bool = False):
+                 clock: Optional[RoundClock] = None, eager: bool = False, keep=None):
         self.trainer, self.state, self.merger, self.peer, self.name = trainer, state, merger, peer, name
+        self.keep = keep or InMemory()  # where our Δ waits after its round, for fork recovery
         self.clock = clock or RoundClock()
         self.eager = eager
         self.last_merged: Optional[torch.Tensor] = None  # the latest merged update we applied (eager estimates)
@@ -133,7 +136,8 @@ class DiLoCo:
         future = self._executor.submit(self.merger.merge, c)
         if origin is not None:
             load_flat_params(self.trainer.model, origin)
-        self.in_flight = InFlight(future, c, time.monotonic(), self.trainer.total_steps, origin)
+        self.in_flight = InFlight(future, c, time.monotonic(), self.trainer.total_steps, self.keep.put(c.delta),
+                                  origin)
 
     def _eager_estimate(self, delta: torch.Tensor) -> torch.Tensor:
         """Eager updates (Kale et al. 2025, arXiv 2502.12996): instead of training on from θ_S while the round
@@ -173,6 +177,13 @@ class DiLoCo:
 
     def apply(self, outcome: RoundOutcome, flight: InFlight) -> bool:
         """Apply a round's outcome; True if the global state we now hold contains our contribution."""
+        try:
+            return self._apply(outcome, flight)
+        finally:
+            if self.last_merge is None or self.last_merge.delta is not flight.kept:
+                flight.kept.drop()  # not our last merge: fork recovery will never need it
+
+    def _apply(self, outcome: RoundOutcome, flight: InFlight) -> bool:
         c = flight.contribution
         if outcome.committed:
             kept = "since snapshot"  # progress up to θ_S is now in Θ
@@ -198,7 +209,9 @@ class DiLoCo:
                     self.merged_seconds += c.seconds
                     # stale and no download: our Δ lives in the group's state, not in ours; we catch up later
                     held = not (outcome.stale and outcome.state is None)
-                    self.last_merge = LastMerge(self.state.key, c.delta, c.tokens, c.steps, c.seconds) if held else None
+                    self._forget_last_merge()
+                    if held:
+                        self.last_merge = LastMerge(self.state.key, flight.kept, c.tokens, c.steps, c.seconds)
                     # only eager estimates use the last merged update, a copy: outcome.merged may view the
                     # averager's buffer, which the next round overwrites
                     eager_copy = self.eager and outcome.merged is not None
@@ -219,15 +232,20 @@ class DiLoCo:
         lost = self.last_merge is not None and not contains(metadata, self.last_merge.key)
         restored = None
         if lost:
-            restored = -self.last_merge.delta
+            restored = self.last_merge.delta.get().neg()
             self.unmerged_tokens += self.last_merge.tokens
             self.unmerged_steps += self.last_merge.steps
             self.unmerged_seconds += self.last_merge.seconds
             self.merged_seconds -= self.last_merge.seconds  # it did not reach the global model after all
             self.recovered_tokens += self.last_merge.tokens
-            self.last_merge = None
+            self._forget_last_merge()
         self.state.load(metadata, tensors)
         return restored
+
+    def _forget_last_merge(self) -> None:
+        if self.last_merge is not None:
+            self.last_merge.delta.drop()
+            self.last_merge = None
 
     @staticmethod
     def _add(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -283,6 +301,8 @@ class DiLoCo:
         holding all our local progress, as after a rollback. (Should the island still merge it, it is counted
         twice at our next start: the rare price of leaving within a bound.)"""
         flight, self.in_flight = self.in_flight, None
+        if flight is not None:
+            flight.kept.drop()
         if flight is not None and flight.origin is not None:
             with self.state.lock:
                 self._keep_progress(flight, "all unmerged")
@@ -290,6 +310,7 @@ class DiLoCo:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self.keep.close()
 
     # ---- resuming ---------------------------------------------------------------------------------------
     def checkpoint_state(self) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -149,11 +149,13 @@ class InnerTrainer:
             group["lr"] = self.lr_at(self.total_steps)
         with torch.autocast("cuda", dtype=torch.bfloat16) if self.on_gpu else nullcontext():
             loss = self.model(inputs, targets)
-        self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.cfg.grad_clip > 0:
             nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
+        # freed now, not before the next backward: between steps, where a round's Δ, its outer step and the
+        # checkpoints come and go, the gradients (4 bytes per parameter) are not held
+        self.optimizer.zero_grad(set_to_none=True)
         self.total_steps += 1
         return loss.detach()
 

@@ -10,6 +10,7 @@ from p2pdiloco.config import InnerConfig, model_config
 from p2pdiloco.training.diloco import DiLoCo, SoloMerger, train
 from p2pdiloco.training.inner import InnerTrainer, flat_params
 from p2pdiloco.training.model import build_model, rda_segments
+from p2pdiloco.training.spill import OnDisk
 from p2pdiloco.core.outer import OuterOptimizer, merge_weights, rda_reference, weighted_merge
 from p2pdiloco.protocol.outcomes import Committed, RolledBack, Solo
 from p2pdiloco.protocol.remote import Member
@@ -25,13 +26,13 @@ def random_batches(seed=0, batch=4, seq=16):
         yield x[:, :-1], x[:, 1:]
 
 
-def make_diloco(merger, seed=0):
+def make_diloco(merger, seed=0, keep=None):
     torch.manual_seed(seed)
     model = build_model(model_config("tiny"), seed=0)
     cfg = InnerConfig(steps=4, batch_size=4, seq_len=16, warmup_steps=0)
     trainer = InnerTrainer(model, random_batches(seed), cfg, torch.device("cpu"))
     state = GlobalState(flat_params(model), lr=0.7, momentum=0.9)
-    return DiLoCo(trainer, state, merger, peer="me", name="me")
+    return DiLoCo(trainer, state, merger, peer="me", name="me", keep=keep)
 
 
 def member(peer, version, digest, tokens, steps) -> Member:
@@ -78,6 +79,12 @@ def test_training_goes_on_while_the_round_is_in_flight_and_the_merge_is_rebased(
     assert torch.allclose(d.local_params(), d.state.params + in_flight_progress, rtol=0, atol=1e-6)
     # no snapshot of θ is kept in flight: θ_S is rebuilt as Θ_S − Δ, the same bits on every run
     assert torch.equal(d.local_params(), before_apply.sub(theta0).add(delta).add(d.state.params))
+
+
+def test_no_gradients_are_held_between_inner_steps_where_rounds_and_checkpoints_come_and_go():
+    d = make_diloco(SoloMerger())
+    d.inner_step()
+    assert all(p.grad is None for p in d.trainer.model.parameters())  # 4 bytes per parameter, freed at once
 
 
 def test_rolled_back_round_changes_nothing_and_its_tokens_ride_along():
@@ -316,14 +323,17 @@ def test_allreduce_budget_follows_the_measured_link_not_the_declared_one():
     assert clock.allreduce_budget(50e6, declared) == pytest.approx(3.0 + 3 * 50.0, rel=0.05)
 
 
-def test_adopting_a_fork_that_lacks_our_merge_restores_our_work_for_the_next_contribution():
-    d = make_diloco(SoloMerger())
+@pytest.mark.parametrize("on_disk", [False, True], ids=["in-memory", "on-disk"])
+def test_adopting_a_fork_that_lacks_our_merge_restores_our_work_for_the_next_contribution(tmp_path, on_disk):
+    d = make_diloco(SoloMerger(), keep=OnDisk(tmp_path) if on_disk else None)
     theta0 = d.state.params.clone()
     for _ in range(3):
         d.inner_step()
     d.contribute()
     own_delta = d.in_flight.contribution.delta.clone()
     d.wait(10)  # our island (of one) merged: version 1 on our side of the fork
+    # on disk, the merged Δ waits in a file, not in memory, until a lost fork needs it
+    assert d.last_merge.delta.in_memory != on_disk and len(list(tmp_path.iterdir())) == on_disk
     d.inner_step()
     ours, local_now = d.state.params.clone(), d.local_params()
     other = GlobalState(theta0 - 0.01, lr=0.7, momentum=0.9)  # the other island's version 1
@@ -335,6 +345,8 @@ def test_adopting_a_fork_that_lacks_our_merge_restores_our_work_for_the_next_con
     assert d.merged_seconds == 0.0  # the lost merge's step time no longer counts as goodput
     expected = other.params + (local_now - ours) - own_delta
     assert torch.allclose(d.local_params(), expected, atol=1e-6)
+    d.keep.close()
+    assert d.last_merge is None and not list(tmp_path.iterdir())  # read back once, then removed
     # a state that descends from our merge keeps it: nothing is restored, nothing counted twice
     d2 = make_diloco(SoloMerger())
     d2.inner_step()

@@ -1,0 +1,139 @@
+"""Where a contribution's Δ waits after its round: fork recovery needs our last merged Δ only if a later state we
+adopt lacks that merge (our island lost a fork), which is rare; until the next merge replaces it, it would
+otherwise hold 4 bytes per parameter for the whole time between rounds.
+
+`InMemory` keeps the tensor (tests, and where no folder is given). `OnDisk` writes each Δ to a file in a
+background thread while its round runs, and lets the tensor go once written: a peer then holds only the Δ of
+the round in flight. Reading it back costs one model-sized read, and only when a fork is lost. Two files at
+most (the last merge's and the round in flight's), overwritten as rounds go; a write that fails (a full disk)
+keeps that Δ in memory and says so once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class Kept:
+    """One Δ, kept until dropped."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._tensor: Optional[torch.Tensor] = tensor
+
+    def get(self) -> torch.Tensor:
+        return self._tensor
+
+    def drop(self) -> None:
+        self._tensor = None
+
+    @property
+    def in_memory(self) -> bool:
+        return self._tensor is not None
+
+
+class InMemory:
+    def put(self, delta: torch.Tensor) -> Kept:
+        return Kept(delta)
+
+    def close(self) -> None:
+        pass
+
+
+class OnDisk:
+    SLOTS = 2  # the last merge's Δ and the round in flight's: never more at once
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self._free = list(range(self.SLOTS))
+        self._lock = threading.Lock()
+        self._warned = self._closed = False
+        # one thread does every write, read-back and unlink, in order: a slot is never written while an
+        # earlier write or removal of the same file is still under way
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spill")
+
+    def put(self, delta: torch.Tensor) -> Kept:
+        with self._lock:
+            slot = self._free.pop(0) if self._free and not self._closed else None
+        if slot is None:  # a caller holding more than SLOTS at once: keep it in memory rather than overwrite one
+            return Kept(delta)
+        return _Spilled(self, slot, delta)
+
+    def path(self, slot: int) -> Path:
+        return self.folder / f"delta-{slot}.f32"
+
+    def release(self, slot: int) -> None:
+        with self._lock:
+            if self._closed:
+                return  # close() removed every file
+            self._io.submit(self.path(slot).unlink, missing_ok=True)
+            self._free.append(slot)
+
+    def warn(self, error: Exception) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("could not write a contribution to %s (%s): fork recovery keeps it in memory",
+                        self.folder, error)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for slot in range(self.SLOTS):
+                self._io.submit(self.path(slot).unlink, missing_ok=True)
+        self._io.shutdown(wait=True)
+
+
+class _Spilled(Kept):
+    """A Δ on its way to, or in, a file: memory holds it only until the write completes (or if it failed)."""
+
+    def __init__(self, store: OnDisk, slot: int, delta: torch.Tensor):
+        super().__init__(delta)
+        self.store, self.slot, self.numel = store, slot, delta.numel()
+        self._written = store._io.submit(self._write, delta)
+
+    def _write(self, delta: torch.Tensor) -> None:
+        try:
+            self.store.folder.mkdir(parents=True, exist_ok=True)
+            with open(self.store.path(self.slot), "wb") as f:
+                f.write(memoryview(delta.detach().contiguous().numpy()).cast("B"))  # the GIL is let go meanwhile
+        except OSError as e:
+            self.store.warn(e)
+            return
+        self._tensor = None  # our reference only: the round in flight still holds Δ until it is applied
+
+    def get(self) -> torch.Tensor:
+        self._written.result()
+        if self._tensor is not None:
+            return self._tensor
+        if self.slot is None:
+            raise ValueError("this contribution was dropped")
+        return self.store._io.submit(self._read).result()
+
+    def _read(self) -> torch.Tensor:
+        """Straight into a new tensor: no bytes object beside it."""
+        path, out = self.store.path(self.slot), torch.empty(self.numel, dtype=torch.float32)
+        with open(path, "rb") as f:
+            got = f.readinto(memoryview(out.numpy()).cast("B"))
+            if got != 4 * self.numel or f.read(1):
+                raise OSError(f"{path}: not the {4 * self.numel} bytes written")
+        return out
+
+    def drop(self) -> None:
+        if self.slot is not None:
+            self._tensor = None
+            self.store.release(self.slot)
+            self.slot = None
+
+    @property
+    def in_memory(self) -> bool:
+        self._written.result()
+        return self._tensor is not None
