@@ -173,8 +173,10 @@ class SwarmConfig:
     connect_timeout: float = option(20.0, "Seconds to wait for the initial peers before giving up.",
                                     group="connect")
     compression: str = option(
-        "none", "Pseudo-gradients on the wire: none (exact fp32 integers through hivemind's all-reduce) or b-bit "
-        "integer codes, packed, summed exactly by p2pdiloco's own reduce-scatter.", choices=COMPRESSIONS)
+        "none", "Pseudo-gradients on the wire: integer codes on agreed block scales, packed and summed exactly by "
+        "p2pdiloco's own streamed reduce-scatter: none (20-bit codes: each value within 2^-20 of its block's "
+        "largest), int8, int4 or int2.",
+        choices=COMPRESSIONS)
     error_feedback: Optional[bool] = option(
         None, "Carry what quantization dropped into the next contribution (default: on for int4, int2 and --topk).")
     topk: Optional[float] = option(

@@ -49,7 +49,7 @@ VARIANTS = {
     "three": Variant(None),
     "clean-robust": Variant("", ("--robust-merge",)),
     "clean-fp32": Variant("", ("--compression", "none")),
-    # the liars without --robust-merge: int4, and fp32 (hivemind's all-reduce)
+    # the liars without --robust-merge: int4, and the default wire format (20-bit codes)
     "scaled-plain": Variant("hostile_scaled@0"),
     "random-plain": Variant("hostile_random@0"),
     "scaled-fp32": Variant("hostile_scaled@0", ("--compression", "none")),

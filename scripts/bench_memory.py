@@ -138,7 +138,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--checkpoint-every", type=int, default=1, help="checkpoints are part of a peer's peak")
-    p.add_argument("--compression", default="none", help="the rounds' wire format (none: exact fp32, the default)")
+    p.add_argument("--compression", default="none", help="the rounds' wire format (none: 20-bit codes, the default)")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
     p.add_argument("--timeline", type=Path, default=None,

@@ -26,13 +26,16 @@ from p2pdiloco.core import exact
 # dequantize and n_blocks are this module's API too: the compressed path shares the exact path's arithmetic
 from p2pdiloco.core.exact import BLOCK, block_maxabs, blocked, blockwise, dequantize, n_blocks, scales_for
 
-BITS = {"int8": 8, "int4": 4, "int2": 2}
+# --compression none: 20-bit codes, finer than a fp32 all-reduce of exact integers could carry (its sums had to
+# stay below 2^24, so codes of groups of 2 to 16 had 15 to 18 bits); what they drop is ~2^-20 of the block
+# maximum, so no error feedback is needed
+BITS = {"none": 20, "int8": 8, "int4": 4, "int2": 2}
 
 
 def levels(bits: int) -> int:
     """Largest |code|: symmetric, so zero is exact and the sign costs nothing extra."""
-    if not 2 <= bits <= 16:
-        raise ValueError(f"codes of {bits} bits are not supported (2..16)")
+    if not 2 <= bits <= 24:
+        raise ValueError(f"codes of {bits} bits are not supported (2..24)")
     return (1 << (bits - 1)) - 1
 
 

@@ -78,7 +78,7 @@ class IslandPlan:
 
     @property
     def reducers(self) -> list[int]:
-        """The included members that reduce a part of the compressed all-reduce: those others can dial."""
+        """The included members that reduce a part of the all-reduce: those others can dial."""
         return [i for i in self.included if i not in self.clients]
 
 

@@ -122,7 +122,7 @@ class IslandReduced:
     deadline: float = 0.0
     merged: Optional[torch.Tensor] = None
     excluded: dict = field(default_factory=dict)  # peer (or index) → why its record was rejected
-    codec_scales: Optional[torch.Tensor] = None  # compressed rounds: the block scales the group agreed on
+    codec_scales: Optional[torch.Tensor] = None  # the block scales the group agreed on (error feedback)
     bounded: dict = field(default_factory=dict)  # peer → what of its claims was capped (p2pdiloco.protocol.island)
     blamed: frozenset = frozenset()  # members whose part or sum failed this round (we blame them for a while)
 

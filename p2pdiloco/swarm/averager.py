@@ -3,13 +3,12 @@
 Hooks (hivemind==1.1.12), all in the averager process:
 - `_aggregate_with_group` runs after matchmaking, with the group's gathered metadata in hand and before any
   tensor moves. hivemind's own PowerSGD averager and its fault-tolerance tests override this same seam. We plan
-  the island from the gathered records (p2pdiloco.protocol.island), encode the pseudo-gradient as exact integers,
-  run the all-reduce and decode/verify the result (see p2pdiloco.core.exact). The fp32 all-reduce goes through
-  `_run_allreduce_inplace_`, as PowerSGD's does, with the roles the plan gives: a member left out sends and
-  reduces nothing. tests/integration guards that the hook runs: every round outcome carries its verification.
-- `rpc_aggregate_part` (hivemind's reducer RPC): every fp32 part is checked before hivemind sums it.
+  the island from the gathered records (p2pdiloco.protocol.island), encode the pseudo-gradient as integer codes
+  on block scales the group agrees on, and sum them exactly with our own streamed reduce-scatter and all-gather
+  over hivemind's libp2p streams (p2pdiloco.swarm.codes; `rpc_codes_*`). Every wire format goes that way, the
+  default one too (20-bit codes): hivemind's fp32 all-reduce is not used, and its reducer RPC refuses all parts.
 - `rpc_join_group` (hivemind's leader RPC): members rejected, left out or blamed lately are turned away.
-tests/unit/test_averager_seams.py drives the two RPC hooks without a network.
+tests/unit/test_averager_seams.py drives the RPC hooks without a network.
 """
 
 from __future__ import annotations
@@ -29,22 +28,19 @@ from typing import AsyncIterator, Callable, Optional, Sequence
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
-from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2, runtime_pb2
-from hivemind.utils.asyncio import enter_asynchronously
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.logging import get_logger
 
-from p2pdiloco.core import codec, exact
-from p2pdiloco.core.claims import block_norms
+from p2pdiloco.core import codec
+from p2pdiloco.core.claims import Claims, block_norms, claims_in_codes
 from p2pdiloco.protocol.island import Bounds, PenaltyBox, plan_island
 from p2pdiloco.protocol.remote import Expect, parse_island
 from p2pdiloco.protocol.round import IslandReduced
 from p2pdiloco.runtime.faults import NO_FAULTS, FaultPlan
-from p2pdiloco.swarm.codes import MAX_PENDING_GROUPS, Codes, CodesError, CodesExchange, piece_ranges
+from p2pdiloco.swarm.codes import Codes, CodesError, CodesExchange, piece_ranges
 from p2pdiloco.swarm.auth import MemberPasses
-from p2pdiloco.swarm.partchecks import ExactPartCheck, basic_problem, check_layout, claims_for, reducer_start
 from p2pdiloco.swarm.statefetch import PartServer, parse_part_request, request_pass
 from p2pdiloco.protocol.timing import allreduce_wire_bytes
 
@@ -52,7 +48,7 @@ logger = get_logger(__name__)
 
 REFUSE_SECONDS = 120.0  # a member rejected from our island, or blamed by us, is turned away this long when it
 # asks to join our group (it may still lead a group we join: then the island leaves it out again)
-AVERAGED_CHUNK = 1 << 18  # elements per tensor handed to hivemind's all-reduce (1 MB; even the test models span several)
+AVERAGED_CHUNK = 1 << 18  # elements per tensor handed to hivemind (1 MB; even the test models span several)
 
 StateProvider = Callable[[], tuple[dict, Sequence[torch.Tensor]]]
 
@@ -85,53 +81,47 @@ def averager_limits(n_elements: int, max_group: int, bandwidth_mbps: float, part
 
 
 class ExactAverager(DecentralizedAverager):
-    """Averages one flat fp32 buffer: pseudo-gradient body plus the checksum tail.
+    """Merges one flat fp32 buffer, shared with the host.
 
-    The host writes Δ into the body, calls `step(weight=1, gather=...)`; on return the body holds the exact
-    token-weighted sum Σ wᵢΔᵢ when `result["verified"]` is True. Otherwise the body holds nothing of use: the
-    host keeps its Δ and writes it again for its next attempt (no model-sized copy of it here).
+    The host writes Δ into it, calls `step(weight=1, gather=...)`; on return it holds the exact token-weighted
+    sum Σ wᵢΔᵢ when `result["verified"]` is True. Otherwise it holds nothing of use: the host keeps its Δ and
+    writes it again for its next attempt (no model-sized copy of it here).
     """
 
     def __init__(self, n_elements: int, max_group: int, state_provider: StateProvider, weighting: str,
-                 allreduce_cap: float, expect: Expect, fault_plan: FaultPlan = NO_FAULTS, bits: int = 0,
-                 topk: Optional[float] = None, bounds: Bounds = Bounds(), robust: bool = False,
+                 allreduce_cap: float, expect: Expect, fault_plan: FaultPlan = NO_FAULTS,
+                 bits: int = codec.BITS["none"], topk: Optional[float] = None, bounds: Bounds = Bounds(), robust: bool = False,
                  passes: Optional[MemberPasses] = None, **kwargs):
         self.n_elements, self.max_group, self.weighting, self.bounds = n_elements, max_group, weighting, bounds
         self.allreduce_cap, self.expect, self.fault_plan = allreduce_cap, expect, fault_plan
-        self.bits = bits  # 0: exact fp32 integers through hivemind's all-reduce; else packed codes (swarm.codes)
+        self.bits = bits  # codes' width on the wire (swarm.codes)
         self.topk = topk  # send only this fraction of each block (codec.TopKFormat)
         pieces = len(piece_ranges(0, n_elements))  # one part's can be no more than the whole model's
-        self._codes = CodesExchange(max_payload=codec.packed_bytes(n_elements, 16) + 1024 + pieces, robust=robust,
+        # a push's bytes may not exceed the whole model's codes at 24 bits: the widest dense codes (20) or top-k
+        # pairs (a 14-bit index and the code) of any fraction a swarm would pick, plus a tag per piece
+        self._codes = CodesExchange(max_payload=codec.packed_bytes(n_elements, 24) + 1024 + pieces, robust=robust,
                                     max_pieces=pieces)
         self._state_provider = state_provider
         self._passes = passes  # a swarm with a key: who may join our group, be merged, fetch our state
-        # averager process only: what the fp32 parts we reduce may hold, per group; who sent parts that did not
-        self._part_checks: dict[bytes, ExactPartCheck] = {}
-        self._bad_senders: dict[bytes, set] = {}
-        self._senders_seen: dict[bytes, set] = {}  # who streamed us a part, per group
         self._refused = PenaltyBox(seconds=REFUSE_SECONDS)  # members we turn away at matchmaking, for a while
-        # hivemind averages a list of tensors and assembles each one's result whole (a concatenation of its
-        # parts) before adding it in: handed one flat tensor, that is a model-sized temporary in the averager
-        # process; handed views of AVERAGED_CHUNK elements, a chunk. The views share the flat buffer's memory
-        # (share_memory_ moves their one storage), which the exact codes and the host read and write as one.
-        self._flat = torch.zeros(n_elements + exact.tail_size(max_group))
-        averaged = list(self._flat.split(AVERAGED_CHUNK))
-        self._averaged_sizes = [t.numel() for t in averaged]
-        check_layout(self._averaged_sizes)  # where each streamed part lies (swarm.partchecks)
-        super().__init__(averaged, target_group_size=max_group, **kwargs)
+        # hivemind holds its averaged tensors in shared memory (share_memory_ moves their one storage), and its
+        # matchmaking takes only followers whose tensors' shapes hash like the leader's; the host and our
+        # streams read and write the flat buffer as one
+        self._flat = torch.zeros(n_elements)
+        super().__init__(list(self._flat.split(AVERAGED_CHUNK)), target_group_size=max_group, **kwargs)
 
     @contextlib.contextmanager
     def buffer(self):
-        """The whole averaged buffer (Δ's body, then the checksum tail), under hivemind's tensor lock."""
+        """The whole averaged buffer, under hivemind's tensor lock."""
         with self.get_tensors():
             yield self._flat
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs) -> IslandReduced:
-        reduced = await self._island_round(group_info, min_vector_size, **kwargs)
+        reduced = await self._island_round(group_info)
         self.refuse(reduced.blamed)  # those whose parts or sums failed us: not in groups we lead for a while
         return reduced
 
-    async def _island_round(self, group_info, min_vector_size: int, **kwargs) -> IslandReduced:
+    async def _island_round(self, group_info) -> IslandReduced:
         island = parse_island([self._user_record(blob) for blob in group_info.gathered], self.expect,
                               [str(p) for p in group_info.peer_ids], self._passes.valid if self._passes else None)
         my_index = list(group_info.peer_ids).index(self.peer_id)
@@ -146,75 +136,11 @@ class ExactAverager(DecentralizedAverager):
             return self._reduced(island, plan, group_info, False, plan.reason, started)
         if my_index not in plan.included:  # the others merge without us; our Δ rides along next time
             return self._reduced(island, plan, group_info, False, "our contribution was not included", started)
-        if self.bits:
-            return await self._codes_round(island, plan, group_info, my_index, started)
-        return await self._exact_round(island, plan, group_info, my_index, started, min_vector_size, **kwargs)
-
-    async def _exact_round(self, island, plan, group_info, my_index: int, started: float, min_vector_size: int,
-                           **kwargs) -> IslandReduced:
-        """fp32: each included member's w·Δ as exact integers (p2pdiloco.core.exact), averaged by hivemind's
-        all-reduce among the included members only: a member left out neither sends nor reduces a part."""
-        senders = plan.included
-        group_id = group_info.group_id
-        layout = await self._layout(group_info, plan, min_vector_size)
-        with self.buffer() as buffer:  # codes, sum and merge all in the buffer, in place: no copies
-            enc = exact.encode(buffer[: self.n_elements], plan.weights[my_index], [plan.maxabs[i] for i in senders],
-                               senders.index(my_index), group_id, buffer.numel() - self.n_elements, out=buffer)
-        self._part_checks[group_id] = self._part_check(plan, group_info, enc.scales, layout[1])
-        own = island.members[my_index]
-        if own is not None and self.fault_plan.planned("die_in_allreduce", own.version):
-            await self._die_mid_allreduce(group_info, layout, **kwargs)
-        try:
-            await asyncio.wait_for(self._allreduce(group_info, layout, **kwargs), plan.deadline)
-            with self.buffer() as buffer:
-                decoded = exact.decode(buffer, self.n_elements, len(senders), enc)
-            verified, reason = decoded.verified, decoded.reason
-        except Exception as e:  # hivemind's all-reduce failed or ran out of time: the buffer holds nothing of use
-            verified, reason = False, f"all-reduce failed: {type(e).__name__}: {e}"
-        finally:
-            culprits = self._bad_senders.pop(group_id, set())
-            seen = self._senders_seen.pop(group_id, set())
-            self._part_checks.pop(group_id, None)
-        if not verified:
-            logger.warning(f"round in group {group_id.hex()[:8]} not verified: {reason}")
-            if my_index in plan.reducers:  # every sender streams a part to every reducer: silence failed us
-                silent = {str(group_info.peer_ids[i]) for i in senders if i != my_index} - seen
-                culprits |= silent
-        reduced = self._reduced(island, plan, group_info, verified, reason, started)
-        if culprits:
-            logger.warning(f"group {group_id.hex()[:8]}: bad or no parts from {sorted(c[-6:] for c in culprits)}")
-        return dataclasses.replace(reduced, blamed=frozenset(culprits))
-
-    async def _layout(self, group_info, plan, min_vector_size: int) -> tuple[list, list]:
-        """(roles, fractions) of the group's all-reduce, from the plan: the included members send; those that
-        accept connections reduce, equal shares (a share follows no member's claim); everyone else is auxiliary
-        with no share, i.e. takes no part."""
-        roles = [AveragingMode.AUX] * len(group_info.peer_ids)
-        for i in plan.included:
-            roles[i] = AveragingMode.NODE if i in plan.reducers else AveragingMode.CLIENT
-        shares = [1.0 if role == AveragingMode.NODE else 0.0 for role in roles]
-        fractions = await asyncio.get_running_loop().run_in_executor(
-            None, load_balance_peers, self.total_size, shares, min_vector_size)
-        return roles, fractions
-
-    def _part_check(self, plan, group_info, scales: torch.Tensor, fractions) -> ExactPartCheck:
-        """What the senders' fp32 parts that we reduce may hold: their codes' range, and their claims."""
-        limit = exact.levels(len(plan.included))
-        start, per_part = reducer_start(self._averaged_sizes, fractions, list(group_info.peer_ids).index(self.peer_id))
-        return ExactPartCheck(limit, self.n_elements, start, per_part,
-                              claims_for(plan, plan.included, group_info.peer_ids, scales, limit))
-
-    async def _allreduce(self, group_info, layout: tuple[list, list], **kwargs) -> None:
-        """hivemind's butterfly all-reduce over our buffer, with the roles and shares of `_layout`. hivemind's own
-        PowerSGD averager runs its all-reduce through this same `_run_allreduce_inplace_`."""
-        roles, fractions = layout
-        async with enter_asynchronously(self.get_tensors()) as tensors:
-            await self._run_allreduce_inplace_(tensors, group_info, peer_fractions=fractions, modes=tuple(roles),
-                                               **kwargs)
+        return await self._codes_round(island, plan, group_info, my_index, started)
 
     async def _codes_round(self, island, plan, group_info, my_index: int, started: float) -> IslandReduced:
-        """Compressed: each member's w·Δ as b-bit codes on block scales agreed from the gathered maxima, summed
-        exactly by our own reduce-scatter and all-gather (p2pdiloco.swarm.codes)."""
+        """Each member's w·Δ as b-bit codes on block scales agreed from the gathered statistics, summed exactly by
+        our own streamed reduce-scatter and all-gather (p2pdiloco.swarm.codes)."""
         included = plan.included  # only they send and reduce parts: an excluded member's codes are never summed
         maxabs = [plan.maxabs[i].double() * plan.weights[i] for i in included]
         with self.buffer() as buffer:  # our Δ, read in place a piece at a time as the streams ask for its codes;
@@ -243,8 +169,8 @@ class ExactAverager(DecentralizedAverager):
                 lambda peer: self.get_stub(self._p2p, peer, namespace=self.prefix), plan.deadline, claims,
                 land=functools.partial(_land_piece, vector, scales, weights))
         except Exception as e:  # a reducer that served no sum, a part we could not push: the round rolls back
-            logger.warning(f"compressed round in group {group_info.group_id.hex()[:8]} failed: {e!r}")
-            failed = self._reduced(island, plan, group_info, False, f"compressed all-reduce failed: {e}", started)
+            logger.warning(f"round in group {group_info.group_id.hex()[:8]} failed: {e!r}")
+            failed = self._reduced(island, plan, group_info, False, f"all-reduce failed: {e}", started)
             return dataclasses.replace(failed, blamed=frozenset(getattr(e, "culprits", ())))
         dropped = exchanged.dropped
         reduced = self._reduced(island, plan, group_info, True, "ok", started)
@@ -271,7 +197,7 @@ class ExactAverager(DecentralizedAverager):
                               context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
         """The exact sum of the part we reduce, once every member's codes arrived."""
         try:
-            async for metadata, chunk in self._codes.serve(request, timeout=self.allreduce_cap):
+            async for metadata, chunk in self._codes.serve(request, self.allreduce_cap, str(context.remote_id)):
                 yield averaging_pb2.DownloadData(metadata=metadata, tensor_part=runtime_pb2.Tensor(buffer=chunk))
         except CodesError as e:
             yield averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(dict(error=str(e))))
@@ -306,41 +232,8 @@ class ExactAverager(DecentralizedAverager):
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData],
                                  context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
-        """As hivemind's reducer, with every fp32 part checked before it is summed (swarm.partchecks): a bad one
-        ends its sender's stream, hivemind then reduces without it, and the round names it."""
-        async for message in super().rpc_aggregate_part(self._checked_parts(stream, context), context):
-            yield message
-
-    async def _checked_parts(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext):
-        """The sender's messages, each checked before hivemind sums it. hivemind reads the first message before
-        it looks for the group: that one may come before our own round planned the group, so it gets the basic
-        checks then, and its check against the sender's claims as soon as the plan is there (at the next message,
-        or at the end of the stream), which still fails the sender's stream before the round can verify."""
-        group_id, sender, unchecked = None, str(context.remote_id), []
-        index = -1
-        async for message in stream:
-            index += 1
-            if group_id is None:
-                group_id = message.group_id
-                _bounded_entry(self._senders_seen, group_id).add(sender)
-            unchecked.append((index, message))
-            unchecked = self._check_parts(group_id, sender, unchecked)
-            yield message
-        self._check_parts(group_id, sender, unchecked)
-
-    def _check_parts(self, group_id: bytes, sender: str, messages: list) -> list:
-        """Checks these (index, message) pairs of one sender's stream, raising BadPart at the first bad one; returns
-        those that could only get the basic checks (our round has not planned the group yet: the earlier ones
-        had those already)."""
-        check = self._part_checks.get(group_id)
-        for index, message in (messages if check is not None else messages[-1:]):
-            problem = (check.why_not(message, sender, index) if check is not None
-                       else basic_problem(message, exact.levels(1))[0])
-            if problem:
-                _bounded_entry(self._bad_senders, group_id).add(sender)
-                logger.warning(f"group {group_id.hex()[:8]}: a bad part from {sender[-6:]}: {problem}")
-                raise BadPart(problem)
-        return [] if check is not None else messages
+        """hivemind's reducer RPC: our rounds never use it, so no part a stranger streams here is read or summed."""
+        yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
 
     def _gathered_client(self, blob: bytes) -> bool:
         """Whether a member said it is in client mode (hivemind's own field: its all-reduce reads it too)."""
@@ -365,13 +258,6 @@ class ExactAverager(DecentralizedAverager):
                              weights=weights, group_id=group_info.group_id.hex(),
                              sync_seconds=time.monotonic() - started, deadline=plan.deadline, excluded=excluded,
                              bounded={island.members[i].peer: why for i, why in plan.bounded.items()})
-
-    async def _die_mid_allreduce(self, group_info, layout, **kwargs) -> None:
-        """Fault injection: start the all-reduce, let some parts go out, then SIGKILL the whole peer."""
-        asyncio.create_task(self._allreduce(group_info, layout, **kwargs))
-        await asyncio.sleep(0.05)
-        os.kill(os.getppid(), signal.SIGKILL)
-        os.kill(os.getpid(), signal.SIGKILL)
 
     def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
         """hivemind==1.1.12 sets SIGINT to ignored in the *host* process here, before starting the child, so a
@@ -437,10 +323,6 @@ class ExactAverager(DecentralizedAverager):
         return metadata, list(tensors), None
 
 
-class BadPart(ValueError):
-    """A sender's fp32 part that an honest member could not have sent."""
-
-
 class WholeMessagePipe:
     """The averager process's end of hivemind's command pipe, read one whole message at a time.
 
@@ -465,15 +347,6 @@ class WholeMessagePipe:
 
     def __getattr__(self, name):  # fileno, poll, send, close: the connection's own
         return getattr(self._connection, name)
-
-
-def _bounded_entry(by_group: dict, group_id: bytes) -> set:
-    """The set kept for a group, in a dict of the latest few groups: parts under made-up group ids cannot grow it."""
-    if group_id not in by_group:
-        while len(by_group) >= MAX_PENDING_GROUPS:
-            del by_group[next(iter(by_group))]  # the oldest
-        by_group[group_id] = set()
-    return by_group[group_id]
 
 
 def _die() -> None:
@@ -511,6 +384,13 @@ def _land_piece(merged: torch.Tensor, scales: torch.Tensor, weights: dict, start
     reweigh(merged[start:end], left_out, weights)
 
 
+def claims_for(plan, senders: Sequence[int], peer_ids: Sequence, scales: torch.Tensor, limit: int,
+               maxima: bool = True) -> dict[str, Claims]:
+    """Sender peer id → its claims in code units, for the plan's included `senders` (group indices)."""
+    return {str(peer_ids[i]): claims_in_codes(plan.maxabs[i], plan.clipped[i], plan.norms[i], plan.weights[i],
+                                              scales, limit, maxima) for i in senders}
+
+
 def reweigh(piece: torch.Tensor, left_out: frozenset, weights: dict) -> None:
     """A piece some senders were left out of sums the others' weights only: scale it back to a weighted mean.
     The names come from the piece's reducer, the same for every member, so every member gets the same bits."""
@@ -520,13 +400,14 @@ def reweigh(piece: torch.Tensor, left_out: frozenset, weights: dict) -> None:
 
 
 def gather_record(peer: str, name: str, version: int, tokens: int, steps: int, body: torch.Tensor,
-                  digest: str, budget: float, norms: Sequence[float] = (), wire_format=None,
+                  digest: str, budget: float, norms: Sequence[float] = (),
+                  wire_format: codec.DenseFormat = codec.DenseFormat(codec.BITS["none"], 1),
                   blame: Sequence[str] = (), credential: bytes = b"") -> dict:
     """This member's metadata for the round, all-gathered during matchmaking (kept small: ~4 bytes per
-    16K parameters for each block statistic, one float per tensor for RDA norms). The statistic is the block
-    maximum (the exact path needs it), or what the compressed format agrees its scales from; the block norms
-    bound what our codes may hold (p2pdiloco.core.claims)."""
-    statistic = exact.block_maxabs(body) if wire_format is None else wire_format.block_statistic(body)
+    16K parameters for each block statistic, one float per tensor for RDA norms). The statistic is what the wire
+    format agrees its scales from (the block maximum, but for int2); the block norms bound what our codes may
+    hold (p2pdiloco.core.claims)."""
+    statistic = wire_format.block_statistic(body)
     return dict(peer=peer, name=name, version=version, tokens=int(tokens), steps=int(steps), digest=digest,
                 budget=float(budget), norms=[float(x) for x in norms], maxabs=statistic.numpy().tobytes(),
                 block_norms=block_norms(body).numpy().tobytes(),

@@ -123,6 +123,7 @@ class Reduction:
     claims: dict = field(default_factory=dict)  # sender → what its codes may hold (p2pdiloco.core.claims)
     start: int = 0  # our part's first element in the whole vector
     summing: set = field(default_factory=set)  # background sums in flight (kept referenced until done)
+    fetched: set = field(default_factory=set)  # members that were served every piece's sum
 
     def begin(self, senders: list, own: torch.Tensor, fmt, claims: Optional[dict] = None, start: int = 0) -> None:
         """Our round knows the group: who sends to us (others than ourselves), our own codes of the part."""
@@ -252,9 +253,10 @@ class Reduction:
         self.known.set()
 
     def release(self) -> None:
-        """Our round is over. The sums stay served: another member may not have fetched them yet (it started
-        later, or its fetch was slow to open), and dropping them here would roll that member back while we
-        commit, a split. The contributions are freed; the sums are 1/N of the model at their packed width."""
+        """Our round is over. The sums stay served until every sender fetched them: one may not have yet (it
+        started later, or its fetch was slow to open), and dropping them here would roll that member back while
+        we commit, a split. The contributions are freed now; the sums (1/N of the model at their packed width,
+        150 MB for a 100M model in an island of 2) once everyone has them (`served`)."""
         self.released = True
         for task in self.summing:
             task.cancel()
@@ -263,6 +265,20 @@ class Reduction:
         self.own = None
         if not self.ready:
             self.fail("the reducer's round ended before its part's sum was complete")
+        self._drop_sums_if_done()
+
+    def served(self, fetcher: str) -> None:
+        """`fetcher` got every piece's sum."""
+        self.fetched.add(fetcher)
+        self._drop_sums_if_done()
+
+    def _drop_sums_if_done(self) -> None:
+        """Once our round is over and every other sender was served: nobody needs these sums any more (a member
+        asking again gets an error, as for a reduction that failed)."""
+        if self.released and self.spec is not None and not self.error and self.fetched >= set(self.spec[0]):
+            for piece in self.pieces.values():
+                piece.result = None
+            self.error = "this part's sums were served to every member and dropped"
 
 
 def robust_filter(parts: dict, own: torch.Tensor) -> dict:
@@ -355,9 +371,10 @@ class CodesExchange:
             index += 1
         return "" if reduction is not None else "empty push"
 
-    async def serve(self, request: averaging_pb2.DownloadData, timeout: float) -> AsyncIterator[tuple[bytes, bytes]]:
+    async def serve(self, request: averaging_pb2.DownloadData, timeout: float,
+                    fetcher: str = "") -> AsyncIterator[tuple[bytes, bytes]]:
         """(metadata, sum) per piece of our part, each as soon as it is complete; the metadata names the senders
-        left out of that piece."""
+        left out of that piece. Once `fetcher` has them all, they may be dropped (`Reduction.served`)."""
         reduction = self.reduction(_header(request.metadata)["group"])
         deadline = time.monotonic() + timeout
         await _until(reduction.known.wait(), deadline)
@@ -369,6 +386,7 @@ class CodesExchange:
             if reduction.error:
                 raise CodesError(reduction.error)
             yield serializer.dumps(dict(dropped=sorted(piece.dropped))), piece.result
+        reduction.served(fetcher)
 
     # ---- client side: one round ------------------------------------------------------------------------------
     async def run(self, group_id: bytes, senders: list, reducers: list, me, codes: Codes, fmt, stub_of,

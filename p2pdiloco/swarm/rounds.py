@@ -21,7 +21,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 
 from p2pdiloco.config import OuterConfig, SwarmConfig
-from p2pdiloco.core import codec, exact
+from p2pdiloco.core import codec
 from p2pdiloco.core.outer import Segment, rda_directions
 from p2pdiloco.core.state import sharing_priority, validate_state
 from p2pdiloco.protocol.outcomes import Contribution, RoundOutcome, StateTuple
@@ -62,7 +62,7 @@ class SwarmMerger:
         self.penalties = PenaltyBox()  # whom we blame for failed rounds: gathered with our record
         self.closed = threading.Event()  # set on shutdown: a round still waiting gives up at once
         self._control = None  # the averager step of the round in flight, once it is looking for a group
-        self.buffer_size = n_params + exact.tail_size(cfg.max_island)
+        self.buffer_size = n_params
         self.limits = averager_limits(self.buffer_size, cfg.max_island, cfg.bandwidth_mbps)
         self.grace_policy = GracePolicy(gamma=cfg.grace_gamma, floor=self.limits.matchmaking + 0.5)
         self.rules = RoundRules(
@@ -72,10 +72,10 @@ class SwarmMerger:
             declared_bytes_per_s=self.limits.initial_bytes_per_s,
             rda_segments=tuple(self.segments) if outer.rda else ())
         bounds = Bounds(outer.max_weight_ratio, outer.max_scale_ratio, outer.max_norm_ratio)
-        self.bits, self.topk = codec.BITS.get(cfg.compression, 0), cfg.topk
-        default_feedback = 0 < self.bits <= 4 or bool(cfg.topk)
+        self.bits, self.topk = codec.BITS[cfg.compression], cfg.topk
+        default_feedback = self.bits <= 4 or bool(cfg.topk)
         feedback = cfg.error_feedback if cfg.error_feedback is not None else default_feedback
-        self.feedback = codec.ErrorFeedback() if self.bits and feedback else None
+        self.feedback = codec.ErrorFeedback() if feedback else None
         key = load_swarm_key(cfg.swarm_key_file)  # checked when the DHT started
         self.passes = MemberPasses(key) if key is not None else None
         self.averager = ExactAverager(
@@ -158,7 +158,7 @@ class SwarmMerger:
         with self.averager.buffer() as buffer:
             buffer[: self.n] = sent
         gather = gather_record(self.peer, c.name, c.version, claimed_tokens, c.steps, body, c.digest, island.budget,
-                               norms, self.averager.wire_format(1) if self.bits else None,
+                               norms, self.averager.wire_format(1),
                                blame=self.penalties.active(time.monotonic()), credential=self.credential)
         control = self._control = self.averager.step(
             gather=gather, weight=1.0, timeout=island.find_timeout, scheduled_time=get_dht_time() + self._start_in(island),

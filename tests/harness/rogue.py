@@ -5,7 +5,7 @@ such a peer getting into 34 of its 35 rounds and cutting the honest peers' merge
 
     python -m tests.harness.rogue BOOTSTRAP_ADDRESS RUN_ID MODEL SECONDS
 
-It averages tensors of the honest peers' shapes (so its all-reduce goes as far as it can) and prints one line per
+It averages tensors of the honest peers' shapes (so hivemind's matchmaking takes it) and prints one line per
 attempt: `rogue ATTEMPT grouped|failed` (after `rogue up`).
 """
 
@@ -20,7 +20,6 @@ from hivemind import DHT, DecentralizedAverager
 
 # only to find the run's islands and their buffer size, as anyone reading p2pdiloco's source could
 from p2pdiloco.config import OuterConfig, SwarmConfig, model_config
-from p2pdiloco.core.exact import tail_size
 from p2pdiloco.swarm.averager import AVERAGED_CHUNK
 from p2pdiloco.swarm.rounds import averager_prefix
 from p2pdiloco.training.model import build_model
@@ -37,7 +36,7 @@ def main() -> int:
         n_params = sum(p.numel() for p in build_model(model_config(model), 0).parameters())
     dht = DHT(initial_peers=[address], start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
               auto_nat=False, use_relay=False)
-    buffer = torch.randn(n_params + tail_size(swarm.max_island))  # in the honest peers' chunks: hivemind's
+    buffer = torch.randn(n_params)  # in the honest peers' chunks: hivemind's
     # leaders take only followers whose tensors hash the same
     averager = ExactAverager(list(buffer.split(AVERAGED_CHUNK)), dht, start=True,
                              prefix=averager_prefix(swarm, OuterConfig()), min_group_size=2,

@@ -19,15 +19,16 @@ def test_three_peers_stay_bitwise_equal_and_learn(tmp_path):
             swarm.start_peer(name, "-H", "15", "--max-rounds", "5", "--bandwidth-mbps", "10")
         swarm.wait_clean(names, timeout=400)
         rounds = {name: swarm.records(name, "round") for name in names}
-        # the hook ran: every merged round in a group was verified by the exact all-reduce
+        # the hook ran: every merged round in a group was summed exactly by our reduce-scatter
         merged_in_group = [r for rs in rounds.values() for r in rs if r.applied and len(r.members) > 1]
         assert len(merged_in_group) >= 6, rounds
         for r in merged_in_group:  # every member applied tokens²/steps weights, from the gathered records
             assert r.weights == pytest.approx(merge_weights(r.member_tokens, r.member_steps, "tokens2"))
-        # traffic is measured on each peer's averager process: a round moves what the butterfly layout predicts
-        # (more when the peer also serves its state to one catching up, never less)
+        # traffic is measured on each peer's averager process: against a fp32 butterfly's bytes, 20-bit codes out
+        # and 24-bit sums back are 44/64 = 0.69 of it, a little less after DEFLATE (more when the peer also
+        # serves its state to one catching up)
         ratios = sorted(r.bytes_sent / r.allreduce_bytes_model for r in merged_in_group)
-        assert ratios[0] > 0.8 and 0.8 < ratios[len(ratios) // 2] < 1.25, ratios
+        assert ratios[0] > 0.5 and 0.55 < ratios[len(ratios) // 2] < 0.8, ratios
         # after every committed round, all peers at that version hold bit-identical global parameters
         for version, digests in digests_by_version(swarm, names).items():
             assert len(digests) == 1, f"peers disagree at version {version}: {digests}"

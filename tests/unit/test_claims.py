@@ -31,14 +31,9 @@ def island_codes(records, sent, bits: int, fmt=None):
     """Each member's codes as it would send them (`sent`: what it actually encodes), and its claims."""
     plan = plan_island(parse_island(records, Expect(N)), "tokens2", 60.0, N)
     included = plan.included
-    if bits:
-        scales = codec.agreed_scales([plan.maxabs[i].double() * plan.weights[i] for i in included], bits)
-        limit, maxima = codec.levels(bits), codec.levels(bits) > 1
-        codes = [codec.encode(sent[i], plan.weights[i], scales, bits, fmt, with_sent=False).codes for i in included]
-    else:
-        scales = exact.group_scales([plan.maxabs[i] for i in included], len(included))
-        limit, maxima = exact.levels(len(included)), True
-        codes = [exact.quantize(sent[i], plan.weights[i], scales, limit) for i in included]
+    scales = codec.agreed_scales([plan.maxabs[i].double() * plan.weights[i] for i in included], bits)
+    limit, maxima = codec.levels(bits), codec.levels(bits) > 1
+    codes = [codec.encode(sent[i], plan.weights[i], scales, bits, fmt, with_sent=False).codes for i in included]
     claims = [claims_in_codes(plan.maxabs[i], plan.clipped[i], plan.norms[i], plan.weights[i], scales, limit, maxima)
               for i in included]
     return plan, codes, claims
@@ -59,7 +54,8 @@ def codec_parts(parts: int):
     return part_ranges(N, parts, align=codec.BLOCK)
 
 
-FORMATS = [(0, None), (8, None), (4, None), (2, None), (2, codec.TopKFormat(2, 4, 0.1))]
+NONE = codec.BITS["none"]
+FORMATS = [(NONE, None), (8, None), (4, None), (2, None), (2, codec.TopKFormat(2, 4, 0.1))]
 
 
 @pytest.mark.parametrize("bits, fmt", FORMATS)
@@ -69,14 +65,14 @@ def test_honest_members_meet_their_claims_exactly_however_their_deltas_differ(bi
     beside a fresh joiner, 20× apart, in a 2-member island (refused every round by the saturation test CI
     caught); their maxima are clipped and their weights cut, and they are still merged."""
     xs = deltas(sizes)
-    statistic = (fmt or codec.DenseFormat(bits, 1)).block_statistic if bits else exact.block_maxabs
+    statistic = (fmt or codec.DenseFormat(bits, 1)).block_statistic
     records = [record(f"p{i}", x, statistic=statistic) for i, x in enumerate(xs)]
     plan, codes, claims = island_codes(records, xs, bits, fmt)
     assert problems(codes, claims) == [""] * len(codes) * 3
     assert len(plan.included) == len(sizes)
 
 
-@pytest.mark.parametrize("bits", [0, 8, 4])
+@pytest.mark.parametrize("bits", [NONE, 8, 4])
 def test_a_liar_claiming_honest_statistics_is_caught_scaled_or_sign_saturated(bits):
     """×100 its Δ, or every code at the range's edge in its Δ's signs, while claiming its honest maxima and
     norms (and 1000× its tokens): its codes leave its claims in every part."""
@@ -132,7 +128,7 @@ def test_claimed_block_norms_are_never_below_the_truth():
         assert bool((block_norms(x).double() >= truth).all())
 
 
-@pytest.mark.parametrize("bits", [0, 4])
+@pytest.mark.parametrize("bits", [NONE, 4])
 def test_a_sum_is_held_to_what_its_senders_claimed_by_maxima_and_by_norm(bits):
     """What every member checks of a reducer's sum (sum_why_not): the honest sum passes; a forged one with every
     value at the senders' summed maxima stays within those maxima, and only the norm bound refuses it; one beyond

@@ -256,7 +256,7 @@ class LoopbackStub:
             await self.hold_fetch.wait()
 
         async def answer():
-            async for metadata, chunk in self.exchange.serve(request, timeout=1.0):
+            async for metadata, chunk in self.exchange.serve(request, 1.0, self.caller):
                 yield averaging_pb2.DownloadData(metadata=metadata, tensor_part=runtime_pb2.Tensor(buffer=chunk))
         return answer()
 
@@ -284,6 +284,10 @@ def test_a_member_that_fetches_after_the_reducer_finished_its_round_still_gets_t
     a, b = asyncio.run(both())
     sum_a, sum_b = torch.cat(a.sums), torch.cat(b.sums)  # the pieces, in order
     assert torch.equal(sum_a, sum_b) and torch.equal(sum_a, codes["a"] + codes["b"])
+    # once the round is over and every other member was served, a reducer holds no sums
+    for me in "ab":
+        (mine,) = ex[me].reductions.values()
+        assert mine.released and all(p.result is None for p in mine.pieces.values()), me
 
 
 def test_a_client_mode_member_sends_and_fetches_but_is_never_dialled_and_all_get_the_same_sum():
