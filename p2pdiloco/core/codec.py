@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from p2pdiloco.core import exact
-# dequantize and n_blocks are this module's API too: the compressed path shares the exact path's arithmetic
+# dequantize and n_blocks are this module's API too: every wire format shares core.exact's arithmetic
 from p2pdiloco.core.exact import BLOCK, block_maxabs, blocked, blockwise, dequantize, n_blocks, scales_for
 
 # --compression none: 20-bit codes, finer than a fp32 all-reduce of exact integers could carry (its sums had to
@@ -46,7 +46,7 @@ def agreed_scales(maxabs: Sequence[torch.Tensor], bits: int) -> torch.Tensor:
 
 def quantize(x: torch.Tensor, scales: torch.Tensor, bits: int, weight: float = 1.0) -> torch.Tensor:
     """Codes of w·x as int32 in [−L, L]; |w·x − code·scale| ≤ scale/2 where |w·x| ≤ L·scale (clamped beyond).
-    The exact path's arithmetic (p2pdiloco.core.exact), into int32; `dequantize` is the exact path's too."""
+    p2pdiloco.core.exact's arithmetic, into int32; `dequantize` is exact's too."""
     return exact.quantize(x, weight, scales, levels(bits), out=torch.empty(x.numel(), dtype=torch.int32))
 
 

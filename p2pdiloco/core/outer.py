@@ -56,7 +56,7 @@ def weighted_merge(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> 
 # Learners' pseudo-gradients are nearly orthogonal, so a plain mean of M of them shrinks like 1/√M and the
 # outer lr would need retuning whenever the island size changes. RDA averages norms and directions apart:
 #   RDA = (Σ w‖v‖) · unit(Σ w·unit(v))          (weights normalised; embeddings keep the plain mean)
-# In the swarm each member sends w·unit(v) through the exact all-reduce and its norms through the gathered
+# In the swarm each member sends w·unit(v) through the exact sum and its norms through the gathered
 # metadata; every member then rescales the summed directions identically.
 
 Segment = tuple[int, int]  # [start, end) of one tensor inside the flat parameter vector

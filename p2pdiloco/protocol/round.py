@@ -9,7 +9,7 @@ Decoupled mode (the default), no global barrier:
    the highest `lineage_key`) or is more than `max_staleness` versions ahead;
 2. quorum: wait until K−1 other peers are looking for an island (K=1: no wait);
 3. grace window (Eq. 3, from measured EMAs): how long our matchmaking stays open for more members;
-4. the island's exact all-reduce; a verified, finite result commits, anything else rolls back;
+4. the island's exact sum; a complete, checked, finite result commits, anything else rolls back;
 5. members on the group's newest state apply the merge; stale members download that state afterwards.
 A peer alone in the swarm (K=1) applies its own update at once. A peer that finds no island while others are
 alive rolls back instead: its Δ rides along with its next contribution. Applying it alone would fork Θ, and the

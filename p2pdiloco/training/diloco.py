@@ -37,7 +37,7 @@ from p2pdiloco.training.inner import (InnerTrainer, flat_params, load_flat_param
 from p2pdiloco.protocol.outcomes import Contribution, RolledBack, RoundOutcome, Solo
 from p2pdiloco.core.state import GlobalState, contains
 from p2pdiloco.protocol.timing import RoundClock
-from p2pdiloco.training.spill import InMemory, Kept
+from p2pdiloco.training.spill import InMemory, Kept, OnDisk
 
 
 class Merger(Protocol):
@@ -61,7 +61,7 @@ class InFlight:
     contribution: Contribution
     started: float
     steps_at_snapshot: int
-    kept: Optional[Kept] = None  # Δ as fork recovery will keep it, should this round merge
+    kept: Kept  # Δ as fork recovery will keep it, should this round merge
     origin: Optional[torch.Tensor] = None  # eager: the estimate of Θ' the in-flight steps start from
 
     @property
@@ -96,7 +96,8 @@ class DiLoCo:
     """Owns θ (the trainer's model), Θ (GlobalState) and the bookkeeping between rounds."""
 
     def __init__(self, trainer: InnerTrainer, state: GlobalState, merger: Merger, peer: str, name: str,
-                 clock: Optional[RoundClock] = None, eager: bool = False, keep=None):
+                 clock: Optional[RoundClock] = None, eager: bool = False,
+                 keep: InMemory | OnDisk | None = None):
         self.trainer, self.state, self.merger, self.peer, self.name = trainer, state, merger, peer, name
         self.keep = keep or InMemory()  # where our Δ waits after its round, for fork recovery
         self.clock = clock or RoundClock()

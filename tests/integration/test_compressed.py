@@ -1,5 +1,5 @@
 """Compressed rounds (packed int4 codes over p2pdiloco's own reduce-scatter) stay exact and verified: members end
-bitwise equal, the wire carries ~1/8 of the fp32 path, and a member killed mid-round makes the others roll back."""
+bitwise equal, the wire carries ~1/8 of a fp32 all-reduce, and a member killed mid-round makes the others roll back."""
 
 import pytest
 
