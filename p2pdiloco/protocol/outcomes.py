@@ -14,9 +14,29 @@ from p2pdiloco.protocol.remote import Member
 StateTuple = tuple[dict, list[torch.Tensor]]  # (metadata with version and digest, [Θ, outer momentum])
 
 
+class Kept:
+    """A contribution's Δ, held until dropped. Its host may let the tensor go once it is safely elsewhere
+    (p2pdiloco.training.spill writes it to disk while the round runs); `get` then reads it back."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._tensor: Optional[torch.Tensor] = tensor
+
+    def get(self) -> torch.Tensor:
+        if self._tensor is None:
+            raise ValueError("this contribution was dropped")
+        return self._tensor
+
+    def drop(self) -> None:
+        self._tensor = None
+
+    @property
+    def in_memory(self) -> bool:
+        return self._tensor is not None
+
+
 @dataclass
 class Contribution:
-    delta: torch.Tensor  # pseudo-gradient Θ − θ, flat fp32
+    kept: Kept  # pseudo-gradient Δ = Θ − θ, flat fp32: in memory, or on disk while the round runs
     tokens: int  # tokens processed since this peer's last merged contribution
     steps: int
     version: int  # global version Θ was at
@@ -24,6 +44,15 @@ class Contribution:
     name: str
     digest: str  # hash of Θ
     seconds: float = 0.0  # wall time of the inner steps it covers (for goodput; never sent to peers)
+
+    @classmethod
+    def of(cls, delta: torch.Tensor, **fields) -> "Contribution":
+        return cls(kept=Kept(delta), **fields)
+
+    @property
+    def delta(self) -> torch.Tensor:
+        """Δ itself; a read from disk where it waits there: a caller holds it only while it needs it."""
+        return self.kept.get()
 
     @property
     def member(self) -> Member:

@@ -119,8 +119,8 @@ class DecoupledSim:
         learner.in_round, learner.pending = learner.pending, []
         steps = sum(round((b - a) / learner.step) for a, b in learner.in_round)
         learner.clock.step.update(learner.step)
-        c = Contribution(delta=_DELTA, tokens=max(1, steps), steps=max(1, steps), version=learner.version,
-                         peer=learner.name, name=learner.name, digest=learner.digest)
+        c = Contribution.of(_DELTA, tokens=max(1, steps), steps=max(1, steps), version=learner.version,
+                            peer=learner.name, name=learner.name, digest=learner.digest)
         learner.round = Round(self.rules, learner.name, c, learner.clock, t)
         self._decide(t, learner, learner.round.start(self._records(), t))
 

@@ -113,7 +113,7 @@ class Reduction:
     pieces: dict = field(default_factory=dict)  # index in our part → Piece (pushes may come before we know it)
     pushed: set = field(default_factory=set)  # senders that opened a push: a second one is refused
     spec: Optional[tuple] = None  # (senders, length, wire format) once our own round knows the group
-    own: Optional[torch.Tensor] = None
+    own: Optional[Codes] = None  # our own codes of our part, made a piece at a time as each is summed
     known: asyncio.Event = field(default_factory=asyncio.Event)  # spec set, or the reduction failed
     error: str = ""
 
@@ -125,9 +125,10 @@ class Reduction:
     summing: set = field(default_factory=set)  # background sums in flight (kept referenced until done)
     fetched: set = field(default_factory=set)  # members that were served every piece's sum
 
-    def begin(self, senders: list, own: torch.Tensor, fmt, claims: Optional[dict] = None, start: int = 0) -> None:
-        """Our round knows the group: who sends to us (others than ourselves), our own codes of the part."""
-        self.spec, self.own = (list(senders), own.numel(), fmt), own
+    def begin(self, senders: list, own: Codes, fmt, claims: Optional[dict] = None, start: int = 0) -> None:
+        """Our round knows the group: who sends to us (others than ourselves), our own codes of the part (made
+        when each piece is summed: none of the whole part are held, 4 bytes per element of it)."""
+        self.spec, self.own = (list(senders), own.numel, fmt), own
         self.claims, self.start = dict(claims or {}), start
         for index in [i for i in self.pieces if i >= len(self.ranges)]:  # pushed before we knew the part's size
             del self.pieces[index]
@@ -222,7 +223,7 @@ class Reduction:
             if beyond:
                 piece.dropped[sender] = beyond
                 del parts[sender]
-        own = self.own[a:b].to(torch.int64)
+        own = self.own.of(a, b)[0].to(torch.int64)
         if self.robust:
             piece.dropped.update(robust_filter(parts, own))
         total = own.clone()
@@ -438,7 +439,7 @@ class CodesExchange:
     @staticmethod
     async def _begin(mine: Reduction, senders: list, codes: Codes, start: int, end: int, fmt,
                      claims: Optional[dict]) -> None:
-        own, _ = await off_loop(codes.of, start, end)
+        own = Codes(end - start, lambda a, b: codes.of(start + a, start + b))
         mine.begin(senders, own, fmt, claims, start)
         await mine.settle_soon()
 

@@ -151,15 +151,7 @@ class SwarmMerger:
         """Run one island attempt; None if we are leaving."""
         if self._group_bits(c.version) != self._group_bits(0):
             self.averager.set_group_bits(self._group_bits(c.version))
-        body, norms = rda_directions(c.delta, self.segments) if self.outer.rda else (c.delta, [])
-        if self.feedback is not None:
-            body = self.feedback.compensate(body)
-        sent, claimed_tokens = hostile(self.fault_plan, body, c)  # test-only: a lying peer (fault plan)
-        with self.averager.buffer() as buffer:
-            buffer[: self.n] = sent
-        gather = gather_record(self.peer, c.name, c.version, claimed_tokens, c.steps, body, c.digest, island.budget,
-                               norms, self.averager.wire_format(1),
-                               blame=self.penalties.active(time.monotonic()), credential=self.credential)
+        body, gather = self._load_buffer(c, island)
         control = self._control = self.averager.step(
             gather=gather, weight=1.0, timeout=island.find_timeout, scheduled_time=get_dht_time() + self._start_in(island),
             allow_retries=False, wait=False)
@@ -188,6 +180,21 @@ class SwarmMerger:
             # a view, not a copy: the host applies it before its next round writes the buffer again (DiLoCo keeps
             # a copy only for eager estimates)
             return dataclasses.replace(result, merged=buffer[: self.n])
+
+    def _load_buffer(self, c: Contribution, island: FormIsland) -> tuple[Optional[torch.Tensor], dict]:
+        """Write what we send into the averaging buffer. Returns what error feedback needs after the round (None
+        without it: then nothing here holds Δ while the round runs; the buffer has it, and the host keeps its own
+        on disk), and our gathered record."""
+        body, norms = rda_directions(c.delta, self.segments) if self.outer.rda else (c.delta, [])
+        if self.feedback is not None:
+            body = self.feedback.compensate(body)
+        sent, claimed_tokens = hostile(self.fault_plan, body, c)  # test-only: a lying peer (fault plan)
+        with self.averager.buffer() as buffer:
+            buffer[: self.n] = sent
+        gather = gather_record(self.peer, c.name, c.version, claimed_tokens, c.steps, body, c.digest, island.budget,
+                               norms, self.averager.wire_format(1),
+                               blame=self.penalties.active(time.monotonic()), credential=self.credential)
+        return (body if self.feedback is not None else None), gather
 
     def _record_feedback(self, body, result: IslandReduced) -> None:
         """What of our (compensated) Δ reached the sum: the same codes the averager sent, decoded."""

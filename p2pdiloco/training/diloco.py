@@ -34,10 +34,10 @@ import torch
 
 from p2pdiloco.training.inner import (InnerTrainer, flat_params, load_flat_params, optimizer_state, param_slices,
                                       restore_optimizer_state)
-from p2pdiloco.protocol.outcomes import Contribution, RolledBack, RoundOutcome, Solo
+from p2pdiloco.protocol.outcomes import Contribution, Kept, RolledBack, RoundOutcome, Solo
 from p2pdiloco.core.state import GlobalState, contains
 from p2pdiloco.protocol.timing import RoundClock
-from p2pdiloco.training.spill import InMemory, Kept, OnDisk
+from p2pdiloco.training.spill import InMemory, OnDisk
 
 
 class Merger(Protocol):
@@ -53,20 +53,21 @@ class SoloMerger:
 
 @dataclass
 class InFlight:
-    """A round in flight keeps one model-sized vector, its Δ (which the merger needs anyway): Θ does not change
-    while the round runs (only this thread applies outcomes, one round at a time), so Θ_S is Θ itself until
-    the outcome lands, and θ_S = Θ_S − Δ. (Eager updates also keep the estimate they started from.)"""
+    """A round in flight keeps no model-sized vector of its own beside its Δ, which waits on disk where the peer
+    has a folder for it (training.spill): Θ does not change while the round runs (only this thread applies
+    outcomes, one round at a time), so Θ_S is Θ itself until the outcome lands, and θ_S = Θ_S − Δ. (Eager
+    updates also keep the estimate they started from.)"""
 
     future: Future
     contribution: Contribution
     started: float
     steps_at_snapshot: int
-    kept: Kept  # Δ as fork recovery will keep it, should this round merge
     origin: Optional[torch.Tensor] = None  # eager: the estimate of Θ' the in-flight steps start from
 
     @property
-    def delta(self) -> torch.Tensor:
-        return self.contribution.delta
+    def kept(self) -> Kept:
+        """Δ as fork recovery will keep it, should this round merge."""
+        return self.contribution.kept
 
 
 @dataclass
@@ -130,15 +131,16 @@ class DiLoCo:
         """Snapshot Δ and hand it to the merger in the background; training goes on at once."""
         assert self.in_flight is None, "one round in flight at a time"
         with self.state.lock:
-            c = Contribution(delta=pseudo_gradient_of(self.trainer.model, self.state.params),
-                             tokens=self.unmerged_tokens, steps=self.unmerged_steps, version=self.state.version,
-                             peer=self.peer, name=self.name, digest=self.state.digest, seconds=self.unmerged_seconds)
-            origin = self._eager_estimate(c.delta) if self.eager else None
+            delta = pseudo_gradient_of(self.trainer.model, self.state.params)
+            c = Contribution(kept=self.keep.put(delta), tokens=self.unmerged_tokens, steps=self.unmerged_steps,
+                             version=self.state.version, peer=self.peer, name=self.name, digest=self.state.digest,
+                             seconds=self.unmerged_seconds)
+            origin = self._eager_estimate(delta) if self.eager else None
+            del delta  # from here on the merger and the spill hold it, as long as each needs it
         future = self._executor.submit(self.merger.merge, c)
         if origin is not None:
             load_flat_params(self.trainer.model, origin)
-        self.in_flight = InFlight(future, c, time.monotonic(), self.trainer.total_steps, self.keep.put(c.delta),
-                                  origin)
+        self.in_flight = InFlight(future, c, time.monotonic(), self.trainer.total_steps, origin)
 
     def _eager_estimate(self, delta: torch.Tensor) -> torch.Tensor:
         """Eager updates (Kale et al. 2025, arXiv 2502.12996): instead of training on from θ_S while the round
@@ -263,7 +265,8 @@ class DiLoCo:
         resumed runs stay bit-exact). With no step in flight the progress is exactly 0, as IEEE rounding is
         symmetric: (θ_S − Θ_S) + Δ = −Δ + Δ; so θ becomes Θ' bit for bit."""
         origin = None if flight is None else flight.origin
-        delta = None if flight is None else flight.delta
+        uses_delta = flight is not None and kept == ("since snapshot" if origin is None else "all unmerged")
+        delta = flight.contribution.delta if uses_delta else None  # read back once, if it waited on disk
         with torch.no_grad():
             for _, p, part in param_slices(self.trainer.model):
                 progress = _flat(p)
@@ -302,12 +305,13 @@ class DiLoCo:
         holding all our local progress, as after a rollback. (Should the island still merge it, it is counted
         twice at our next start: the rare price of leaving within a bound.)"""
         flight, self.in_flight = self.in_flight, None
-        if flight is not None:
-            flight.kept.drop()
-        if flight is not None and flight.origin is not None:
+        if flight is None:
+            return
+        if flight.origin is not None:
             with self.state.lock:
                 self._keep_progress(flight, "all unmerged")
                 self._add_global(None)
+        flight.kept.drop()
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

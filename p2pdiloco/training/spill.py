@@ -1,12 +1,14 @@
-"""Where a contribution's Δ waits after its round: fork recovery needs our last merged Δ only if a later state we
-adopt lacks that merge (our island lost a fork), which is rare; until the next merge replaces it, it would
-otherwise hold 4 bytes per parameter for the whole time between rounds.
+"""Where a contribution's Δ waits while its round runs, and after it: 4 bytes per parameter that nothing needs
+in memory most of the time. The merger copies Δ into its averaging buffer when an island forms (and again only if
+that island fails and another is tried); the peer needs it again when the outcome is applied (θ_S = Θ_S − Δ), and
+fork recovery needs the last merged Δ only if a state we adopt later lacks that merge, which is rare.
 
 `InMemory` keeps the tensor (tests, and where no folder is given). `OnDisk` writes each Δ to a file in a
-background thread while its round runs, and lets the tensor go once written: a peer then holds only the Δ of
-the round in flight. Reading it back costs one model-sized read, and only when a fork is lost. Two files at
-most (the last merge's and the round in flight's), overwritten as rounds go; a write that fails (a full disk)
-keeps that Δ in memory and says so once.
+background thread as soon as it is made, and lets the tensor go once written: while a round runs, its Δ is then
+held only by the averaging buffer (and by the merger while it copies it in), not by the trainer too. Reading it
+back costs one model-sized read: at each apply (between inner steps, when no gradients are held) and for each
+further island tried. Two files at most (the last merge's and the round in flight's), overwritten as rounds go;
+a write that fails (a full disk) keeps that Δ in memory and says so once.
 """
 
 from __future__ import annotations
@@ -15,28 +17,12 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional
 
 import torch
 
+from p2pdiloco.protocol.outcomes import Kept
+
 log = logging.getLogger(__name__)
-
-
-class Kept:
-    """One Δ, kept until dropped."""
-
-    def __init__(self, tensor: torch.Tensor):
-        self._tensor: Optional[torch.Tensor] = tensor
-
-    def get(self) -> torch.Tensor:
-        return self._tensor
-
-    def drop(self) -> None:
-        self._tensor = None
-
-    @property
-    def in_memory(self) -> bool:
-        return self._tensor is not None
 
 
 class InMemory:
@@ -108,9 +94,12 @@ class _Spilled(Kept):
         except OSError as e:
             self.store.warn(e)
             return
-        self._tensor = None  # our reference only: the round in flight still holds Δ until it is applied
+        self._tensor = None  # ours only: the merger may still hold it, until it copied it into its buffer
 
     def get(self) -> torch.Tensor:
+        held = self._tensor  # still in memory (being written, or the write failed): no need to wait
+        if held is not None:
+            return held
         self._written.result()
         if self._tensor is not None:
             return self._tensor

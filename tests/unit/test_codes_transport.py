@@ -27,10 +27,15 @@ def made(codes, selected) -> Codes:
     return Codes(codes.numel(), lambda a, b: (codes[a:b], selected[a:b]))
 
 
+def mine(own) -> Codes:
+    """Our own codes of the part we reduce."""
+    return Codes(own.numel(), lambda a, b: (own[a:b], None))
+
+
 def reduction(own, payloads, fmt=None, claims=None, robust=False):
     """A reduction of one piece (every part here is smaller than PIECE), with every sender's codes in."""
     r = Reduction(robust=robust)
-    r.begin(list(payloads), own, fmt or codec.DenseFormat(4, len(payloads) + 1), claims)
+    r.begin(list(payloads), mine(own), fmt or codec.DenseFormat(4, len(payloads) + 1), claims)
     for sender, data in payloads.items():
         assert r.add(sender, 0, data, max_pieces=1) == ""
     asyncio.run(r.settle_soon())
@@ -51,7 +56,7 @@ def test_a_reduction_waits_for_every_member_and_never_serves_a_partial_sum():
     own = torch.zeros(10, dtype=torch.int64)
     r = Reduction()
     fmt = codec.DenseFormat(4, 3)
-    r.begin(["p1", "p2"], own, fmt)
+    r.begin(["p1", "p2"], mine(own), fmt)
     r.add("p1", 0, fmt.encode(own, None), 1)
     asyncio.run(r.settle_soon())
     assert not r.ready and r.pieces[0].result is None  # p2's part is still missing
@@ -137,7 +142,7 @@ def test_a_strangers_part_is_refused_and_cannot_stall_the_members_sum():
     reduction = exchange.reduction(group)
     own = torch.zeros(10, dtype=torch.int64)
     reduction.add("early-stranger", 0, b"junk", 1)  # arrived before we knew the group: kept aside, never summed
-    reduction.begin(["p1"], own, codec.DenseFormat(4, 2))
+    reduction.begin(["p1"], mine(own), codec.DenseFormat(4, 2))
 
     async def push(sender, data):
         async def messages():
@@ -161,7 +166,7 @@ def test_a_part_that_never_comes_is_left_out_once_the_wait_is_over():
     fmt = codec.DenseFormat(4, 3)
     own, honest = torch.full((10,), 1, dtype=torch.int64), torch.full((10,), 2, dtype=torch.int64)
     r = Reduction()
-    r.begin(["honest", "silent"], own, fmt)
+    r.begin(["honest", "silent"], mine(own), fmt)
     r.add("honest", 0, fmt.encode(honest, None), 1)
 
     async def wait():
@@ -320,7 +325,7 @@ def test_a_client_mode_member_sends_and_fetches_but_is_never_dialled_and_all_get
 def test_pushes_under_made_up_group_ids_cannot_evict_a_round_in_progress():
     exchange = CodesExchange(max_payload=1 << 20)
     ours = exchange.reduction(b"ours")
-    ours.begin(["p1"], torch.zeros(10, dtype=torch.int64), codec.DenseFormat(4, 2))
+    ours.begin(["p1"], mine(torch.zeros(10, dtype=torch.int64)), codec.DenseFormat(4, 2))
     for i in range(50):
         exchange.reduction(f"junk{i}".encode())
     assert exchange.reductions.get(b"ours") is ours
@@ -384,7 +389,7 @@ def test_a_reducer_serves_each_piece_as_soon_as_every_sender_sent_it():
     assert pieces == [(0, PIECE), (PIECE, n)]
     exchange = CodesExchange(max_payload=1 << 22)
     r = exchange.reduction(b"g")
-    r.begin(list(senders), own, fmt)
+    r.begin(list(senders), mine(own), fmt)
     request = averaging_pb2.DownloadData(metadata=serializer.dumps(dict(group=b"g")))
 
     async def stream():
@@ -405,6 +410,28 @@ def test_a_reducer_serves_each_piece_as_soon_as_every_sender_sent_it():
     asyncio.run(stream())
 
 
+def test_a_reducer_makes_its_own_codes_a_piece_at_a_time_as_each_piece_is_summed():
+    """Its own codes of the whole part would be 4 bytes per element of it (2 per parameter in an island of 2)."""
+    fmt = codec.DenseFormat(4, 2)
+    n = 2 * PIECE
+    own, other = torch.ones(n, dtype=torch.int64), torch.full((n,), 2, dtype=torch.int64)
+    asked = []
+
+    def own_of(a, b):
+        asked.append((a, b))
+        return own[a:b], None
+
+    r = Reduction()
+    r.begin(["p1"], Codes(n, own_of), fmt)
+    assert asked == []
+    r.add("p1", 0, fmt.encode(other[:PIECE], None), 2)
+    asyncio.run(r.settle_soon())
+    assert asked == [(0, PIECE)] and torch.equal(fmt.decode_sum(r.pieces[0].result, PIECE), (own + other)[:PIECE])
+    r.add("p1", 1, fmt.encode(other[PIECE:], None), 2)
+    asyncio.run(r.settle_soon())
+    assert asked == [(0, PIECE), (PIECE, n)] and r.ready
+
+
 def test_a_sender_that_stops_mid_part_is_left_out_of_the_pieces_it_did_not_send_only():
     """p2 sent piece 0 and went silent: piece 0 sums all three; piece 1 (after the cut-off) leaves p2 out and says
     so, and what p2 sends for it later is not kept."""
@@ -412,7 +439,7 @@ def test_a_sender_that_stops_mid_part_is_left_out_of_the_pieces_it_did_not_send_
     n = 2 * PIECE
     own, c1, c2 = (torch.full((n,), v, dtype=torch.int64) for v in (1, 2, 4))
     r = Reduction()
-    r.begin(["p1", "p2"], own, fmt)
+    r.begin(["p1", "p2"], mine(own), fmt)
     for index, (a, b) in enumerate(piece_ranges(0, n)):
         r.add("p1", index, fmt.encode(c1[a:b], None), 2)
     r.add("p2", 0, fmt.encode(c2[:PIECE], None), 2)

@@ -1,5 +1,6 @@
 """Decoupled rounds without a network: background rounds, delayed application, weights, RDA, grace window."""
 
+import gc
 import threading
 
 import pytest
@@ -351,6 +352,45 @@ def test_adopting_a_fork_that_lacks_our_merge_restores_our_work_for_the_next_con
     descendant.apply(torch.zeros_like(theta0), ["y"])
     d2.adopt(*descendant.snapshot())
     assert d2.unmerged_steps == 0 and d2.recovered_tokens == 0
+
+
+class BufferedMerger(HeldMerger):
+    """As the swarm's merger does: copies Δ into its own (averaging) buffer, lets go of Δ, merges from the buffer."""
+
+    def merge(self, c):
+        buffer = c.delta.clone()
+        self.entered.set()
+        assert self.release.wait(30)
+        return Solo(reason="solo", merged=buffer, members=[c.member], weights=[1.0])
+
+
+def model_sized_tensors(n: int) -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if type(o) in (torch.Tensor, torch.nn.Parameter) and o.numel() == n)
+
+
+def test_while_a_round_runs_its_delta_waits_on_disk_and_comes_back_bit_for_bit_when_applied(tmp_path):
+    """With a folder for it, the trainer lets its Δ go once written: only the merger's buffer holds one during the
+    round (4 bytes per parameter less at the peak, which comes in a backward pass while a round runs). Applying
+    the outcome reads it back, and θ and Θ end the same, bit for bit, as with Δ kept in memory."""
+    ends = []
+    for keep in (None, OnDisk(tmp_path)):
+        merger = BufferedMerger()
+        d = make_diloco(merger, keep=keep)
+        n = d.state.params.numel()
+        for _ in range(3):
+            d.inner_step()
+        before = model_sized_tensors(n)
+        d.contribute()
+        assert merger.entered.wait(10)
+        assert d.in_flight.kept.in_memory == (keep is None)  # waits for the write, if any
+        assert model_sized_tensors(n) == before + (2 if keep is None else 1)  # + the buffer (and Δ, in memory)
+        d.inner_step()  # a step while the round is in flight: its progress is rebased
+        merger.release.set()
+        assert d.wait(10).applied
+        ends.append((d.local_params(), d.state.params.clone()))
+        d.close()
+    assert all(torch.equal(a, b) for a, b in zip(*ends))
 
 
 def test_a_snapshot_for_sharing_is_made_in_shared_memory_and_does_not_move_with_the_state():

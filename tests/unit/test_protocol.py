@@ -15,8 +15,8 @@ ME = "me-peer"
 
 
 def contribution(version=3, digest="aaaaaa", tokens=100, steps=10) -> Contribution:
-    return Contribution(delta=torch.full((8,), 0.5), tokens=tokens, steps=steps, version=version, peer=ME,
-                        name="me", digest=digest)
+    return Contribution.of(torch.full((8,), 0.5), tokens=tokens, steps=steps, version=version, peer=ME,
+                           name="me", digest=digest)
 
 
 def record(peer, version=3, digest="aaaaaa", ready=-1) -> PeerRecord:
