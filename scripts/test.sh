@@ -14,7 +14,7 @@ debian_package() {  # command, package, what is skipped without it
 }
 debian_package chromium chromium "the browser tests"
 debian_package nft nftables "the NAT tests"
-run=(.venv/bin/python -m pytest -q -p no:cacheprovider "$@")
+run=(.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@")  # the slowest tests: the budget is 15 minutes
 if [ -z "${P2PDILOCO_NETNS:-}" ] && command -v unshare >/dev/null && unshare -n true 2>/dev/null; then
   exec unshare -n bash -c 'ip link set lo up && P2PDILOCO_NETNS=1 exec "$@"' _ "${run[@]}"
 fi

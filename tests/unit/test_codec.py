@@ -30,6 +30,23 @@ def test_packing_refuses_what_does_not_fit_and_unpacking_checks_the_length():
         codec.pack(torch.tensor([1]), 9)  # not a packable width
 
 
+@pytest.mark.parametrize("name", ["none", "int4"])
+def test_a_nan_in_a_contribution_cannot_even_be_packed(name):
+    """NaN quantizes to a code out of ±L, which packing refuses: a peer that sends NaN sends nothing (its round
+    fails, and its island blames it) rather than codes that would poison a sum. (±inf is clamped to ±L like any
+    value beyond the agreed scale, and reducers hold such codes to the maxima their sender claimed.)"""
+    bits = codec.BITS[name]
+    fmt = codec.DenseFormat(bits, 3)
+    honest = torch.randn(2 * BLOCK, generator=torch.Generator().manual_seed(0))
+    scales = codec.agreed_scales([codec.block_maxabs(honest)], bits)
+    for where in (0, BLOCK + 7, 2 * BLOCK - 1):
+        sent = honest.clone()
+        sent[where] = float("nan")
+        enc = codec.encode(sent, 1.0, scales, bits, fmt, with_sent=False)
+        with pytest.raises(ValueError):
+            fmt.encode(enc.codes, enc.selected)
+
+
 def test_the_lossless_stage_shrinks_codes_that_crowd_around_zero_and_never_grows_random_bytes():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4 * BLOCK, generator=g) * torch.rand(4 * BLOCK, generator=g) ** 4  # heavy tails, like Δ
