@@ -25,6 +25,7 @@ or lost. `merged_seconds` is the inner-step time that reached the global model (
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ from p2pdiloco.protocol.outcomes import Contribution, Kept, RolledBack, RoundOut
 from p2pdiloco.core.state import GlobalState, contains
 from p2pdiloco.protocol.timing import RoundClock
 from p2pdiloco.training.spill import InMemory, OnDisk
+
+log = logging.getLogger(__name__)
 
 
 class Merger(Protocol):
@@ -196,7 +199,8 @@ class DiLoCo:
             return False  # rolled back and nothing adopted: θ and Θ stay exactly as they are
         held = False
         with self.state.lock:
-            self._keep_progress(flight, kept)  # θ ← θ − base before Θ changes: the base is expressed through Θ_S
+            # θ ← θ − base before Θ changes: the base is expressed through Θ_S
+            progress_lost = not self._keep_progress(flight, kept)
             restored = None
             try:
                 if outcome.state_before is not None:
@@ -224,6 +228,8 @@ class DiLoCo:
                     restored = self._add(restored, self._load_foreign(*outcome.state))
             finally:  # θ ← Θ + progress [+ restored], whatever Θ now is
                 self._add_global(restored)
+            if progress_lost:
+                self._nothing_unmerged()
         if outcome.sync_seconds:
             self.clock.sync.update(outcome.sync_seconds)
         self.clock.quorum.update(outcome.quorum_seconds)
@@ -235,12 +241,14 @@ class DiLoCo:
         lost = self.last_merge is not None and not contains(metadata, self.last_merge.key)
         restored = None
         if lost:
-            restored = self.last_merge.delta.get().neg()
-            self.unmerged_tokens += self.last_merge.tokens
-            self.unmerged_steps += self.last_merge.steps
-            self.unmerged_seconds += self.last_merge.seconds
+            delta = read_back(self.last_merge.delta, "the Δ our island merged in a lost fork")
             self.merged_seconds -= self.last_merge.seconds  # it did not reach the global model after all
-            self.recovered_tokens += self.last_merge.tokens
+            if delta is not None:
+                restored = delta.neg()
+                self.unmerged_tokens += self.last_merge.tokens
+                self.unmerged_steps += self.last_merge.steps
+                self.unmerged_seconds += self.last_merge.seconds
+                self.recovered_tokens += self.last_merge.tokens
             self._forget_last_merge()
         self.state.load(metadata, tensors)
         return restored
@@ -257,20 +265,25 @@ class DiLoCo:
     # ---- rebasing θ onto a new Θ: θ ← Θ_new + (θ − base) [+ restored], in two passes around Θ's change -------
     # In place, one parameter at a time: no model-sized temporaries, and no snapshot of θ or Θ kept while a
     # round is in flight. On a CPU the arithmetic runs in the parameter's own memory (fp32, contiguous).
-    def _keep_progress(self, flight: Optional[InFlight], kept: str) -> None:
+    def _keep_progress(self, flight: Optional[InFlight], kept: str) -> bool:
         """θ ← θ − base, while Θ is still Θ_S. Delayed application: θ_S = Θ_S − Δ, so the progress since the
         snapshot is (θ − Θ_S) + Δ, and all unmerged progress is θ − Θ_S. Eager: the in-flight steps started from
         the estimate, so the progress since the snapshot is θ − origin, and all of it θ − origin − Δ.
         θ_S rebuilt as Θ_S − Δ differs from the θ_S of the snapshot by at most an ulp of Δ (θ is local, and
         resumed runs stay bit-exact). With no step in flight the progress is exactly 0, as IEEE rounding is
-        symmetric: (θ_S − Θ_S) + Δ = −Δ + Δ; so θ becomes Θ' bit for bit."""
+        symmetric: (θ_S − Θ_S) + Δ = −Δ + Δ; so θ becomes Θ' bit for bit.
+        False if Δ, needed here, could not be read back (training.spill): the progress is then 0, and θ becomes
+        Θ' (our local progress is lost, never the global state)."""
         origin = None if flight is None else flight.origin
         uses_delta = flight is not None and kept == ("since snapshot" if origin is None else "all unmerged")
-        delta = flight.contribution.delta if uses_delta else None  # read back once, if it waited on disk
+        delta = read_back(flight.kept, "the round's Δ") if uses_delta else None  # once, if it waited on disk
+        lost = uses_delta and delta is None
         with torch.no_grad():
             for _, p, part in param_slices(self.trainer.model):
                 progress = _flat(p)
-                if origin is None:
+                if lost:
+                    progress.zero_()
+                elif origin is None:
                     progress.sub_(self.state.params[part])
                     if kept == "since snapshot":
                         progress.add_(delta[part])
@@ -279,6 +292,7 @@ class DiLoCo:
                     if kept == "all unmerged":
                         progress.sub_(delta[part])
                 _store(p, progress)
+        return not lost
 
     def _add_global(self, restored: Optional[torch.Tensor]) -> None:
         """θ ← progress [+ restored] + Θ (the second pass)."""
@@ -309,9 +323,15 @@ class DiLoCo:
             return
         if flight.origin is not None:
             with self.state.lock:
-                self._keep_progress(flight, "all unmerged")
+                if not self._keep_progress(flight, "all unmerged"):
+                    self._nothing_unmerged()
                 self._add_global(None)
         flight.kept.drop()
+
+    def _nothing_unmerged(self) -> None:
+        """θ is Θ now (local progress given up): no tokens wait for a merge any more."""
+        self.unmerged_tokens = self.unmerged_steps = 0
+        self.unmerged_seconds = 0.0
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -379,6 +399,16 @@ def pseudo_gradient_of(model: torch.nn.Module, global_params: torch.Tensor) -> t
         for _, p, part in param_slices(model):
             torch.sub(global_params[part], _flat(p), out=delta[part])
     return delta
+
+
+def read_back(kept: Kept, what: str) -> Optional[torch.Tensor]:
+    """A Δ from where it waited, or None if it cannot be read (its file removed or damaged): the caller then
+    gives up the local progress it measures, with this warning; Θ never depends on it."""
+    try:
+        return kept.get()
+    except (OSError, ValueError) as e:
+        log.warning("could not read back %s (%s): the local progress it measures is given up", what, e)
+        return None
 
 
 def own_weight(outcome: RoundOutcome, peer: str) -> float:

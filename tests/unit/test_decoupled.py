@@ -393,6 +393,32 @@ def test_while_a_round_runs_its_delta_waits_on_disk_and_comes_back_bit_for_bit_w
     assert all(torch.equal(a, b) for a, b in zip(*ends))
 
 
+@pytest.mark.parametrize("damage", ["removed", "truncated"])
+def test_a_delta_that_cannot_be_read_back_costs_local_progress_only(tmp_path, caplog, damage):
+    """Its file removed or cut while the round ran: the merge still applies (Θ is the group's), θ becomes Θ' (the
+    steps in flight are given up), no tokens are left unmerged, and the log says so; the peer goes on training."""
+    merger = BufferedMerger()
+    d = make_diloco(merger, keep=OnDisk(tmp_path))
+    for _ in range(3):
+        d.inner_step()
+    d.contribute()
+    assert merger.entered.wait(10) and not d.in_flight.kept.in_memory
+    (spilled,) = tmp_path.iterdir()
+    if damage == "removed":
+        spilled.unlink()
+    else:
+        spilled.write_bytes(spilled.read_bytes()[:100])
+    d.inner_step()
+    merger.release.set()
+    settled = d.wait(10)
+    assert settled.applied and d.state.version == 1
+    assert torch.equal(d.local_params(), d.state.params) and d.unmerged_tokens == 0 and d.unmerged_steps == 0
+    assert "could not read back the round's Δ" in caplog.text
+    d.inner_step()
+    assert d.unmerged_steps == 1
+    d.close()
+
+
 def test_a_snapshot_for_sharing_is_made_in_shared_memory_and_does_not_move_with_the_state():
     """Handed to the averager process, a shared snapshot travels as a handle: no second copy of Θ and momentum."""
     from p2pdiloco.core.state import GlobalState
