@@ -138,6 +138,20 @@ class ErrorFeedback:
             residual[part] = (intended[part].double() - sent[part].double()).float()
         self.residual = residual
 
+    def record_encoded(self, contribution: torch.Tensor, weight: float, scales: torch.Tensor, bits: int,
+                       fmt: Optional[DenseFormat] = None) -> None:
+        """`record` of what `encode` sent of `compensate(contribution)`, a chunk of blocks at a time (codes and
+        selection are per block, compensating elementwise: the same bits as over the whole vector). So neither
+        the compensated contribution is kept while the round runs, nor model-sized codes, selection or `sent`
+        made afterwards (13 to 17 bytes per parameter in all); the residual is overwritten in place."""
+        old, n = self.residual, contribution.numel()
+        residual = old if old is not None else torch.empty(n)
+        for part, blocks in blockwise(n):
+            intended = contribution[part] if old is None else contribution[part] + old[part]
+            sent = encode(intended, weight, scales[blocks], bits, fmt).sent
+            residual[part] = (intended.double() - sent.double()).float()
+        self.residual = residual
+
 
 # ---- the lossless stage: every packed part goes on the wire through it ----------------------------------------
 RAW, DEFLATED = 0, 1  # the first byte of a wire payload

@@ -151,7 +151,7 @@ class SwarmMerger:
         """Run one island attempt; None if we are leaving."""
         if self._group_bits(c.version) != self._group_bits(0):
             self.averager.set_group_bits(self._group_bits(c.version))
-        body, gather = self._load_buffer(c, island)
+        gather = self._load_buffer(c, island)
         control = self._control = self.averager.step(
             gather=gather, weight=1.0, timeout=island.find_timeout, scheduled_time=get_dht_time() + self._start_in(island),
             allow_retries=False, wait=False)
@@ -175,33 +175,35 @@ class SwarmMerger:
         if not result.verified:
             return result
         if self.feedback is not None and result.codec_scales is not None:
-            self._record_feedback(body, result)
+            self._record_feedback(c, result)
         with self.averager.buffer() as buffer:
             # a view, not a copy: the host applies it before its next round writes the buffer again (DiLoCo keeps
             # a copy only for eager estimates)
             return dataclasses.replace(result, merged=buffer[: self.n])
 
-    def _load_buffer(self, c: Contribution, island: FormIsland) -> tuple[Optional[torch.Tensor], dict]:
-        """Write what we send into the averaging buffer. Returns what error feedback needs after the round (None
-        without it: then nothing here holds Δ while the round runs; the buffer has it, and the host keeps its own
-        on disk), and our gathered record."""
-        body, norms = rda_directions(c.delta, self.segments) if self.outer.rda else (c.delta, [])
+    def _load_buffer(self, c: Contribution, island: FormIsland) -> dict:
+        """Write what we send into the averaging buffer; our gathered record. Nothing here holds Δ while the
+        round runs: the buffer has it, and the host keeps its own on disk (error feedback reads it back after)."""
+        body, norms = self._uncompensated(c)
         if self.feedback is not None:
             body = self.feedback.compensate(body)
         sent, claimed_tokens = hostile(self.fault_plan, body, c)  # test-only: a lying peer (fault plan)
         with self.averager.buffer() as buffer:
             buffer[: self.n] = sent
-        gather = gather_record(self.peer, c.name, c.version, claimed_tokens, c.steps, body, c.digest, island.budget,
-                               norms, self.averager.wire_format(1),
-                               blame=self.penalties.active(time.monotonic()), credential=self.credential)
-        return (body if self.feedback is not None else None), gather
+        return gather_record(self.peer, c.name, c.version, claimed_tokens, c.steps, body, c.digest, island.budget,
+                             norms, self.averager.wire_format(1),
+                             blame=self.penalties.active(time.monotonic()), credential=self.credential)
 
-    def _record_feedback(self, body, result: IslandReduced) -> None:
-        """What of our (compensated) Δ reached the sum: the same codes the averager sent, decoded."""
+    def _uncompensated(self, c: Contribution) -> tuple[torch.Tensor, list]:
+        """Our contribution as sent before error feedback: Δ, or its RDA directions (and their norms)."""
+        return rda_directions(c.delta, self.segments) if self.outer.rda else (c.delta, [])
+
+    def _record_feedback(self, c: Contribution, result: IslandReduced) -> None:
+        """What of our compensated contribution reached the sum: the same codes the averager sent, decoded."""
         weight = next((w for m, w in zip(result.members, result.weights) if m.peer == self.peer), 0.0)
         if weight > 0:
             fmt = self.averager.wire_format(sum(w > 0 for w in result.weights))  # the members that sent codes
-            self.feedback.record(body, codec.encode(body, weight, result.codec_scales, self.bits, fmt).sent)
+            self.feedback.record_encoded(self._uncompensated(c)[0], weight, result.codec_scales, self.bits, fmt)
 
     def _traffic(self, before) -> dict:
         """What this round really moved (failed rounds too), measured on our averager process."""

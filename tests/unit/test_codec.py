@@ -152,6 +152,25 @@ def test_error_feedback_makes_applied_updates_track_the_uncompressed_sum():
     assert float((sent_with - truth).abs().max()) <= step / 2 + 1e-3  # Σ sent = Σ Δ − residual, |residual| ≤ step/2
 
 
+@pytest.mark.parametrize("fmt", [codec.DenseFormat(4, 3), codec.TopKFormat(2, 3, 0.02)], ids=["int4", "topk"])
+def test_error_feedback_recorded_a_chunk_at_a_time_keeps_the_bits_of_the_whole_vector(fmt):
+    """The merger records feedback from the uncompensated contribution, a chunk of blocks at a time, after its
+    round (holding neither the compensated vector nor model-sized codes): the residuals are those of
+    compensating, encoding and recording the whole vector, round after round."""
+    from p2pdiloco.core.exact import _CHUNK
+
+    n = 2 * _CHUNK + 3 * BLOCK + 5  # several chunks, and a last block that is not full
+    g = torch.Generator().manual_seed(4)
+    whole, chunked = codec.ErrorFeedback(), codec.ErrorFeedback()
+    for _ in range(3):
+        delta = torch.randn(n, generator=g)
+        intended = whole.compensate(delta)
+        scales = codec.agreed_scales([codec.block_maxabs(intended) * 0.6], fmt.bits)
+        whole.record(intended, codec.encode(intended, 0.6, scales, fmt.bits, fmt).sent)
+        chunked.record_encoded(delta, 0.6, scales, fmt.bits, fmt)
+        assert torch.equal(chunked.residual, whole.residual)
+
+
 def test_top_k_error_feedback_carries_the_unselected_values_whole():
     x = torch.randn(BLOCK, generator=torch.Generator().manual_seed(3))
     fmt = codec.TopKFormat(2, 1, 0.01)
