@@ -12,7 +12,7 @@ Decoupled mode (the default), no global barrier:
 4. the island's exact sum; a complete, checked, finite result commits, anything else rolls back;
 5. members on the group's newest state apply the merge; stale members download that state afterwards.
 A peer alone in the swarm (K=1) applies its own update at once. A peer that finds no island while others are
-alive rolls back instead: its Δ rides along with its next contribution. Applying it alone would fork Θ, and the
+alive (or an island that merged only itself) rolls back instead: its Δ rides along with its next contribution. Applying it alone would fork Θ, and the
 fork's update would be dropped when the forks reconcile.
 
 Sync mode, the baseline: the same, after a barrier where everyone waits for everyone at our version.
@@ -190,6 +190,11 @@ class Round:
 
     def on_island(self, result: IslandResult, now: float) -> Decision:
         self._expect("island")
+        if isinstance(result, IslandReduced) and result.verified and len(result.members) == 1:
+            # every other member was left out (records that did not parse, blame): merging alone would fork Θ
+            # while others are alive, exactly as if no island had formed
+            why = "; ".join(sorted(set(result.excluded.values())))[:200]
+            result = NoIsland(f"the island merged only us (the others left out: {why or 'none named'})")
         if isinstance(result, NoIsland):
             if self.rules.quorum <= 1:
                 self.phase, self.no_island_reason = "confirm_alone", result.reason

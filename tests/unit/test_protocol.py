@@ -164,6 +164,24 @@ def test_a_failed_or_unverified_or_non_finite_island_rolls_back(result, reason):
     assert isinstance(o, RolledBack) and not o.committed and o.merged is None and o.reason == reason
 
 
+@pytest.mark.parametrize("quorum", [1, 2])
+def test_an_island_that_merged_only_us_is_no_island_while_others_are_alive(quorum):
+    """Its other members were all left out (a stranger's record that did not parse, a blamed member): merging
+    alone would fork Θ, so it rolls back (K ≥ 2), or asks whether we are alone (K = 1), as when no island formed.
+    A chaos-free CI run once saw a peer commit such an island of one beside a stranger, and fork."""
+    rnd = new_round(quorum=quorum)
+    to_island(rnd, [record("b", ready=3)])
+    alone = IslandReduced(verified=True, reason="ok", members=(member(ME),), weights=(1.0,), group_id="g1",
+                          merged=torch.full((8,), 0.25), excluded={"0": "expected a record (dict), got bytes"})
+    decision = rnd.on_island(alone, 110.0)
+    if quorum == 1:
+        assert isinstance(decision, RefreshPeers)
+        decision = rnd.on_peers([record("b")], 111.0)
+    o = decision.outcome
+    assert isinstance(o, RolledBack) and not o.committed and o.merged is None
+    assert "the island merged only us" in o.reason and "got bytes" in o.reason
+
+
 def test_no_island_with_k1_asks_whether_we_are_alone_then_rolls_back_or_goes_solo():
     for others, kind in (([record("b")], RolledBack), ([], Solo)):
         rnd = new_round()
