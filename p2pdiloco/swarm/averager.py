@@ -29,7 +29,7 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.p2p import P2PContext
-from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.proto import averaging_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.logging import get_logger
 
@@ -39,7 +39,7 @@ from p2pdiloco.protocol.island import Bounds, PenaltyBox, Stragglers, plan_islan
 from p2pdiloco.protocol.remote import Expect, parse_island
 from p2pdiloco.protocol.round import IslandReduced
 from p2pdiloco.runtime.faults import NO_FAULTS, FaultPlan
-from p2pdiloco.swarm.codes import Codes, CodesError, CodesExchange, faults_and_late, piece_ranges
+from p2pdiloco.swarm.codes import Codes, CodesExchange, faults_and_late, piece_ranges
 from p2pdiloco.swarm.auth import MemberPasses
 from p2pdiloco.swarm.statefetch import PartServer, parse_part_request, request_pass
 from p2pdiloco.protocol.timing import allreduce_wire_bytes
@@ -172,7 +172,7 @@ class ExactAverager(DecentralizedAverager):
         except Exception as e:  # a reducer that served no sum, a part we could not push: the round rolls back
             logger.warning(f"round in group {group_info.group_id.hex()[:8]} failed: {e!r}")
             failed = self._reduced(island, plan, group_info, False, f"all-reduce failed: {e}", started)
-            blamed = self._blame(getattr(e, "culprits", ()), getattr(e, "dropped", {}))
+            blamed = self._blame(getattr(e, "culprits", ()), getattr(e, "dropped", {}), getattr(e, "late", ()))
             return dataclasses.replace(failed, blamed=blamed)
         dropped = exchanged.dropped
         reduced = self._reduced(island, plan, group_info, True, "ok", started)
@@ -189,26 +189,19 @@ class ExactAverager(DecentralizedAverager):
     async def rpc_codes_push(self, requests: AsyncIterator[averaging_pb2.DownloadData],
                              context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
         """A member's packed codes of the part we reduce (p2pdiloco.swarm.codes)."""
-        try:
-            error = await self._codes.receive(requests, str(context.remote_id))
-        except CodesError as e:
-            error = str(e)
-        yield averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(dict(error=error)) if error else b"")
+        yield await self._codes.push_answer(requests, str(context.remote_id))
 
     async def rpc_codes_fetch(self, request: averaging_pb2.DownloadData,
                               context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
         """The exact sum of the part we reduce, once every member's codes arrived."""
-        try:
-            async for metadata, chunk in self._codes.serve(request, self.allreduce_cap, str(context.remote_id)):
-                yield averaging_pb2.DownloadData(metadata=metadata, tensor_part=runtime_pb2.Tensor(buffer=chunk))
-        except CodesError as e:
-            yield averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(dict(error=str(e))))
+        async for answer in self._codes.fetch_answers(request, self.allreduce_cap, str(context.remote_id)):
+            yield answer
 
-    def _blame(self, culprits, dropped: dict) -> frozenset:
+    def _blame(self, culprits, dropped: dict, late_reducers=()) -> frozenset:
         """Whom this round is blamed on: reducers that failed it, senders we left out of our part for what they
-        sent, and those we left out for coming late who were late not long ago (protocol.island.Stragglers)."""
+        sent, and those, senders or reducers, that came late and were late not long ago (protocol.island.Stragglers)."""
         faults, late = faults_and_late(dropped)
-        return frozenset(culprits) | faults | self._stragglers.late(late, time.monotonic())
+        return frozenset(culprits) | faults | self._stragglers.late(late | frozenset(late_reducers), time.monotonic())
 
     def _refuse_left_out(self, island, plan, group_info) -> None:
         """Members the island rejected (a malformed record) or left out (blamed by most): turned away at

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Optional
 
 import torch
-from hivemind.proto import averaging_pb2
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
 from p2pdiloco.core import codec
@@ -53,6 +53,7 @@ from p2pdiloco.protocol.island import lower_median
 PIECE = 16 * codec.BLOCK  # elements per stream message: even a 32-bit sum of a piece is 1 MB, a quarter of what
 # the p2p daemon's messages may carry, and a piece's work (~5 ms to pack int4) is small beside its transfer
 LATE = "its part did not come in time"  # why a sender was left out for when, not for what, it sent
+ROUND_OVER = "the round of this group is over"  # a push refused for when, not for what, it sent
 PART_WAIT = 0.6  # of the round's deadline: how long a reducer waits for every piece before summing those it has
 # --robust-merge: a reducer also leaves out a piece that does not point the way the others do
 AGREEMENT = 0.25  # of the median cosine between each piece and the sum of the others
@@ -71,12 +72,18 @@ async def off_loop(fn, *args):
 
 
 class CodesError(RuntimeError):
-    """The round failed; `culprits` are the reducers whose sum did not come or was refused, `dropped` the senders
-    we left out of our own part, and why (as Exchanged.dropped)."""
+    """The round failed; `culprits` are the reducers that refused our part or served a bad or no sum, `late` those
+    whose sum did not come in time (a busy CPU does that to honest peers: blamed only when late again, as a late
+    sender), `dropped` the senders we left out of our own part, and why (as Exchanged.dropped)."""
 
-    def __init__(self, message: str, culprits: frozenset = frozenset(), dropped: Optional[dict] = None):
+    def __init__(self, message: str, culprits: frozenset = frozenset(), dropped: Optional[dict] = None,
+                 late: frozenset = frozenset()):
         super().__init__(message)
-        self.culprits, self.dropped = culprits, dropped or {}
+        self.culprits, self.dropped, self.late = culprits, dropped or {}, late
+
+
+class LateError(CodesError):
+    """A sum, ours or a reducer's, that was not complete in time: a matter of when, not of what was sent."""
 
 
 def faults_and_late(dropped: dict) -> tuple[frozenset, frozenset]:
@@ -125,7 +132,7 @@ class Reduction:
     own: Optional[Codes] = None  # our own codes of our part, made a piece at a time as each is summed
     known: asyncio.Event = field(default_factory=asyncio.Event)  # spec set, or the reduction failed
     error: str = ""
-
+    late: bool = False  # the error is that the sum was not complete in time (LateError)
     released: bool = False  # our round is over: only the sums are kept, for members still fetching them
     cut_off: bool = False  # the wait for missing pieces is over: sum those that came
     robust: bool = False  # leave out disagreeing pieces too (robust_filter)
@@ -164,7 +171,7 @@ class Reduction:
     def admit(self, sender: str) -> str:
         """Why a push from `sender` is refused, or ""."""
         if self.released:
-            return "the round of this group is over"
+            return ROUND_OVER
         if sender in self.pushed:
             return "duplicate part"
         if self.spec is not None and sender not in self.spec[0]:
@@ -175,7 +182,7 @@ class Reduction:
     def add(self, sender: str, index: int, data: bytes, max_pieces: int) -> str:
         """Keep a sender's piece; why it is refused, or ""."""
         if self.released:
-            return "the round of this group is over"
+            return ROUND_OVER
         if index >= (len(self.ranges) if self.spec is not None else max_pieces):
             return "more pieces than the part has"
         piece = self.piece(index)
@@ -258,11 +265,15 @@ class Reduction:
                     out[sender] = why
         return out
 
-    def fail(self, why: str) -> None:
-        self.error = why
+    def fail(self, why: str, late: bool = False) -> None:
+        self.error, self.late = why, late
         for piece in self.pieces.values():
             piece.ready.set()
         self.known.set()
+
+    def raise_error(self) -> None:
+        if self.error:
+            raise (LateError if self.late else CodesError)(self.error)
 
     def release(self) -> None:
         """Our round is over. The sums stay served until every sender fetched them: one may not have yet (it
@@ -276,7 +287,7 @@ class Reduction:
             piece.payloads.clear()
         self.own = None
         if not self.ready:
-            self.fail("the reducer's round ended before its part's sum was complete")
+            self.fail("the reducer's round ended before its part's sum was complete", late=True)
         self._drop_sums_if_done()
 
     def served(self, fetcher: str) -> None:
@@ -390,15 +401,34 @@ class CodesExchange:
         reduction = self.reduction(_header(request.metadata)["group"])
         deadline = time.monotonic() + timeout
         await _until(reduction.known.wait(), deadline)
-        if reduction.error:
-            raise CodesError(reduction.error)
+        reduction.raise_error()
         for index in range(len(reduction.ranges)):
             piece = reduction.piece(index)
             await _until(piece.ready.wait(), deadline)
-            if reduction.error:
-                raise CodesError(reduction.error)
+            reduction.raise_error()
             yield serializer.dumps(dict(dropped=sorted(piece.dropped))), piece.result
         reduction.served(fetcher)
+
+    async def push_answer(self, requests: AsyncIterator[averaging_pb2.DownloadData],
+                          sender: str) -> averaging_pb2.DownloadData:
+        """rpc_codes_push's one reply: empty, or why the part was refused (`late`: our round had ended)."""
+        try:
+            error = await self.receive(requests, sender)
+        except CodesError as e:
+            error = str(e)
+        return averaging_pb2.DownloadData(
+            metadata=serializer.dumps(dict(error=error, late=error == ROUND_OVER)) if error else b"")
+
+    async def fetch_answers(self, request: averaging_pb2.DownloadData, timeout: float,
+                            fetcher: str) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """rpc_codes_fetch's replies: `serve`'s pieces, or why not, saying whether it is that the sum was not
+        complete in time (the fetcher then blames us only if we are late again, as a late sender)."""
+        try:
+            async for metadata, chunk in self.serve(request, timeout, fetcher):
+                yield averaging_pb2.DownloadData(metadata=metadata, tensor_part=runtime_pb2.Tensor(buffer=chunk))
+        except CodesError as e:
+            yield averaging_pb2.DownloadData(metadata=serializer.dumps(dict(error=str(e),
+                                                                            late=isinstance(e, LateError))))
 
     # ---- client side: one round ------------------------------------------------------------------------------
     async def run(self, group_id: bytes, senders: list, reducers: list, me, codes: Codes, fmt, stub_of,
@@ -438,11 +468,15 @@ class CodesExchange:
         # a reducer we could not push to, or whose sums did not come or were refused, failed the round; so did our
         # own reduction
         others = [j for j in range(len(reducers)) if j != mine_at]
-        culprits = frozenset(str(reducers[j]) for j, r in zip(others, pushed) if isinstance(r, BaseException)) | \
-            frozenset(str(reducers[j]) for j, r in enumerate(fetched) if j != mine_at and isinstance(r, BaseException))
-        failures = [r for r in (*pushed, *fetched) if isinstance(r, BaseException)]
-        if failures:
-            raise CodesError(f"{failures[0]}", culprits, dropped)
+        failed = {str(reducers[j]): [r for r in (p, fetched[j]) if isinstance(r, BaseException)]
+                  for j, p in zip(others, pushed)}
+        failed = {reducer: errors for reducer, errors in failed.items() if errors}
+        if failed or (mine is not None and isinstance(fetched[mine_at], BaseException)):
+            late = frozenset(r for r, errors in failed.items() if all(map(_is_late, errors)))
+            why = [f"reducer {r[-6:]}: {_described(e)}" for r, errors in failed.items() for e in errors[:1]]
+            if mine is not None and isinstance(fetched[mine_at], BaseException):
+                why.insert(0, f"our own part: {_described(fetched[mine_at])}")
+            raise CodesError("; ".join(why), frozenset(failed) - late, dropped, late)
         return Exchanged([p for pieces in parts for p in pieces],
                          [s for sums, _ in fetched for s in sums if s is not None],
                          [o for _, out in fetched for o in out], dropped)
@@ -465,9 +499,10 @@ class CodesExchange:
                 yield averaging_pb2.DownloadData(metadata=header if i == 0 else b"", tensor_part=_blob(data))
 
         async for answer in await stub.rpc_codes_push(messages()):
-            error = serializer.loads(answer.metadata).get("error") if answer.metadata else None
-            if error:
-                raise CodesError(f"a reducer refused our part: {error}")
+            header = _reply(answer.metadata) if answer.metadata else {}
+            if header.get("error"):
+                late = header.get("late") is True
+                raise (LateError if late else CodesError)(f"a reducer refused our part: {header['error']}")
 
     async def _fetch(self, stub, group_id: bytes, pieces: list, members: set, take) -> tuple[list, list]:
         """A reducer's sums of its part, each checked (and landed) as it arrives."""
@@ -475,8 +510,9 @@ class CodesExchange:
         sums, left_out = [], []
         async for message in await stub.rpc_codes_fetch(request):
             header = _reply(message.metadata)
-            if "error" in header:
-                raise CodesError(f"a reducer failed: {header['error']}")
+            if "error" in header:  # it may say it was late: blamed when late again, as any late member
+                late = header.get("late") is True
+                raise (LateError if late else CodesError)(f"a reducer failed: {header['error']}")
             if len(sums) == len(pieces):
                 raise CodesError("a reducer sent more pieces than its part has")
             (start, end), out = pieces[len(sums)], _left_out(header.get("dropped"), members)
@@ -493,8 +529,7 @@ class CodesExchange:
         for index, (start, end) in enumerate(pieces):
             piece = mine.piece(index)
             await _until(piece.ready.wait(), deadline)
-            if mine.error:
-                raise CodesError(mine.error)
+            mine.raise_error()
             out = frozenset(piece.dropped)
             sums.append(await off_loop(take, piece.result, start, end, out))
             left_out.append(out)
@@ -528,11 +563,19 @@ def _taker(fmt, check: SumCheck, land: Optional[Land]):
     return take
 
 
+def _is_late(error: BaseException) -> bool:
+    return isinstance(error, (LateError, asyncio.TimeoutError))
+
+
+def _described(error: BaseException) -> str:
+    return "its sums did not come in time" if isinstance(error, asyncio.TimeoutError) else str(error) or repr(error)
+
+
 async def _until(waiting, deadline: float) -> None:
     try:
         await asyncio.wait_for(waiting, max(0.0, deadline - time.monotonic()))
     except asyncio.TimeoutError:
-        raise CodesError("the part's sum was not complete in time") from None
+        raise LateError("the part's sum was not complete in time") from None
 
 
 def _header(blob: bytes) -> dict:

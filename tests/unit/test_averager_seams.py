@@ -69,6 +69,10 @@ def test_a_member_late_once_is_not_blamed_one_late_again_is_and_a_malformed_part
     averager = bare_averager()
     assert averager._blame((), {"slow": LATE, "evil": "malformed part: bad length"}) == {"evil"}
     assert averager._blame({"dead-reducer"}, {"slow": LATE}) == {"dead-reducer", "slow"}  # late again
+    # a reducer whose sum came late, or whose round ended first, is a late member too (a sparse round in the
+    # bandwidth benchmark: one busy peer's sum was late once, and it was left out for the rest of the run)
+    assert averager._blame((), {}, {"busy-reducer"}) == frozenset()
+    assert averager._blame((), {}, {"busy-reducer"}) == {"busy-reducer"}
 
 
 def test_stragglers_blame_only_a_member_late_again_within_the_window():

@@ -250,20 +250,16 @@ class LoopbackStub:
         self.exchange, self.caller, self.hold_fetch = exchange, caller, hold_fetch
 
     async def rpc_codes_push(self, messages):
-        error = await self.exchange.receive(messages, self.caller)
+        reply = await self.exchange.push_answer(messages, self.caller)
 
         async def answer():
-            yield averaging_pb2.DownloadData(metadata=serializer.dumps(dict(error=error)) if error else b"")
+            yield reply
         return answer()
 
     async def rpc_codes_fetch(self, request):
         if self.hold_fetch is not None:
             await self.hold_fetch.wait()
-
-        async def answer():
-            async for metadata, chunk in self.exchange.serve(request, 1.0, self.caller):
-                yield averaging_pb2.DownloadData(metadata=metadata, tensor_part=runtime_pb2.Tensor(buffer=chunk))
-        return answer()
+        return self.exchange.fetch_answers(request, 1.0, self.caller)
 
 
 def test_a_member_that_fetches_after_the_reducer_finished_its_round_still_gets_the_sum():
@@ -551,3 +547,45 @@ def test_a_round_of_many_pieces_ends_with_the_exact_sum_and_a_reducer_that_dies_
     assert all(torch.equal(landed[me], codes["a"] + codes["b"]) for me in "ab")
     a, _ = run_round(dying=True)
     assert isinstance(a, CodesError) and "incomplete: 1 of 2 pieces" in str(a) and a.culprits == frozenset({"b"})
+
+
+@pytest.mark.parametrize("reducer_b", ["slow", "says late", "round ended first", "refuses"])
+def test_a_reducer_whose_sum_came_late_is_reported_late_and_one_that_refused_is_a_culprit(reducer_b):
+    """Late is a matter of when: b's sum that did not come before our wait ended, or b saying its own round ended
+    before its sum was complete (a busy CPU does both to an honest peer), is reported as late (blamed only when late
+    again, as a late sender); b refusing to serve it is a culprit at once. a's error names b either way."""
+    n, fmt = 2 * codec.BLOCK, codec.DenseFormat(4, 2)
+    codes = {name: torch.randint(-7, 8, (n,), generator=torch.Generator().manual_seed(i))
+             for i, name in enumerate("ab")}
+    selected = torch.ones(n, dtype=torch.bool)
+    ex = {name: CodesExchange(max_payload=1 << 20) for name in "ab"}
+
+    class B(LoopbackStub):
+        async def rpc_codes_fetch(self, request):
+            if reducer_b == "slow":
+                await asyncio.sleep(2.0)
+            elif reducer_b == "round ended first":  # b's own round gave up before its part's sum was complete
+                while "a" not in ex["b"].reduction(b"g").pushed:  # after a's push (else that push is refused late)
+                    await asyncio.sleep(0.01)
+                ex["b"].reduction(b"g").release()
+            else:
+                async def answer():
+                    yield averaging_pb2.DownloadData(metadata=serializer.dumps(
+                        dict(error="not serving", **({"late": True} if reducer_b == "says late" else {}))))
+                return answer()
+            return await super().rpc_codes_fetch(request)
+
+    async def round_of_a():
+        ex["b"].reduction(b"g")  # b knows the group: a's push is kept (b itself never runs its round here)
+        stubs = {"b": B(ex["b"], "a")}
+        return await ex["a"].run(b"g", ["a", "b"], ["a", "b"], "a", made(codes["a"], selected), fmt,
+                                 lambda peer: stubs[peer], timeout=1.0)
+
+    with pytest.raises(CodesError) as failed:
+        asyncio.run(round_of_a())
+    late = reducer_b != "refuses"
+    assert (failed.value.late, failed.value.culprits) == ((frozenset({"b"}), frozenset()) if late
+                                                          else (frozenset(), frozenset({"b"}))), str(failed.value)
+    said = {"slow": "its sums did not come in time", "says late": "not serving", "refuses": "not serving",
+            "round ended first": "round ended before its part's sum was complete"}[reducer_b]
+    assert "reducer b: " in str(failed.value) and said in str(failed.value), str(failed.value)
