@@ -77,7 +77,12 @@ class InnerConfig:
     weight_decay: float = 0.1
     batch_size: int = option(16, "Sequences per inner step.")
     seq_len: int = option(128, "Tokens (bytes) per sequence.")
-    grad_clip: float = 1.0
+    grad_clip: float = option(1.0, "Clip the inner gradients' global norm to this (0: no clipping).")
+    step_in_backward: bool = option(
+        False, "Step the inner optimizer on each parameter as soon as its gradient is complete, inside the "
+        "backward pass: the whole model's gradients are never held at once (4 bytes per parameter less at the "
+        "peak), with the same bits as stepping after it. Needs --grad-clip 0: a global norm needs every gradient "
+        "before the first step.")
     round_seconds: Optional[float] = option(
         None, "Time-budgeted H: contribute every this many seconds instead of every H steps.")
     optimizer: str = option(
@@ -93,6 +98,9 @@ class InnerConfig:
         _positive_float(self, "lr")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0:
             raise ConfigError("inner warmup_steps, weight_decay and grad_clip must be >= 0")
+        if self.step_in_backward and self.grad_clip > 0:
+            raise ConfigError(f"--step-in-backward needs --grad-clip 0 (got {self.grad_clip}): clipping to a global "
+                              "norm needs every gradient before the first parameter is stepped")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,6 +9,7 @@ peer's own metrics (torch.cuda.max_memory_allocated).
 
 Usage: python scripts/bench_memory.py [--models tiny,base,medium,large] [--optimizers adamw,adamw8bit]
        [--batch-size 4] [--device cpu] [--peers 2] [--compression none|int8|int4|int2]
+       [--step-in-backward off|on|both]   (both: each size with and without, alternately, with --grad-clip 0)
 Needs no root; run it inside `unshare -n` (loopback only) like the tests, or not: peers listen on 127.0.0.1.
 """
 
@@ -69,8 +70,10 @@ def _name(pid: int) -> str:
         return str(pid)
 
 
-def measure(model: str, optimizer: str, args, log_dir: Path) -> dict:
-    common = ["--model", model, "--inner-optimizer", optimizer, "--batch-size", str(args.batch_size),
+def measure(model: str, optimizer: str, args, log_dir: Path, in_backward: bool = False) -> dict:
+    fused = ["--grad-clip", "0", "--step-in-backward"] if in_backward else \
+        ["--grad-clip", "0"] if args.step_in_backward == "both" else []  # the pair differs in the fusion only
+    common = [*fused, "--model", model, "--inner-optimizer", optimizer, "--batch-size", str(args.batch_size),
               "--seq-len", str(args.seq_len), "-H", str(args.inner_steps), "--max-rounds", str(args.rounds),
               "--threads", str(args.threads), "--device", args.device, "--eval-every", "0",
               "--run-id", f"mem-{model}-{optimizer}", "--checkpoint-every", str(args.checkpoint_every),
@@ -90,14 +93,15 @@ def measure(model: str, optimizer: str, args, log_dir: Path) -> dict:
         sampler.stopped.set()
         for proc in (first, *others):
             stop_tree(proc)
+    tag = f"{model}-{optimizer}" + ("-in-backward" if in_backward else "")
     if args.timeline:  # the samples, and the peer's own records (its rounds and checkpoints, by wall-clock time)
-        with open(args.timeline.with_suffix(f".{model}-{optimizer}.jsonl"), "w") as f:
+        with open(args.timeline.with_suffix(f".{tag}.jsonl"), "w") as f:
             f.writelines(json.dumps(dict(time=t, pss=sizes)) + "\n" for t, sizes in sampler.timeline)
-        shutil.copy(log_dir / "peer0.jsonl", args.timeline.with_suffix(f".{model}-{optimizer}.peer0.jsonl"))
+        shutil.copy(log_dir / "peer0.jsonl", args.timeline.with_suffix(f".{tag}.peer0.jsonl"))
     summary = of_kind(read_records(log_dir / "peer0.jsonl"), Summary)
     n_params = sum_params(model)
     device_peak = summary[-1].device_peak_bytes if summary else None
-    return dict(model=model, optimizer=optimizer, device=args.device, compression=args.compression, n_params=n_params,
+    return dict(model=model, optimizer=optimizer, step_in_backward=in_backward, device=args.device, compression=args.compression, n_params=n_params,
                 rounds=summary[-1].rounds if summary else None,
                 tokens_per_s=round(summary[-1].tokens / max(summary[-1].training_seconds, 1e-9)) if summary else None,
                 utilization=round(summary[-1].utilization, 3) if summary else None,
@@ -111,8 +115,9 @@ def _print_slopes(rows: list) -> None:
     """What each further parameter costs: the slope between the smallest and the largest model measured, with
     the same optimizer. The processes' fixed cost (Python, torch, hivemind's helpers: ~0.7 GB) weighs on small
     models; the slope is what a 1B model pays per parameter."""
-    for optimizer in dict.fromkeys(r["optimizer"] for r in rows):
-        mine = sorted((r for r in rows if r["optimizer"] == optimizer), key=lambda r: r["n_params"])
+    for kind in dict.fromkeys((r["optimizer"], r["step_in_backward"]) for r in rows):
+        optimizer = kind[0] + (" in backward" if kind[1] else "")
+        mine = sorted((r for r in rows if (r["optimizer"], r["step_in_backward"]) == kind), key=lambda r: r["n_params"])
         if len(mine) >= 2 and mine[-1]["n_params"] > mine[0]["n_params"]:
             lo, hi = mine[0], mine[-1]
             slope = (hi["host_peak_gb"] - lo["host_peak_gb"]) * 1e9 / (hi["n_params"] - lo["n_params"])
@@ -141,21 +146,26 @@ def main() -> None:
     p.add_argument("--compression", default="none", help="the rounds' wire format (none: 20-bit codes, the default)")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
+    p.add_argument("--step-in-backward", choices=("off", "on", "both"), default="off",
+                   help="step the inner optimizer inside the backward pass (needs --grad-clip 0, which 'both' uses "
+                        "for the run without it too)")
     p.add_argument("--timeline", type=Path, default=None,
                    help="also write each size's samples (time, PSS per process) to TIMELINE.<model>-<optimizer>.jsonl")
     args = p.parse_args()
     rows = []
     for model in args.models.split(","):
         for optimizer in args.optimizers.split(","):
-            with tempfile.TemporaryDirectory() as tmp:
-                row = measure(model, optimizer, args, Path(tmp))
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    print(f"\n{'model':8} {'params':>11} {'optimizer':10} {'host GB':>8} {'host B/param':>13} {'goal':>5} "
+            for in_backward in {"off": [False], "on": [True], "both": [False, True]}[args.step_in_backward]:
+                with tempfile.TemporaryDirectory() as tmp:
+                    row = measure(model, optimizer, args, Path(tmp), in_backward)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print(f"\n{'model':8} {'params':>11} {'optimizer':14} {'host GB':>8} {'host B/param':>13} {'goal':>5} "
           f"{'device B/param':>15} {'tokens/s':>9} {'util':>5}")
     for r in rows:
         device = "-" if r["device_bytes_per_param"] is None else f"{r['device_bytes_per_param']:.1f}"
-        print(f"{r['model']:8} {r['n_params']:>11,} {r['optimizer']:10} {r['host_peak_gb']:>8.2f} "
+        optimizer = r["optimizer"] + (" in bwd" if r["step_in_backward"] else "")
+        print(f"{r['model']:8} {r['n_params']:>11,} {optimizer:14} {r['host_peak_gb']:>8.2f} "
               f"{r['host_bytes_per_param']:>13.1f} {r['goal_host_bytes_per_param']:>5.0f} {device:>15} "
               f"{r['tokens_per_s'] or 0:>9} {r['utilization'] or 0:>5.2f}")
     _print_slopes(rows)

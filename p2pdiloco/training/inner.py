@@ -133,6 +133,17 @@ class InnerTrainer:
         self.optimizer = make_optimizer(model.parameters(), cfg)
         self.total_steps = 0  # over the peer's life: drives the warm-up
         self.on_gpu = device.type == "cuda"
+        if cfg.step_in_backward:
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._step_one)
+
+    def _step_one(self, param: nn.Parameter) -> None:
+        """In the backward pass, once `param`'s gradient is complete. Every parameter whose gradient came
+        before was stepped and its gradient freed, and those still to come have none yet: the optimizer's
+        step (which skips parameters without a gradient) steps this one alone, as it would among all."""
+        self.optimizer.step()
+        param.grad = None
 
     def lr_at(self, step: int) -> float:
         if self.cfg.warmup_steps == 0:
@@ -149,10 +160,11 @@ class InnerTrainer:
             group["lr"] = self.lr_at(self.total_steps)
         with torch.autocast("cuda", dtype=torch.bfloat16) if self.on_gpu else nullcontext():
             loss = self.model(inputs, targets)
-        loss.backward()
-        if self.cfg.grad_clip > 0:
-            nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        self.optimizer.step()
+        loss.backward()  # with step_in_backward, this also steps every parameter (_step_one)
+        if not self.cfg.step_in_backward:
+            if self.cfg.grad_clip > 0:
+                nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            self.optimizer.step()
         # freed now, not before the next backward: between steps, where a round's Δ, its outer step and the
         # checkpoints come and go, the gradients (4 bytes per parameter) are not held
         self.optimizer.zero_grad(set_to_none=True)
