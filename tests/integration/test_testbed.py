@@ -110,26 +110,32 @@ def test_bad_links_are_refused():
 
 def test_peers_on_separate_hosts_behind_slow_links_merge_compressed_rounds_and_stay_equal(tmp_path):
     """Three peers, each in its own namespace behind 20 Mbit/s links with 20 ms one way: members that never met
-    before the round still reach each other (libp2p learns their addresses), and int4 rounds stay exact."""
+    before the round still reach each other (libp2p learns their addresses), and int4 rounds stay exact.
+    The first peer stays until the two joiners are done: on busy cores it once ran its rounds out before they
+    had started, and the test saw one merged round instead of a swarm."""
+    import signal
     import time
+
+    def join(i: int, *extra: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [*tb.exec_prefix(i), sys.executable, "-m", "p2pdiloco.cli", "join", "--listen",
+             f"/ip4/{tb.address(i)}/tcp/0", "--name", f"p{i}", *extra, "--model", "tiny", "--threads", "1",
+             "-H", "10", "--compression", "int4", "--eval-every", "0",
+             "--checkpoint-every", "0", "--log-dir", str(tmp_path), "--run-id", "hosts"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     with Testbed(3, Link(rate_mbit=20, delay_ms=20), prefix="p2pdt-swarm") as tb:
         procs = []
         try:
-            for i in range(3):
-                initial = []
-                if i:
-                    deadline = time.monotonic() + 60
-                    while not (tmp_path / "p0.addrs").exists() and time.monotonic() < deadline:
-                        time.sleep(0.2)
-                    initial = ["--initial-peers", (tmp_path / "p0.addrs").read_text().split()[0]]
-                procs.append(subprocess.Popen(
-                    [*tb.exec_prefix(i), sys.executable, "-m", "p2pdiloco.cli", "join", "--listen",
-                     f"/ip4/{tb.address(i)}/tcp/0", "--name", f"p{i}", *initial, "--model", "tiny", "--threads", "1",
-                     "-H", "10", "--max-rounds", "3", "--compression", "int4", "--eval-every", "0",
-                     "--checkpoint-every", "0", "--log-dir", str(tmp_path), "--run-id", "hosts"],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            codes = [p.wait(timeout=150) for p in procs]
+            procs.append(join(0))
+            deadline = time.monotonic() + 60
+            while not (tmp_path / "p0.addrs").exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            initial = ["--initial-peers", (tmp_path / "p0.addrs").read_text().split()[0]]
+            procs += [join(i, *initial, "--max-rounds", "3") for i in (1, 2)]
+            codes = [p.wait(timeout=150) for p in procs[1:]]
+            procs[0].send_signal(signal.SIGTERM)  # it leaves gracefully
+            codes.insert(0, procs[0].wait(timeout=60))
         finally:
             for p in procs:
                 if p.poll() is None:

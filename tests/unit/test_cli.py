@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -189,13 +190,26 @@ def test_a_full_disk_while_checkpointing_is_one_clear_line_and_loses_nothing_sav
     assert "free space there or give --checkpoint-dir another disk" in err
 
 
-@pytest.mark.parametrize("address, message", [
+MALFORMED_PEERS = [
     ("/ip4/999.1.1.1/tcp/1/p2p/" + PEER_ID, "not a valid multiaddr"),
     ("/ip4/127.0.0.1/tcp/1/p2p/notapeerid", "not a valid multiaddr"),
     ("/bogus/thing", "not a valid multiaddr"),
     ("/ip4/127.0.0.1/tcp/1", "no /p2p/PEER_ID part"),
-])
-def test_a_malformed_initial_peer_is_refused_before_any_daemon_starts(tmp_path, address, message):
+]
+
+
+@pytest.mark.parametrize("address, message", MALFORMED_PEERS)
+def test_a_malformed_initial_peer_is_named_with_what_is_wrong(address, message):
+    from p2pdiloco.config import SwarmConfig
+    from p2pdiloco.swarm.node import SwarmConnectError, check_addresses
+
+    with pytest.raises(SwarmConnectError, match=re.escape(f"--initial-peers {address}: {message}")):
+        check_addresses(SwarmConfig(initial_peers=(address,)))
+
+
+def test_a_malformed_initial_peer_is_refused_before_any_daemon_starts(tmp_path):
+    """End to end, one of the cases above (a process each costs seconds of imports)."""
+    address, message = MALFORMED_PEERS[-1]
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "p2pdiloco.cli", "join", "--initial-peers", address, "--model",
                            "tiny", "--log-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
