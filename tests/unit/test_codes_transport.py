@@ -262,6 +262,17 @@ class LoopbackStub:
         return self.exchange.fetch_answers(request, 1.0, self.caller)
 
 
+class DiesAfterOnePiece(LoopbackStub):
+    """A reducer whose stream of sums stops after the first piece."""
+
+    async def rpc_codes_fetch(self, request):
+        served = await super().rpc_codes_fetch(request)
+
+        async def answer():
+            yield await served.__anext__()
+        return answer()
+
+
 def test_a_member_that_fetches_after_the_reducer_finished_its_round_still_gets_the_sum():
     """The reducer's round can end before a slower member asked for its part's sum; the sum must still be
     served, or that member rolls back while the reducer commits (a split the swarm then has to heal)."""
@@ -479,14 +490,6 @@ def test_a_sender_whose_part_never_came_is_reported_late_and_is_no_culprit_of_a_
              for i, name in enumerate("ab")}
     selected = torch.ones(n, dtype=torch.bool)
 
-    class DiesAfterOnePiece(LoopbackStub):
-        async def rpc_codes_fetch(self, request):
-            served = await super().rpc_codes_fetch(request)
-
-            async def answer():
-                yield await served.__anext__()
-            return answer()
-
     def run_round(dying: bool):
         ex = {name: CodesExchange(max_payload=1 << 22) for name in "ab"}
 
@@ -510,14 +513,6 @@ def test_a_round_of_many_pieces_ends_with_the_exact_sum_and_a_reducer_that_dies_
     codes = {name: torch.randint(-7, 8, (n,), generator=torch.Generator().manual_seed(i))
              for i, name in enumerate("ab")}
     selected = torch.ones(n, dtype=torch.bool)
-
-    class DiesAfterOnePiece(LoopbackStub):
-        async def rpc_codes_fetch(self, request):
-            served = await super().rpc_codes_fetch(request)
-
-            async def answer():
-                yield await served.__anext__()
-            return answer()
 
     landed = {name: torch.zeros(n, dtype=torch.int64) for name in "ab"}
 
