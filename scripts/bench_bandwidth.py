@@ -11,6 +11,7 @@ identities, hence the same data order: variants differ only in their codec. Need
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import statistics
@@ -19,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from p2pdiloco.ops.launcher import stop_tree
 from p2pdiloco.ops.testbed import Link, Testbed
 from p2pdiloco.runtime.schema import Round, Start, Summary, of_kind, read_records
 
@@ -46,14 +48,16 @@ def run_variant(tb: Testbed, variant: str, seed: int, args, log_dir: Path) -> di
               "--run-id", f"bw-seed{seed}", "--seed", str(seed), "--bandwidth-mbps", str(args.rate_mbit),
               "--throttle", str(args.throttle)]
     procs, started = [], time.monotonic()
-    for i in range(args.peers):
-        join = ["--initial-peers", first_address(log_dir, timeout=60)] if i else []
-        cmd = [*tb.exec_prefix(i), sys.executable, "-m", "p2pdiloco.cli", "join", "--listen",
-               f"/ip4/{tb.address(i)}/tcp/0", "--name", f"p{i}", "--identity", str(keys / f"p{i}.key"), *join, *common]
-        with (log_dir / f"p{i}.out").open("wb") as out:
-            procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))
-    for p in procs:
-        p.wait(timeout=args.timeout)
+    with stopped_at_exit(procs):
+        for i in range(args.peers):
+            join = ["--initial-peers", first_address(log_dir, timeout=60)] if i else []
+            cmd = [*tb.exec_prefix(i), sys.executable, "-m", "p2pdiloco.cli", "join", "--listen",
+                   f"/ip4/{tb.address(i)}/tcp/0", "--name", f"p{i}", "--identity", str(keys / f"p{i}.key"), *join,
+                   *common]
+            with (log_dir / f"p{i}.out").open("wb") as out:
+                procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))
+        for p in procs:
+            p.wait(timeout=args.timeout)
     wall = time.monotonic() - started
     return dict(seed=seed, **summarize(log_dir, args, wall, [p.returncode for p in procs]))
 
@@ -62,16 +66,30 @@ def run_dp(tb: Testbed, args, log_dir: Path) -> dict:
     """(a): gloo all-reduce of gradients every step, over the same links (scripts/dp_baseline.py)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     script = str(Path(__file__).with_name("dp_baseline.py"))
-    procs = [subprocess.Popen([*tb.exec_prefix(i), sys.executable, script, "--rank", str(i), "--world",
-                               str(args.peers), "--master", tb.address(0), "--iface", f"v{i}", "--model", args.model,
-                               "--steps", str(args.dp_steps), "--batch-size", str(args.batch_size),
-                               "--seq-len", str(args.seq_len)], stdout=subprocess.PIPE, text=True)
-             for i in range(args.peers)]
-    ranks = [json.loads(p.communicate(timeout=args.timeout)[0].strip().splitlines()[-1]) for p in procs]
+    procs = []
+    with stopped_at_exit(procs):
+        for i in range(args.peers):
+            procs.append(subprocess.Popen(
+                [*tb.exec_prefix(i), sys.executable, script, "--rank", str(i), "--world", str(args.peers), "--master",
+                 tb.address(0), "--iface", f"v{i}", "--model", args.model, "--steps", str(args.dp_steps),
+                 "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)], stdout=subprocess.PIPE,
+                text=True))
+        ranks = [json.loads(p.communicate(timeout=args.timeout)[0].strip().splitlines()[-1]) for p in procs]
     (log_dir / "ranks.json").write_text(json.dumps(ranks, indent=1))
     both = statistics.mean(r["tx_bytes_per_step"] + r["rx_bytes_per_step"] for r in ranks)
     return dict(exit_codes=[p.returncode for p in procs], step_seconds=statistics.mean(r["step_seconds"] for r in ranks),
                 bytes_per_step_both_ways=both, bytes_per_token=both / ranks[0]["tokens_per_step"])
+
+
+@contextlib.contextmanager
+def stopped_at_exit(procs: list):
+    """Whatever ends the block (a Ctrl-C, a timeout, an error), no process of `procs` outlives it: the testbed
+    removes its namespaces on the way out, and a peer left running there would train on, unreachable."""
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            stop_tree(p, grace=10)
 
 
 def first_address(log_dir: Path, timeout: float) -> str:
