@@ -78,8 +78,8 @@ def test_late_join_bootstrap_death_graceful_leave_and_restart(tmp_path):
         assert not unresolved_forks(swarm, names, within_rounds=2)
 
 
-@pytest.mark.slow  # opt-in (-m slow): the default suite stays under 15 minutes; tests/unit/test_transfer.py kills and freezes donors
-# mid-transfer at the same seam, in-process
+# opt-in (the suite's 15 minutes): tests/unit/test_transfer.py kills and freezes donors mid-transfer, in-process
+@pytest.mark.slow
 def test_joiner_gets_the_state_when_its_donor_dies_mid_transfer(tmp_path):
     """A joiner fetches the state in parts from every donor holding the best key at once. By fault plan,
     `donor` serves the joiner one part at version ≥ 2, then SIGKILLs itself with the joiner's next part request
@@ -126,8 +126,9 @@ def test_joiner_gets_the_state_when_its_donor_dies_mid_transfer(tmp_path):
         assert not islands_disagreeing(swarm, [*names, "donor"])
 
 
-@pytest.mark.slow  # opt-in (-m slow): the default suite stays under 15 minutes; a restart from a checkpoint runs in the
-# first test here, and tests/unit/test_checkpoint.py restores bit-exactly
+# opt-in (the suite's 15 minutes): the first test here restarts a peer from its checkpoint, and
+# tests/unit/test_checkpoint.py restores bit-exactly
+@pytest.mark.slow
 def test_whole_swarm_restarted_from_checkpoints_continues_where_it_stopped(tmp_path):
     names = ["a", "b"]
     with local_swarm(tmp_path, "restart") as swarm:

@@ -29,8 +29,9 @@ def test_int4_rounds_leave_members_bitwise_equal_with_an_eighth_of_the_bytes(tmp
             assert s.final_val < s.initial_val - 2.0, s
 
 
-@pytest.mark.slow  # opt-in (-m slow): the default suite stays under 15 minutes; the default wire format rides the same transport, and
-# test_swarm's SIGKILL mid all-reduce runs on it
+# opt-in (the suite's 15 minutes): the default wire format rides the same transport, and test_swarm's SIGKILL mid
+# all-reduce runs on it
+@pytest.mark.slow
 def test_a_member_killed_mid_compressed_round_makes_the_others_roll_back_not_split(tmp_path):
     names = ["a", "b", "victim"]
     with local_swarm(tmp_path, "int4kill") as swarm:

@@ -21,8 +21,9 @@ def test_lone_peer_with_quorum_one_trains_alone_without_blocking(tmp_path):
     assert summary.final_val < summary.initial_val - 1.0
 
 
-@pytest.mark.slow  # opt-in (-m slow): the default suite stays under 15 minutes; tests/unit/test_protocol.py and test_decoupled.py merge
-# stale members and make them adopt the group's state; the chaos run's frozen peers come back stale
+# opt-in (the suite's 15 minutes): tests/unit/test_protocol.py and test_decoupled.py merge stale members and make
+# them adopt the group's state; the chaos run's frozen peers come back stale
+@pytest.mark.slow
 def test_stale_contributor_is_merged_then_catches_up(tmp_path):
     names = ["fast1", "fast2", "slow"]
     with local_swarm(tmp_path, "stale") as swarm:

@@ -15,8 +15,9 @@ from tests.harness.swarm import TINY
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
 
-@pytest.mark.slow  # opt-in (-m slow): the default suite stays under 15 minutes; tests/unit/test_averager_seams.py refuses followers,
-# members and state requests without a valid pass, and tests/unit/test_swarm_key.py the signatures
+# opt-in (the suite's 15 minutes): tests/unit/test_averager_seams.py refuses followers, members and state requests
+# without a valid pass, and tests/unit/test_swarm_key.py checks the signatures
+@pytest.mark.slow
 def test_only_peers_with_the_swarm_key_can_join(tmp_path):
     key, wrong = tmp_path / "swarm.key", tmp_path / "wrong.key"
     key.write_text("0123456789abcdef0123456789abcdef\n")

@@ -1,6 +1,7 @@
 """The network testbed applies what it promises (measured through it) and removes everything it created."""
 
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -108,14 +109,14 @@ def test_bad_links_are_refused():
             Link(**bad)
 
 
-@pytest.mark.slow  # opt-in (-m slow): the default suite stays under 15 minutes; test_nat's peers meet on
-# separate namespaced hosts of this testbed and merge, and test_compressed runs int4 rounds on the same transport
+# opt-in (the suite's 15 minutes): test_nat's peers meet on separate hosts of this testbed and merge, and
+# test_compressed runs int4 rounds on the same transport
+@pytest.mark.slow
 def test_peers_on_separate_hosts_behind_slow_links_merge_compressed_rounds_and_stay_equal(tmp_path):
     """Three peers, each in its own namespace behind 20 Mbit/s links with 20 ms one way: members that never met
     before the round still reach each other (libp2p learns their addresses), and int4 rounds stay exact.
     The first peer stays until the two joiners are done: on busy cores it once ran its rounds out before they
     had started, and the test saw one merged round instead of a swarm."""
-    import signal
     import time
 
     def join(i: int, *extra: str) -> subprocess.Popen:
