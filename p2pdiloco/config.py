@@ -244,7 +244,7 @@ class PeerConfig:
     max_rounds: Optional[int] = option(None, "Leave after this many rounds.")
     max_time: Optional[float] = option(None, "Leave after this many seconds of training.")
     eval_batches: int = 8  # validation batches of the shared held-out split, per evaluation
-    eval_every: int = option(1, "Evaluate after every N merged rounds (0: only at start and end).")
+    eval_every: int = option(1, "Evaluate after every N merged rounds (0: only at the end).")
     throttle: float = option(1.0, "Slow each inner step by this factor (emulates a slower machine).")
     threads: int = option(0, "torch threads (0: torch's default).")
     device: str = option("auto", "auto, cpu, cuda or cuda:N.")

@@ -3,7 +3,12 @@
 Reports validation loss at equal wall-clock (each run gets the same seconds) and at equal total tokens (the
 swarm's val loss at the first round where its summed tokens reach the solo run's total). Threads: every peer
 uses --threads 1, so 4 swarm peers share this machine's cores (on 2 cores each swarm peer gets ~half a core).
-Usage: python scripts/bench_swarm_vs_solo.py [--seconds 180] [--peers 4] [--model tiny]
+Every peer runs on the CPU unless --device says otherwise (the comparison is a core per peer; `auto` would put
+all of them on one GPU where there is one: on an H100 machine it did). Each peer evaluates Θ after every
+--eval-every merged rounds; the time that takes is not training time, and the solo peer, which merges after every
+H steps, evaluates more often than a swarm peer: each run's compute share of its wall time is reported.
+Usage: python scripts/bench_swarm_vs_solo.py [--seconds 180] [--peers 4] [--model tiny] [--device cpu]
+       [--eval-every 1]
 """
 
 from __future__ import annotations
@@ -17,14 +22,21 @@ from p2pdiloco.ops.launcher import run_local_swarm
 from p2pdiloco.runtime.schema import read_records
 
 
-def run(n_peers: int, seconds: float, model: str, log_dir: Path) -> list[list[dict]]:
-    args = ["--model", model, "--threads", "1", "-H", "25", "--max-time", str(seconds), "--run-id", f"bench{n_peers}"]
+def run(n_peers: int, seconds: float, model: str, log_dir: Path, device: str, eval_every: int) -> list[list[dict]]:
+    args = ["--model", model, "--threads", "1", "-H", "25", "--max-time", str(seconds), "--run-id", f"bench{n_peers}",
+            "--device", device, "--eval-every", str(eval_every)]
     run_local_swarm(n_peers, log_dir, args, stagger=0.2)
     return [read_records(log_dir / f"peer{i}.jsonl") for i in range(n_peers)]
 
 
 def final_val(records: list[list[dict]]) -> float:
     return min(r[-1].final_val for r in ([x for x in rec if x.kind == "summary"] for rec in records))
+
+
+def compute_share(records: list[list[dict]]) -> float:
+    """The peers' mean compute time over wall time while training (evaluations and waits are not compute)."""
+    shares = [r.utilization for rec in records for r in rec if r.kind == "summary"]
+    return round(sum(shares) / len(shares), 3)
 
 
 def tokens_curve(records: list[list[dict]]) -> list[tuple[int, float]]:
@@ -42,17 +54,21 @@ def main():
     parser.add_argument("--seconds", type=float, default=180)
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--model", default="tiny")
+    parser.add_argument("--device", default="cpu", help="every peer's --device (cpu: a core per peer)")
+    parser.add_argument("--eval-every", type=int, default=1, help="every peer's --eval-every")
     a = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        solo = run(1, a.seconds, a.model, Path(tmp) / "solo")
-        swarm = run(a.peers, a.seconds, a.model, Path(tmp) / "swarm")
+        solo = run(1, a.seconds, a.model, Path(tmp) / "solo", a.device, a.eval_every)
+        swarm = run(a.peers, a.seconds, a.model, Path(tmp) / "swarm", a.device, a.eval_every)
     solo_curve, swarm_curve = tokens_curve(solo), tokens_curve(swarm)
     solo_tokens, solo_val = solo_curve[-1]
     at_equal_tokens = next((v for t, v in swarm_curve if t >= solo_tokens), None)
     result = dict(
-        seconds=a.seconds, model=a.model, peers=a.peers, threads_per_peer=1,
-        solo=dict(tokens=solo_tokens, val_loss=final_val(solo), versions=len(solo_curve)),
-        swarm=dict(tokens=swarm_curve[-1][0], val_loss=final_val(swarm), versions=len(swarm_curve)),
+        seconds=a.seconds, model=a.model, peers=a.peers, threads_per_peer=1, device=a.device, eval_every=a.eval_every,
+        solo=dict(tokens=solo_tokens, val_loss=final_val(solo), versions=len(solo_curve),
+                  compute_share=compute_share(solo)),
+        swarm=dict(tokens=swarm_curve[-1][0], val_loss=final_val(swarm), versions=len(swarm_curve),
+                   compute_share=compute_share(swarm)),
         swarm_val_at_solo_tokens=at_equal_tokens,
         val_ratio_equal_wallclock=final_val(swarm) / final_val(solo),
     )

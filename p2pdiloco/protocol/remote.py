@@ -50,6 +50,13 @@ class PeerRecord:
     def key(self) -> tuple[int, str]:
         return (self.version, self.digest)
 
+    @property
+    def delta_norm(self) -> Optional[float]:
+        """The L2 norm of its pseudo-gradient, from the block norms it claims (None where it sent none)."""
+        if not self.block_norms:
+            return None
+        return float(torch.frombuffer(bytearray(self.block_norms), dtype=torch.float32).double().norm())
+
 
 @dataclass(frozen=True)
 class Member:
@@ -71,6 +78,13 @@ class Member:
     @property
     def key(self) -> tuple[int, str]:
         return (self.version, self.digest)
+
+    @property
+    def delta_norm(self) -> Optional[float]:
+        """The L2 norm of its pseudo-gradient, from the block norms it claims (None where it sent none)."""
+        if not self.block_norms:
+            return None
+        return float(torch.frombuffer(bytearray(self.block_norms), dtype=torch.float32).double().norm())
 
     def as_record(self) -> dict:
         """For metrics and logs: everything but the block maxima."""

@@ -118,6 +118,7 @@ class Round(Record, kind="round"):
     member_tokens: list = field(default_factory=list)
     member_versions: list = field(default_factory=list)
     member_steps: list = field(default_factory=list)
+    member_norms: list = field(default_factory=list)  # the L2 norm of each one's Δ, as it claims it
     excluded: dict = field(default_factory=dict)  # member → why it was not merged
     bounded: dict = field(default_factory=dict)  # member → which of its claims were capped (weight, maxima)
     weights: list = field(default_factory=list)
