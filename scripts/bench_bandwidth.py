@@ -6,6 +6,7 @@ against the link bound 2·(N−1)/N·S/B, compute utilization, wall-clock, and t
 after every merged round (mean of the seeds, with their spread). Every seed runs every variant with the same peer
 identities, hence the same data order: variants differ only in their codec. Needs root (the testbed); run it as
     python scripts/bench_bandwidth.py --variants dp,none,int8,int4,topk0.02 [-H 500] [--rounds 3] [--seeds 0,1,2]
+(a variant may name its outer learning rate: none-lr0.35 is fp32 rounds with --outer-lr 0.35)
 """
 
 from __future__ import annotations
@@ -37,13 +38,20 @@ def codec_flags(variant: str) -> list[str]:
     return ["--compression", variant]
 
 
+def variant_flags(variant: str) -> list[str]:
+    """A variant's wire format, and its outer learning rate where it names one: none-lr0.35 is fp32 rounds with
+    --outer-lr 0.35 (given last, so it overrides SparseLoCo's)."""
+    codec, _, outer_lr = variant.partition("-lr")
+    return [*codec_flags(codec), *(["--outer-lr", outer_lr] if outer_lr else [])]
+
+
 def run_variant(tb: Testbed, variant: str, seed: int, args, log_dir: Path) -> dict:
     shutil.rmtree(log_dir, ignore_errors=True)
     log_dir.mkdir(parents=True)
     keys = args.log_dir / "identities" / f"seed{seed}"  # shared by the variants: same peer ids, same data order
     keys.mkdir(parents=True, exist_ok=True)
     common = ["--model", args.model, "--threads", "1", "-H", str(args.H), "--max-rounds", str(args.rounds),
-              "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), *codec_flags(variant),
+              "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), *variant_flags(variant),
               "--eval-every", "1" if args.curves else "0", "--checkpoint-every", "0", "--log-dir", str(log_dir),
               "--run-id", f"bw-seed{seed}", "--seed", str(seed), "--bandwidth-mbps", str(args.rate_mbit),
               "--throttle", str(args.throttle)]
