@@ -7,7 +7,8 @@
 # 3. compute utilization of 2 GPU peers in one swarm;
 # 4. 4 peers vs 1 at equal wall-clock with a core per peer (scripts/bench_swarm_vs_solo.py).
 # It needs a CUDA build of torch in .venv (scripts/setup.sh installs the CPU one: pip install torch first), or
-# PYTHON naming an interpreter that has one and p2pdiloco's dependencies (on its path or PYTHONPATH).
+# PYTHON naming an interpreter that has one and p2pdiloco's dependencies (on its path or PYTHONPATH; for a machine
+# without a package index, scripts/offline_site.sh packs them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/gpu-checks}
