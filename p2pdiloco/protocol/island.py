@@ -130,8 +130,7 @@ def _plan(island: Island, weighting: str, cap: float, n_params: int, bounds: Bou
     index = [i for i, m in enumerate(island.members) if m is not None]
     capped, weight_notes = cap_to_median(raw, bounds.weight_ratio)
     norms = [_fp32(m.block_norms) for m in accepted]
-    capped, norm_notes = cut_to_median_norm(capped, [float(x.double().square().sum().sqrt()) for x in norms],
-                                            bounds.norm_ratio)
+    capped, norm_notes = cut_to_median_norm(capped, [m.delta_norm or 0.0 for m in accepted], bounds.norm_ratio)
     stats = [_fp32(m.maxabs) for m in accepted]
     clipped, over = clip_to_block_median(stats, bounds.scale_ratio)
     notes: dict[int, str] = {}

@@ -50,13 +50,6 @@ class PeerRecord:
     def key(self) -> tuple[int, str]:
         return (self.version, self.digest)
 
-    @property
-    def delta_norm(self) -> Optional[float]:
-        """The L2 norm of its pseudo-gradient, from the block norms it claims (None where it sent none)."""
-        if not self.block_norms:
-            return None
-        return float(torch.frombuffer(bytearray(self.block_norms), dtype=torch.float32).double().norm())
-
 
 @dataclass(frozen=True)
 class Member:
@@ -81,10 +74,12 @@ class Member:
 
     @property
     def delta_norm(self) -> Optional[float]:
-        """The L2 norm of its pseudo-gradient, from the block norms it claims (None where it sent none)."""
+        """The L2 norm of its pseudo-gradient, from the block norms it claims (None where it sent none). Every
+        member bounds the merge with it, so its arithmetic must not change between releases: one ulp apart, two
+        versions of p2pdiloco would weigh a member differently and fork."""
         if not self.block_norms:
             return None
-        return float(torch.frombuffer(bytearray(self.block_norms), dtype=torch.float32).double().norm())
+        return float(torch.frombuffer(bytearray(self.block_norms), dtype=torch.float32).double().square().sum().sqrt())
 
     def as_record(self) -> dict:
         """For metrics and logs: everything but the block maxima."""
