@@ -254,6 +254,11 @@ class PeerConfig:
     checkpoint_every: int = option(5, "Merged rounds between checkpoints (one is always written on leaving; 0: "
                                    "never).")
     keep_checkpoints: int = option(3, "How many checkpoints to keep.")
+    global_state_on_disk: bool = option(
+        False, "Keep the global model and its outer momentum (8 bytes per parameter) in a file under "
+        "CHECKPOINT_DIR/RUN_ID, in memory only while a round starts or ends, an evaluation, a checkpoint or a "
+        "joiner reads them: the peak is then the inner loop's. Costs the disk 8 bytes per parameter of writes "
+        "per round.")
     name: Optional[str] = option(None, "Label for logs and metrics (default: end of the peer id).")
     metrics: str = option("", "Metrics sinks besides JSONL, comma-separated: tensorboard, wandb (each an optional "
                           "extra; W&B honours WANDB_MODE=offline).", metavar="SINKS")

@@ -20,6 +20,7 @@ from p2pdiloco.core.consensus import consensus_distance, fork_distance, sketch
 from p2pdiloco.training.diloco import DiLoCo, Settled, train
 from p2pdiloco.protocol.outcomes import Contribution
 from p2pdiloco.training.inner import InnerTrainer, bitsandbytes, evaluate, flat_params
+from p2pdiloco.training.parked import global_vectors
 from p2pdiloco.runtime.faults import FaultPlan
 from p2pdiloco.runtime.lifeline import start_lifeline
 from p2pdiloco.runtime import schema
@@ -120,7 +121,7 @@ class Peer:
         self.n_params = sum(p.numel() for p in shapes.parameters())
         self.segments = rda_segments(shapes)
         self.val = validation_batches(self.corpus.val, cfg.eval_batches, cfg.inner.batch_size, cfg.inner.seq_len)
-        self.model = self.state = None
+        self.model = self.state = self.global_vectors = None
         self.clock = RoundClock()
         self.name = cfg.name
 
@@ -131,7 +132,19 @@ class Peer:
         if self.model is None:
             cfg = self.cfg
             self.model = build_model(model_config(cfg.model), cfg.seed).to(self.device)
-            self.state = GlobalState(flat_params(self.model), cfg.outer.lr, cfg.outer.momentum)
+            # the file goes away with us; the run's folder, as an unnamed peer's own is not known yet
+            folder = cfg.checkpoint_dir / cfg.swarm.run_id if cfg.global_state_on_disk else None
+            self.global_vectors = vectors = global_vectors(self.n_params, folder)
+            theta = flat_params(self.model, out=vectors.theta)  # no staging copy beside it, from a GPU either
+            self.state = GlobalState(theta, cfg.outer.lr, cfg.outer.momentum, storage=(theta, vectors.momentum),
+                                     page_out=vectors.page_out)
+            self._park()
+
+    def _park(self) -> None:
+        """Θ and the momentum are cold until a round starts or ends, an evaluation, a checkpoint or a joiner
+        reads them (`training.parked`; nothing to do where they are kept in memory)."""
+        if self.global_vectors is not None:
+            self.global_vectors.page_out()
 
     def _join(self, look_for_checkpoint: bool) -> None:
         """Cold start: connect, resume our checkpoint if any, fetch the swarm's state, then train. The checkpoint
@@ -240,7 +253,10 @@ class Peer:
         we built it is told so, and asks another donor."""
         if self.state is None:
             raise RuntimeError("this peer is still starting: no state to share yet")
-        return self.state.snapshot(shared=True)
+        try:
+            return self.state.snapshot(shared=True)
+        finally:
+            self._park()
 
     def _settings(self) -> dict[str, str]:
         return self.cfg.merge_settings(self.n_params)
@@ -296,6 +312,7 @@ class Peer:
         log.info("%s: resynced (%s) to version %d", self.name, why, self.state.version)
         self.metrics.write(schema.Resync(peer=self.name, why=why, version=self.state.version,
                                          digest=self.state.digest))
+        self._park()
 
     # ---- checkpoints -----------------------------------------------------------------------------------
     @property
@@ -343,6 +360,7 @@ class Peer:
         log.info("%s: resumed from checkpoint %s (version %d)", self.name, found.path, self.state.version)
         self.metrics.write(schema.Restore(peer=self.name, version=self.state.version, digest=self.state.digest,
                                           path=str(found.path), inner_step=self.diloco.trainer.total_steps))
+        self._park()
 
     def _publish_state(self) -> None:
         self.own_sketch = sketch(self.state.params)
@@ -358,6 +376,7 @@ class Peer:
         self.started = time.monotonic()
         # with evaluations off (chaos runs, benchmarks) a (re)starting peer goes straight to training
         initial_val = self._evaluate_global() if cfg.eval_every else None
+        self._park()
         self.metrics.write(schema.Start(peer=self.name, peer_id=self.peer_id, n_params=self.n_params,
                                         val_loss=initial_val, version=self.state.version,
                                         corpus=self.corpus.description, mode=cfg.swarm.mode))
@@ -448,6 +467,7 @@ class Peer:
 
     def _on_contribute(self, c: Contribution) -> None:
         self.metrics.write(schema.Contribute(peer=self.name, version=c.version, tokens=c.tokens, steps=c.steps))
+        self._park()
 
     def _on_round(self, settled: Settled | None) -> None:
         if settled is None:
@@ -463,6 +483,7 @@ class Peer:
         val = self._evaluate_global() if evaluate_now else None
         self._record_round(settled, val)
         self.progress.start_round(self.rounds, self.state.version)
+        self._park()
 
     def _record_round(self, settled: Settled, val) -> None:
         o, c = settled.outcome, settled.contribution

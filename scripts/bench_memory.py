@@ -9,7 +9,7 @@ peer's own metrics (torch.cuda.max_memory_allocated).
 
 Usage: python scripts/bench_memory.py [--models tiny,base,medium,large] [--optimizers adamw,adamw8bit]
        [--batch-size 4] [--device cpu] [--peers 2] [--compression none|int8|int4|int2]
-       [--step-in-backward off|on|both]   (both: each size with and without, alternately, with --grad-clip 0)
+       [--variants plain,in-backward,on-disk,in-backward+on-disk]   (each size once per variant, alternately)
 Needs no root; run it inside `unshare -n` (loopback only) like the tests, or not: peers listen on 127.0.0.1.
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -63,6 +64,40 @@ class PeakSampler(threading.Thread):
             time.sleep(self.interval)
 
 
+class MemoryLimit:
+    """A memory cgroup (v1 or v2; needs root) that holds the first peer's process tree to `limit` bytes, page
+    cache included, as a machine of that size would: the kernel reclaims file pages inside it (a parked global
+    state's, once written back) and kills the peer when what cannot be reclaimed does not fit (no swap here)."""
+
+    def __init__(self, limit: int, name: str):
+        v2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
+        self.path = Path("/sys/fs/cgroup" if v2 else "/sys/fs/cgroup/memory") / name
+        self.files = dict(limit="memory.max", peak="memory.peak", events="memory.events") if v2 else \
+            dict(limit="memory.limit_in_bytes", peak="memory.max_usage_in_bytes", events="memory.oom_control")
+        try:
+            self.path.mkdir()
+            (self.path / self.files["limit"]).write_text(str(limit))
+        except OSError as e:
+            raise SystemExit(f"--memory-limit needs root and a memory cgroup at {self.path.parent} ({e})") from None
+
+    def add(self, pid: int) -> None:
+        (self.path / "cgroup.procs").write_text(str(pid))  # before it forks: its helpers are held too
+
+    def result(self) -> dict:
+        events = dict(line.split() for line in (self.path / self.files["events"]).read_text().splitlines())
+        peak = self.path / self.files["peak"]
+        return dict(cgroup_peak_gb=round(int(peak.read_text()) / 1e9, 3) if peak.exists() else None,
+                    oom_kills=int(events.get("oom_kill", 0)))
+
+    def remove(self) -> None:
+        for _ in range(50):  # the killed tree's last exits are reaped a moment later
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
+
+
 def _name(pid: int) -> str:
     try:
         return f"{pid}:{Path(f'/proc/{pid}/comm').read_text().strip()}"
@@ -70,17 +105,34 @@ def _name(pid: int) -> str:
         return str(pid)
 
 
-def measure(model: str, optimizer: str, args, log_dir: Path, in_backward: bool = False) -> dict:
-    fused = ["--grad-clip", "0", "--step-in-backward"] if in_backward else \
-        ["--grad-clip", "0"] if args.step_in_backward == "both" else []  # the pair differs in the fusion only
-    common = [*fused, "--model", model, "--inner-optimizer", optimizer, "--batch-size", str(args.batch_size),
+# what a variant adds to a peer's flags; variants join them with '+' ("in-backward+on-disk"), "plain" has none
+FEATURES = {"in-backward": ["--step-in-backward"], "on-disk": ["--global-state-on-disk"]}
+
+
+def features(variant: str) -> list[str]:
+    names = [] if variant == "plain" else variant.split("+")
+    unknown = [n for n in names if n not in FEATURES]
+    if unknown:
+        raise SystemExit(f"unknown variant feature {unknown[0]!r}: plain, or {', '.join(FEATURES)} joined by '+'")
+    return names
+
+
+def measure(model: str, optimizer: str, args, log_dir: Path, variant: str = "plain") -> dict:
+    flags = [flag for name in features(variant) for flag in FEATURES[name]]
+    # where any variant steps inside the backward pass, all run without clipping: they differ in that only
+    clip = ["--grad-clip", "0"] if any("in-backward" in features(v) for v in args.variants) else []
+    common = [*clip, *flags, "--model", model, "--inner-optimizer", optimizer, "--batch-size", str(args.batch_size),
               "--seq-len", str(args.seq_len), "-H", str(args.inner_steps), "--max-rounds", str(args.rounds),
               "--threads", str(args.threads), "--device", args.device, "--eval-every", "0",
               "--run-id", f"mem-{model}-{optimizer}", "--checkpoint-every", str(args.checkpoint_every),
               "--compression", args.compression,
               "--checkpoint-dir", str(log_dir / "checkpoints")]
+    limit = MemoryLimit(int(args.memory_limit * 1e9), f"p2pdiloco-bench-{os.getpid()}-{log_dir.name}") \
+        if args.memory_limit else None
     first = start_process(peer_command("join", "--log-dir", str(log_dir), "--name", "peer0", *common),
                           log_dir / "peer0.log")
+    if limit is not None:
+        limit.add(first.pid)
     sampler = PeakSampler(first.pid)
     sampler.start()
     others = []
@@ -93,7 +145,10 @@ def measure(model: str, optimizer: str, args, log_dir: Path, in_backward: bool =
         sampler.stopped.set()
         for proc in (first, *others):
             stop_tree(proc)
-    tag = f"{model}-{optimizer}" + ("-in-backward" if in_backward else "")
+        held = limit.result() if limit is not None else {}
+        if limit is not None:
+            limit.remove()
+    tag = f"{model}-{optimizer}" + ("" if variant == "plain" else f"-{variant}")
     if args.timeline:  # the samples, and the peer's own records (its rounds and checkpoints, by wall-clock time)
         with open(args.timeline.with_suffix(f".{tag}.jsonl"), "w") as f:
             f.writelines(json.dumps(dict(time=t, pss=sizes)) + "\n" for t, sizes in sampler.timeline)
@@ -101,28 +156,39 @@ def measure(model: str, optimizer: str, args, log_dir: Path, in_backward: bool =
     summary = of_kind(read_records(log_dir / "peer0.jsonl"), Summary)
     n_params = sum_params(model)
     device_peak = summary[-1].device_peak_bytes if summary else None
-    return dict(model=model, optimizer=optimizer, step_in_backward=in_backward, device=args.device, compression=args.compression, n_params=n_params,
+    return dict(model=model, optimizer=optimizer, variant=variant, device=args.device, compression=args.compression,
+                n_params=n_params,
                 rounds=summary[-1].rounds if summary else None,
                 tokens_per_s=round(summary[-1].tokens / max(summary[-1].training_seconds, 1e-9)) if summary else None,
                 utilization=round(summary[-1].utilization, 3) if summary else None,
                 host_peak_gb=round(sampler.peak / 1e9, 3), host_bytes_per_param=round(sampler.peak / n_params, 1),
                 device_bytes_per_param=round(device_peak / n_params, 1) if device_peak else None,
                 goal_host_bytes_per_param=GOALS["cuda" if args.device.startswith("cuda") else "cpu"][optimizer],
-                by_process={k: round(v / 1e9, 3) for k, v in sampler.peak_by_process.items()})
+                by_process={k: round(v / 1e9, 3) for k, v in sampler.peak_by_process.items()},
+                memory_limit_gb=args.memory_limit, exit_code=first.returncode, **held)
 
 
 def _print_slopes(rows: list) -> None:
     """What each further parameter costs: the slope between the smallest and the largest model measured, with
     the same optimizer. The processes' fixed cost (Python, torch, hivemind's helpers: ~0.7 GB) weighs on small
     models; the slope is what a 1B model pays per parameter."""
-    for kind in dict.fromkeys((r["optimizer"], r["step_in_backward"]) for r in rows):
-        optimizer = kind[0] + (" in backward" if kind[1] else "")
-        mine = sorted((r for r in rows if (r["optimizer"], r["step_in_backward"]) == kind), key=lambda r: r["n_params"])
+    for kind in dict.fromkeys((r["optimizer"], r["variant"]) for r in rows):
+        optimizer = kind[0] + ("" if kind[1] == "plain" else f" {kind[1]}")
+        mine = sorted((r for r in rows if (r["optimizer"], r["variant"]) == kind), key=lambda r: r["n_params"])
         if len(mine) >= 2 and mine[-1]["n_params"] > mine[0]["n_params"]:
             lo, hi = mine[0], mine[-1]
             slope = (hi["host_peak_gb"] - lo["host_peak_gb"]) * 1e9 / (hi["n_params"] - lo["n_params"])
             print(f"{optimizer}: {slope:.1f} host bytes per further parameter ({lo['model']} → {hi['model']}); "
                   f"goal {lo['goal_host_bytes_per_param']:.0f}")
+
+
+def _within_limit(r: dict) -> str:
+    if not r["memory_limit_gb"]:
+        return ""
+    trained = r["exit_code"] == 0 and r["rounds"] is not None
+    outcome = "trained" if trained else f"failed (exit {r['exit_code']})"
+    return (f"  in {r['memory_limit_gb']:g} GB: {outcome}, {r['oom_kills']} OOM kill(s), "
+            f"cgroup peak {r['cgroup_peak_gb']} GB")
 
 
 def sum_params(model: str) -> int:
@@ -146,28 +212,37 @@ def main() -> None:
     p.add_argument("--compression", default="none", help="the rounds' wire format (none: 20-bit codes, the default)")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
+    p.add_argument("--variants", default=None,
+                   help="comma-separated, each size and optimizer once per variant, alternately: plain, or features "
+                        f"joined by '+' ({', '.join(FEATURES)}: --step-in-backward, --global-state-on-disk); "
+                        "where one steps in the backward pass, every variant runs with --grad-clip 0")
     p.add_argument("--step-in-backward", choices=("off", "on", "both"), default="off",
-                   help="step the inner optimizer inside the backward pass (needs --grad-clip 0, which 'both' uses "
-                        "for the run without it too)")
+                   help="the same as --variants plain, in-backward, or plain,in-backward")
+    p.add_argument("--memory-limit", type=float, default=None, metavar="GB",
+                   help="run the first peer in a memory cgroup of this size (root): does it train within it?")
     p.add_argument("--timeline", type=Path, default=None,
                    help="also write each size's samples (time, PSS per process) to TIMELINE.<model>-<optimizer>.jsonl")
     args = p.parse_args()
+    args.variants = (args.variants.split(",") if args.variants else
+                     {"off": ["plain"], "on": ["in-backward"], "both": ["plain", "in-backward"]}[args.step_in_backward])
+    for variant in args.variants:
+        features(variant)  # a typo ends the run now, not after the first hour of measuring
     rows = []
     for model in args.models.split(","):
         for optimizer in args.optimizers.split(","):
-            for in_backward in {"off": [False], "on": [True], "both": [False, True]}[args.step_in_backward]:
+            for variant in args.variants:
                 with tempfile.TemporaryDirectory() as tmp:
-                    row = measure(model, optimizer, args, Path(tmp), in_backward)
+                    row = measure(model, optimizer, args, Path(tmp), variant)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    print(f"\n{'model':8} {'params':>11} {'optimizer':14} {'host GB':>8} {'host B/param':>13} {'goal':>5} "
+    print(f"\n{'model':8} {'params':>11} {'optimizer':30} {'host GB':>8} {'host B/param':>13} {'goal':>5} "
           f"{'device B/param':>15} {'tokens/s':>9} {'util':>5}")
     for r in rows:
         device = "-" if r["device_bytes_per_param"] is None else f"{r['device_bytes_per_param']:.1f}"
-        optimizer = r["optimizer"] + (" in bwd" if r["step_in_backward"] else "")
-        print(f"{r['model']:8} {r['n_params']:>11,} {optimizer:14} {r['host_peak_gb']:>8.2f} "
+        optimizer = r["optimizer"] + ("" if r["variant"] == "plain" else f" {r['variant']}")
+        print(f"{r['model']:8} {r['n_params']:>11,} {optimizer:30} {r['host_peak_gb']:>8.2f} "
               f"{r['host_bytes_per_param']:>13.1f} {r['goal_host_bytes_per_param']:>5.0f} {device:>15} "
-              f"{r['tokens_per_s'] or 0:>9} {r['utilization'] or 0:>5.2f}")
+              f"{r['tokens_per_s'] or 0:>9} {r['utilization'] or 0:>5.2f}{_within_limit(r)}")
     _print_slopes(rows)
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))

@@ -3,7 +3,8 @@
 #   bash scripts/gpu_checks.sh [OUT_DIR] [STEPS]      (STEPS: which of 1-4 below, default 1234)
 # 1. the CUDA tests (bf16 inner steps, pinned staging, 8-bit AdamW resumed bit-exactly on the GPU, a CPU peer
 #    and a GPU peer bitwise-equal after merged rounds), inside a loopback-only network namespace;
-# 2. one GPU peer of the ~100M `large` model: tokens/s and peak host and device memory, AdamW vs AdamW8bit;
+# 2. one GPU peer of the ~100M `large` model: tokens/s and peak host and device memory, AdamW vs AdamW8bit, with
+#    Θ and the outer momentum in memory and parked on disk (--global-state-on-disk);
 # 3. compute utilization of 2 GPU peers in one swarm;
 # 4. 4 peers vs 1 at equal wall-clock with a core per peer (scripts/bench_swarm_vs_solo.py).
 # It needs a CUDA build of torch in .venv (scripts/setup.sh installs the CPU one: pip install torch first), or
@@ -29,7 +30,8 @@ step() {
 step 1 tests "P2PDILOCO_NETNS=1 $PY -m pytest -q -p no:cacheprovider -rA \
   tests/unit/test_cuda.py tests/unit/test_checkpoint.py tests/integration/test_mixed_hardware.py"
 step 2 memory-gpu "$PY scripts/bench_memory.py --models large --optimizers adamw,adamw8bit --device cuda \
-  --batch-size 32 --seq-len 512 --inner-steps 50 --rounds 3 --peers 1 --threads 4 --out $OUT/memory-gpu.json"
+  --batch-size 32 --seq-len 512 --inner-steps 50 --rounds 3 --peers 1 --threads 4 --variants plain,on-disk \
+  --out $OUT/memory-gpu.json"
 step 3 two-gpu-peers "$PY scripts/bench_memory.py --models large --optimizers adamw --device cuda \
   --batch-size 32 --seq-len 512 --inner-steps 50 --rounds 3 --peers 2 --threads 4 --out $OUT/two-gpu-peers.json"
 step 4 swarm-vs-solo "$PY scripts/bench_swarm_vs_solo.py --seconds 180 --peers 4 --model small --device cpu"

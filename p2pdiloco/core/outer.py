@@ -7,7 +7,7 @@ rather than fused `add_(x, alpha=a)` forms, which some kernels compute with an F
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -109,14 +109,17 @@ STEP_CHUNK = 1 << 22  # elements per slice of the outer step
 class OuterOptimizer:
     """Nesterov SGD on a flat fp32 parameter vector: buf ← μ·buf + Δ ;  Θ ← Θ − lr·(Δ + μ·buf)."""
 
-    def __init__(self, params: torch.Tensor, lr: float, momentum: float):
+    def __init__(self, params: torch.Tensor, lr: float, momentum: float,
+                 momentum_buffer: torch.Tensor | None = None):
+        """Steps `params` in place; `momentum_buffer` (zeros, params' size) where the caller wants it kept."""
         self.params = params
         self.lr, self.momentum = lr, momentum
-        self.momentum_buffer = torch.zeros_like(params)
+        self.momentum_buffer = torch.zeros_like(params) if momentum_buffer is None else momentum_buffer
 
     @torch.no_grad()
-    def step(self, merged_delta: torch.Tensor) -> None:
-        """A chunk at a time: elementwise, so the same bits, with a chunk's temporaries, not a model's."""
+    def step(self, merged_delta: torch.Tensor, done: Callable[[slice], None] = lambda part: None) -> None:
+        """A chunk at a time: elementwise, so the same bits, with a chunk's temporaries, not a model's. `done` is
+        told each chunk finished (a parked state pages it out)."""
         mu = torch.tensor(self.momentum, dtype=torch.float32)
         lr = torch.tensor(self.lr, dtype=torch.float32)
         for start in range(0, self.params.numel(), STEP_CHUNK):
@@ -125,6 +128,7 @@ class OuterOptimizer:
             buffer.mul_(mu).add_(delta)
             update = torch.mul(buffer, mu).add_(delta)
             self.params[part].sub_(update.mul_(lr))
+            done(slice(start, min(start + STEP_CHUNK, self.params.numel())))
 
     @torch.no_grad()
     def lookahead(self, delta: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ sees. Because everyone uses the same order, two forks reconcile as soon as eithe
 from __future__ import annotations
 
 import threading
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -37,8 +37,19 @@ class GlobalState:
     `history` lists the keys of the states this one descends from (itself included), so a peer that adopts
     another peer's state can tell whether its own latest merge is part of it or was lost in a fork."""
 
-    def __init__(self, params: torch.Tensor, lr: float, momentum: float):
-        self.outer = OuterOptimizer(params.clone(), lr, momentum)
+    def __init__(self, params: torch.Tensor, lr: float, momentum: float,
+                 storage: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                 page_out: Callable[[slice], None] = lambda part: None):
+        """Θ starts as a copy of `params`. `storage`: the two vectors to keep Θ and the momentum in (the second
+        zeroed; `training.parked` maps them from a file); new memory if None. `params` may be the first.
+        `page_out(part)`: a pass over Θ is done with those elements (a parked state lets their pages go)."""
+        self.page_out = page_out
+        if storage is None:
+            storage = (torch.empty_like(params), torch.zeros_like(params))
+        theta, momentum_buffer = storage
+        if theta.data_ptr() != params.data_ptr():
+            theta.copy_(params)
+        self.outer = OuterOptimizer(theta, lr, momentum, momentum_buffer)
         self.version = 0
         self.last_members: list[str] = []
         self.lock = threading.RLock()
@@ -63,7 +74,7 @@ class GlobalState:
 
     def apply(self, merged: torch.Tensor, members: list[str]) -> None:
         with self.lock:
-            self.outer.step(merged)
+            self.outer.step(merged, done=self.page_out)
             self.version += 1
             self.last_members = members
             self._digest = None

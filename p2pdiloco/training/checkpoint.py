@@ -51,7 +51,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def save(folder: Path, meta: dict, tensors: dict[str, torch.Tensor], keep: int = 3) -> Path:
+def save(folder: Path, meta: dict, tensors: dict[str, torch.Tensor | Concatenated], keep: int = 3) -> Path:
     """Write one checkpoint atomically and prune all but the newest `keep`."""
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"v{meta['version']:08d}-{meta['inner_step']:09d}"
@@ -81,27 +81,41 @@ SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16:
                       torch.uint8: "U8", torch.bool: "BOOL"}
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+class Concatenated:
+    """A checkpoint entry made of several tensors, flattened and concatenated as `dtype` (θ, the model's
+    parameters, is saved as one fp32 vector): each part is read when it is written, so no vector of the whole
+    exists in memory, and from a GPU only one part at a time is on the host."""
+
+    def __init__(self, parts: list[torch.Tensor], dtype: torch.dtype = torch.float32):
+        self.parts, self.dtype = parts, dtype
+        self.shape = (sum(p.numel() for p in parts),)
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor | Concatenated]) -> None:
     """The safetensors format (read back by the safetensors library), written one tensor at a time. The
     library's own save_file first turns every tensor into a bytes copy, so saving a checkpoint briefly doubled
-    a peer's memory; here no tensor is copied unless it lives on a GPU."""
-    header, offset, parts = {}, 0, []
+    a peer's memory; here a CPU tensor is written from its own memory, and a GPU tensor (a GPU peer's θ and
+    inner optimizer state) is copied to the host when its turn comes, never all of them at once."""
+    header, offset, entries = {}, 0, []
     for name in sorted(tensors):
-        t = tensors[name].detach()
-        if t.dtype not in SAFETENSORS_DTYPES:
-            raise TypeError(f"cannot save {name} of dtype {t.dtype}")
-        raw = t.cpu().contiguous().reshape(-1).view(torch.uint8)
-        header[name] = dict(dtype=SAFETENSORS_DTYPES[t.dtype], shape=list(t.shape),
-                            data_offsets=[offset, offset + raw.numel()])
-        offset += raw.numel()
-        parts.append(raw)
+        entry = tensors[name]
+        parts, dtype = (entry.parts, entry.dtype) if isinstance(entry, Concatenated) else ([entry], entry.dtype)
+        if dtype not in SAFETENSORS_DTYPES:
+            raise TypeError(f"cannot save {name} of dtype {dtype}")
+        size = sum(p.numel() for p in parts) * dtype.itemsize
+        header[name] = dict(dtype=SAFETENSORS_DTYPES[dtype], shape=list(entry.shape),
+                            data_offsets=[offset, offset + size])
+        offset += size
+        entries.append((parts, dtype))
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as the format asks
     with path.open("wb") as f:
         f.write(len(blob).to_bytes(8, "little"))
         f.write(blob)
-        for raw in parts:
-            f.write(memoryview(raw.numpy()))
+        for parts, dtype in entries:
+            for part in parts:
+                raw = part.detach().to("cpu", dtype).contiguous().reshape(-1).view(torch.uint8)
+                f.write(memoryview(raw.numpy()))
 
 
 def list_checkpoints(folder: Path) -> list[Path]:

@@ -38,6 +38,7 @@ from p2pdiloco.training.inner import (InnerTrainer, flat_params, load_flat_param
 from p2pdiloco.protocol.outcomes import Contribution, Kept, RolledBack, RoundOutcome, Solo
 from p2pdiloco.core.state import GlobalState, contains
 from p2pdiloco.protocol.timing import RoundClock
+from p2pdiloco.training.checkpoint import Concatenated
 from p2pdiloco.training.spill import InMemory, OnDisk
 
 log = logging.getLogger(__name__)
@@ -134,7 +135,7 @@ class DiLoCo:
         """Snapshot Δ and hand it to the merger in the background; training goes on at once."""
         assert self.in_flight is None, "one round in flight at a time"
         with self.state.lock:
-            delta = pseudo_gradient_of(self.trainer.model, self.state.params)
+            delta = pseudo_gradient_of(self.trainer.model, self.state.params, done=self.state.page_out)
             c = Contribution(kept=self.keep.put(delta), tokens=self.unmerged_tokens, steps=self.unmerged_steps,
                              version=self.state.version, peer=self.peer, name=self.name, digest=self.state.digest,
                              seconds=self.unmerged_seconds)
@@ -292,6 +293,7 @@ class DiLoCo:
                     if kept == "all unmerged":
                         progress.sub_(delta[part])
                 _store(p, progress)
+                self.state.page_out(part)
         return not lost
 
     def _add_global(self, restored: Optional[torch.Tensor]) -> None:
@@ -302,6 +304,7 @@ class DiLoCo:
                 if restored is not None:
                     progress.add_(restored[part])
                 _store(p, progress.add_(self.state.params[part]))
+                self.state.page_out(part)
 
     def adopt(self, metadata: dict, tensors: list[torch.Tensor]) -> None:
         """Take a global state from a peer between rounds (joining, or behind): rebase unmerged progress."""
@@ -338,7 +341,7 @@ class DiLoCo:
         self.keep.close()
 
     # ---- resuming ---------------------------------------------------------------------------------------
-    def checkpoint_state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+    def checkpoint_state(self) -> tuple[dict, dict[str, torch.Tensor | Concatenated]]:
         """Everything a restarted peer needs to go on exactly where it stopped: Θ, momentum and version, θ,
         the AdamW moments, the step count, the data stream's position and the unmerged counters. Only
         between rounds: a contribution in flight could still be merged by others after we save."""
@@ -346,7 +349,7 @@ class DiLoCo:
         trainer = self.trainer
         with self.state.lock:  # no copies of Θ: only this (the training) thread changes it, and it is saving
             tensors = {"global": self.state.params, "momentum": self.state.outer.momentum_buffer,
-                       "local": self.local_params()}
+                       "local": Concatenated([p for _, p, _ in param_slices(trainer.model)])}
             meta = dict(version=self.state.version, digest=self.state.digest, history=self.state.history,
                         last_members=self.state.last_members)
         moments, scalars = optimizer_state(trainer.optimizer, trainer.model.parameters())
@@ -391,13 +394,15 @@ def _store(p: torch.Tensor, flat: torch.Tensor) -> None:
         p.detach().copy_(flat.view_as(p))
 
 
-def pseudo_gradient_of(model: torch.nn.Module, global_params: torch.Tensor) -> torch.Tensor:
+def pseudo_gradient_of(model: torch.nn.Module, global_params: torch.Tensor,
+                       done: Callable[[slice], None] = lambda part: None) -> torch.Tensor:
     """Δ = Θ − θ (`core.outer.pseudo_gradient`), one parameter at a time: the same bits without a flat copy
-    of θ."""
+    of θ. `done` is told each part of Θ that was read."""
     delta = torch.empty_like(global_params)
     with torch.no_grad():
         for _, p, part in param_slices(model):
             torch.sub(global_params[part], _flat(p), out=delta[part])
+            done(part)
     return delta
 
 

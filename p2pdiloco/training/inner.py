@@ -86,7 +86,7 @@ def optimizer_state(optimizer: torch.optim.Optimizer, params) -> tuple[dict[str,
                     scalars.setdefault(str(i), {})[ALIAS + key] = shared
                 else:
                     seen[(value.data_ptr(), value.dtype, value.shape)] = f"inner.{i}.{key}"
-                    tensors[f"inner.{i}.{key}"] = value.detach().cpu()
+                    tensors[f"inner.{i}.{key}"] = value.detach()  # on its device: the writer copies
             elif isinstance(value, (int, float, bool)):
                 scalars.setdefault(str(i), {})[key] = value
     return tensors, scalars

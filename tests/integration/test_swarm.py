@@ -15,9 +15,11 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
 def test_three_peers_stay_bitwise_equal_and_learn(tmp_path):
     names = ["a", "b", "c"]
     with local_swarm(tmp_path, "bitwise") as swarm:
-        for name in names:
-            swarm.start_peer(name, "-H", "15", "--max-rounds", "5", "--bandwidth-mbps", "10")
+        for name in names:  # c keeps Θ and the momentum parked in a file: the same bits as the others
+            parked = ["--global-state-on-disk"] if name == "c" else []
+            swarm.start_peer(name, "-H", "15", "--max-rounds", "5", "--bandwidth-mbps", "10", *parked)
         swarm.wait_clean(names, timeout=400)
+        assert "stays in memory" not in swarm.log("c")  # it did park them
         rounds = {name: swarm.records(name, "round") for name in names}
         # the hook ran: every merged round in a group was summed exactly by our reduce-scatter
         merged_in_group = [r for rs in rounds.values() for r in rs if r.applied and len(r.members) > 1]

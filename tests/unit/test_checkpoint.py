@@ -152,3 +152,40 @@ def test_a_checkpoint_written_before_inner_state_keeps_its_adamw_moments():
         state = optimizer.state[p]
         assert float(state["step"]) == 17.0 and state["exp_avg"].shape == p.shape
         assert torch.equal(state["exp_avg_sq"], torch.full(p.shape, float(i + 1)))
+
+
+def _status_kb(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def test_a_checkpoint_is_written_without_a_copy_of_the_model(tmp_path):
+    """θ is written a parameter at a time and the inner optimizer's state from where it lives: the process's
+    resident memory grows by far less than one model-sized vector while a checkpoint is made (a flat copy of θ
+    alone would be 4 bytes per parameter; from a GPU, θ and AdamW's moments were copied to the host whole)."""
+    from p2pdiloco.config import InnerConfig, model_config
+    from p2pdiloco.core.state import GlobalState
+    from p2pdiloco.training.diloco import DiLoCo, SoloMerger
+    from p2pdiloco.training.inner import InnerTrainer, flat_params
+    from p2pdiloco.training.model import build_model
+    from tests.unit.test_decoupled import random_batches
+
+    try:
+        open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM, the peak resident memory, to now
+    except OSError:
+        pytest.skip("this kernel cannot reset a process's peak resident memory")
+    model = build_model(model_config("base"), seed=0)
+    trainer = InnerTrainer(model, random_batches(0), InnerConfig(steps=1, batch_size=2, seq_len=8), torch.device("cpu"))
+    d = DiLoCo(trainer, GlobalState(flat_params(model), lr=0.7, momentum=0.9), SoloMerger(), "p", "p")
+    d.inner_step()  # AdamW's moments exist
+    model_bytes = 4 * d.state.params.numel()
+    open("/proc/self/clear_refs", "w").write("5")
+    before = _status_kb("VmRSS")
+    meta, tensors = d.checkpoint_state()
+    checkpoint.save(tmp_path, dict(meta, model="base"), tensors)
+    grew = (_status_kb("VmHWM") - before) * 1024
+    assert grew < model_bytes / 4, f"resident memory grew by {grew / 1e6:.1f} MB ({model_bytes / 1e6:.1f} MB of θ)"
+    found = checkpoint.load_latest(tmp_path, d.state.params.numel())
+    assert torch.equal(found.tensors["local"], d.local_params())

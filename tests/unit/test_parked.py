@@ -1,0 +1,87 @@
+"""Θ and the outer momentum parked in a file (`--global-state-on-disk`): the same bits, out of memory between uses."""
+
+import errno
+import logging
+import mmap
+import os
+
+import torch
+
+from p2pdiloco.config import InnerConfig, model_config
+from p2pdiloco.core.state import GlobalState
+from p2pdiloco.training.diloco import DiLoCo, SoloMerger
+from p2pdiloco.training.inner import InnerTrainer, flat_params
+from p2pdiloco.training.model import build_model
+from p2pdiloco.training.parked import InMemory, Parked, global_vectors
+from tests.unit.test_decoupled import random_batches
+
+MB = 1 << 20
+
+
+def test_parked_vectors_keep_their_values_and_leave_the_process_when_paged_out(tmp_path):
+    n = 4 * MB  # 16 MB per vector
+    parked = Parked(n, tmp_path)
+    assert list(tmp_path.iterdir()) == []  # unlinked at once: nothing to clean up, even after a kill
+    assert torch.count_nonzero(parked.momentum) == 0  # the outer momentum starts at zero
+    parked.theta.copy_(torch.arange(n, dtype=torch.float32))
+    parked.momentum.fill_(0.5)
+    assert parked.resident_bytes() >= 2 * 4 * n  # written: in memory
+    parked.page_out()
+    assert parked.resident_bytes() < MB
+    assert torch.equal(parked.theta, torch.arange(n, dtype=torch.float32))  # read back from the page cache
+    assert parked.resident_bytes() >= 4 * n  # Θ is back, the momentum is not
+    assert bool((parked.momentum == 0.5).all())
+    parked.page_out()
+    parked.theta[:].add_(1)  # both back in memory, then a range of each let go: whole pages inside it only
+    parked.momentum.add_(1)
+    parked.page_out(slice(1000, n - 1000))
+    assert 0 < parked.resident_bytes() <= 4 * mmap.PAGESIZE
+    assert torch.equal(parked.theta, torch.arange(n, dtype=torch.float32) + 1)
+    assert bool((parked.momentum == 1.5).all())
+
+
+def make_peer(storage: str, folder):
+    model = build_model(model_config("tiny"), seed=0)
+    trainer = InnerTrainer(model, random_batches(0), InnerConfig(steps=3, batch_size=4, seq_len=16, warmup_steps=0),
+                           torch.device("cpu"))
+    vectors = global_vectors(sum(p.numel() for p in model.parameters()), folder if storage == "parked" else None)
+    theta = flat_params(model, out=vectors.theta)
+    state = GlobalState(theta, lr=0.7, momentum=0.9, storage=(theta, vectors.momentum), page_out=vectors.page_out)
+    return DiLoCo(trainer, state, SoloMerger(), "me", "me"), vectors
+
+
+def test_a_peer_whose_global_state_is_parked_trains_bit_for_bit_like_one_holding_it(tmp_path):
+    """Θ and the momentum are paged out a part at a time as each pass over them (Δ, the rebase, the outer step)
+    goes, so they are never all in memory at once; they stay those of a peer holding them, and so does θ."""
+    held, in_memory = make_peer("memory", tmp_path)
+    parked, vectors = make_peer("parked", tmp_path)
+    assert isinstance(in_memory, InMemory) and isinstance(vectors, Parked)
+    assert parked.state.params.data_ptr() == vectors.theta.data_ptr()  # Θ lives in the file, not in a copy
+    for _ in range(3):
+        for d in (held, parked):
+            for _ in range(3):
+                d.inner_step()
+            d.contribute()
+        assert vectors.resident_bytes() < MB / 2  # Δ made (what is left: pages two small tensors share)
+        for d in (held, parked):
+            d.wait(10)
+        assert vectors.resident_bytes() < MB / 2  # θ rebased, the outer step applied, θ rebased again
+    assert parked.state.version == 3 and parked.state.key == held.state.key
+    assert torch.count_nonzero(parked.state.outer.momentum_buffer) > 0
+    assert torch.equal(parked.local_params(), held.local_params())
+
+
+def test_a_folder_that_cannot_hold_the_state_keeps_it_in_memory_and_says_so(tmp_path, caplog, monkeypatch):
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    with caplog.at_level(logging.WARNING):
+        assert isinstance(global_vectors(1000, not_a_folder), InMemory)
+    assert "stays in memory" in caplog.text
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)  # a full disk, found before any page is written
+    vectors = global_vectors(1000, tmp_path / "state")
+    assert isinstance(vectors, InMemory) and torch.count_nonzero(vectors.momentum) == 0
+    assert list((tmp_path / "state").iterdir()) == []
