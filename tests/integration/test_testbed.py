@@ -110,7 +110,7 @@ def test_bad_links_are_refused():
 
 
 # opt-in (the suite's 15 minutes): test_nat's peers meet on separate hosts of this testbed and merge, and
-# test_compressed runs int4 rounds on the same transport
+# test_swarm runs int4 rounds on the same transport
 @pytest.mark.slow
 def test_peers_on_separate_hosts_behind_slow_links_merge_compressed_rounds_and_stay_equal(tmp_path):
     """Three peers, each in its own namespace behind 20 Mbit/s links with 20 ms one way: members that never met
