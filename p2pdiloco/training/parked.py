@@ -101,7 +101,7 @@ def global_vectors(n: int, folder: Optional[Path]) -> InMemory | Parked:
         return InMemory(n)
     try:
         return Parked(n, folder)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, AttributeError) as e:  # AttributeError: no posix_fallocate or madvise (not Linux)
         log.warning("cannot park the global state in %s (%s): it stays in memory (%.2f GB)", folder, e,
                     2 * n * FLOAT32 / 1e9)
         return InMemory(n)
