@@ -17,6 +17,7 @@ the peer keeps the vectors in memory, saying so, rather than dying of a SIGBUS a
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 FLOAT32 = 4
 
 
-class InMemory:
+class Held:
     """Θ and the momentum as two ordinary tensors."""
 
     def __init__(self, n: int):
@@ -39,9 +40,6 @@ class InMemory:
 
     def page_out(self, part: Optional[slice] = None) -> None:
         pass
-
-    def resident_bytes(self) -> Optional[int]:
-        return None
 
 
 class Parked:
@@ -73,7 +71,7 @@ class Parked:
 
     def resident_bytes(self) -> Optional[int]:
         """How much of the mapping is in this process's memory now (from /proc/self/smaps; None if unknown)."""
-        start = ctypes_address(self._map)
+        start = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         try:
             lines = Path("/proc/self/smaps").read_text().splitlines()
         except OSError:
@@ -89,19 +87,13 @@ class Parked:
         return None
 
 
-def ctypes_address(buffer: mmap.mmap) -> int:
-    import ctypes
-
-    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
-
-
-def global_vectors(n: int, folder: Optional[Path]) -> InMemory | Parked:
+def global_vectors(n: int, folder: Optional[Path]) -> Held | Parked:
     """Parked in `folder` if given and it can hold them; in memory otherwise (with a warning if it cannot)."""
     if folder is None:
-        return InMemory(n)
+        return Held(n)
     try:
         return Parked(n, folder)
     except (OSError, ValueError, AttributeError) as e:  # AttributeError: no posix_fallocate or madvise (not Linux)
         log.warning("cannot park the global state in %s (%s): it stays in memory (%.2f GB)", folder, e,
                     2 * n * FLOAT32 / 1e9)
-        return InMemory(n)
+        return Held(n)

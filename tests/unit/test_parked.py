@@ -12,7 +12,7 @@ from p2pdiloco.core.state import GlobalState
 from p2pdiloco.training.diloco import DiLoCo, SoloMerger
 from p2pdiloco.training.inner import InnerTrainer, flat_params
 from p2pdiloco.training.model import build_model
-from p2pdiloco.training.parked import InMemory, Parked, global_vectors
+from p2pdiloco.training.parked import Held, Parked, global_vectors
 from tests.unit.test_decoupled import random_batches
 
 MB = 1 << 20
@@ -55,7 +55,7 @@ def test_a_peer_whose_global_state_is_parked_trains_bit_for_bit_like_one_holding
     goes, so they are never all in memory at once; they stay those of a peer holding them, and so does θ."""
     held, in_memory = make_peer("memory", tmp_path)
     parked, vectors = make_peer("parked", tmp_path)
-    assert isinstance(in_memory, InMemory) and isinstance(vectors, Parked)
+    assert isinstance(in_memory, Held) and isinstance(vectors, Parked)
     assert parked.state.params.data_ptr() == vectors.theta.data_ptr()  # Θ lives in the file, not in a copy
     for _ in range(3):
         for d in (held, parked):
@@ -75,7 +75,7 @@ def test_a_folder_that_cannot_hold_the_state_keeps_it_in_memory_and_says_so(tmp_
     not_a_folder = tmp_path / "file"
     not_a_folder.write_text("")
     with caplog.at_level(logging.WARNING):
-        assert isinstance(global_vectors(1000, not_a_folder), InMemory)
+        assert isinstance(global_vectors(1000, not_a_folder), Held)
     assert "stays in memory" in caplog.text
 
     def full(fd, offset, length):
@@ -83,5 +83,5 @@ def test_a_folder_that_cannot_hold_the_state_keeps_it_in_memory_and_says_so(tmp_
 
     monkeypatch.setattr(os, "posix_fallocate", full)  # a full disk, found before any page is written
     vectors = global_vectors(1000, tmp_path / "state")
-    assert isinstance(vectors, InMemory) and torch.count_nonzero(vectors.momentum) == 0
+    assert isinstance(vectors, Held) and torch.count_nonzero(vectors.momentum) == 0
     assert list((tmp_path / "state").iterdir()) == []
