@@ -363,12 +363,13 @@ class Peer:
         self._park()
 
     def _publish_state(self) -> None:
-        self.own_sketch = sketch(self.state.params)
+        self.own_sketch = sketch(self.state.params, done=self.state.page_out)
         self.merger.publish_state(self.state.version, self.state.digest, self.own_sketch)
 
     def _evaluate_global(self) -> float:
         """Validation loss of Θ, the global model every peer converges to (θ, the local one, runs ahead)."""
-        return evaluate(self.model, self.val, self.device, params=self.state.params)  # no second model
+        return evaluate(self.model, self.val, self.device, params=self.state.params,  # no second model
+                        done=self.state.page_out)
 
     # ---- training ---------------------------------------------------------------------------------------
     def _train(self) -> dict:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check of issue 13 in one command, on a machine with a CUDA device (run from the repository root):
-#   bash scripts/gpu_checks.sh [OUT_DIR] [STEPS]      (STEPS: which of 1-4 below, default 1234)
+#   bash scripts/gpu_checks.sh [OUT_DIR] [STEPS]      (STEPS: which of 1-4 below, default 1234;
+#   SWARM_SECONDS sets step 4's seconds per run, default 180)
 # 1. the CUDA tests (bf16 inner steps, pinned staging, 8-bit AdamW resumed bit-exactly on the GPU, a CPU peer
 #    and a GPU peer bitwise-equal after merged rounds), inside a loopback-only network namespace;
 # 2. one GPU peer of the ~100M `large` model: tokens/s and peak host and device memory, AdamW vs AdamW8bit, with
@@ -29,10 +30,15 @@ step() {
 }
 step 1 tests "P2PDILOCO_NETNS=1 $PY -m pytest -q -p no:cacheprovider -rA \
   tests/unit/test_cuda.py tests/unit/test_checkpoint.py tests/integration/test_mixed_hardware.py"
-step 2 memory-gpu "$PY scripts/bench_memory.py --models large --optimizers adamw,adamw8bit --device cuda \
-  --batch-size 32 --seq-len 512 --inner-steps 50 --rounds 3 --peers 1 --threads 4 --variants plain,on-disk \
-  --out $OUT/memory-gpu.json"
+# tiny beside large: the slope between them is what each further parameter costs, the CUDA libraries' fixed
+# resident pages apart; the timelines say which moment of a round the peak is
+GPU_PEER="--device cuda --batch-size 32 --seq-len 512 --inner-steps 50 --rounds 3 --peers 1 --threads 4"
+mkdir -p "$OUT/timeline"
+step 2 memory-gpu "$PY scripts/bench_memory.py --models tiny,large --optimizers adamw --variants plain,on-disk \
+  $GPU_PEER --timeline $OUT/timeline/mem --out $OUT/memory-gpu.json && \
+  $PY scripts/bench_memory.py --models tiny,large --optimizers adamw8bit --variants on-disk $GPU_PEER \
+  --timeline $OUT/timeline/mem --out $OUT/memory-gpu-8bit.json"
 step 3 two-gpu-peers "$PY scripts/bench_memory.py --models large --optimizers adamw --device cuda \
   --batch-size 32 --seq-len 512 --inner-steps 50 --rounds 3 --peers 2 --threads 4 --out $OUT/two-gpu-peers.json"
-step 4 swarm-vs-solo "$PY scripts/bench_swarm_vs_solo.py --seconds 180 --peers 4 --model small --device cpu"
+step 4 swarm-vs-solo "$PY scripts/bench_swarm_vs_solo.py --seconds ${SWARM_SECONDS:-180} --peers 4 --model small --device cpu"
 exit $status

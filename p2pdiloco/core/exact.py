@@ -12,7 +12,7 @@ p2pdiloco.core.codec's and p2pdiloco.swarm.codes's.
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -46,6 +46,13 @@ def blocked(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, -x.numel() % BLOCK)).view(-1, BLOCK)
 
 
+def chunks(n: int, size: int = _CHUNK) -> Iterator[slice]:
+    """Slices covering n elements `size` at a time: a pass over a model-sized vector with a chunk's
+    temporaries, which can let each chunk go (page it out) as soon as it is done."""
+    for start in range(0, n, size):
+        yield slice(start, min(n, start + size))
+
+
 def blockwise(n: int, blocks_per_chunk: int = _CHUNK // BLOCK):
     """(element slice, block slice) pairs covering n elements a few MB at a time: the float64 arithmetic below
     then needs a chunk's worth of temporaries, not several model-sized ones (a peer's peak memory)."""
@@ -76,10 +83,14 @@ def dequantize(total: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | No
     return out
 
 
-def digest(*tensors: torch.Tensor) -> str:
+def digest(*tensors: torch.Tensor, done: Callable[[slice], None] = lambda part: None) -> str:
     """Short content hash of tensors, one after the other (as if concatenated), for comparing peers' states bit
-    for bit. Hashed in place: no concatenated or bytes copy of a model-sized state."""
+    for bit. Hashed in place, a chunk at a time: no concatenated or bytes copy of a model-sized state, and
+    `done` is told each chunk's elements once hashed (a parked global state lets their pages go)."""
     h = hashlib.sha256()
     for t in tensors:
-        h.update(memoryview(t.detach().contiguous().reshape(-1).numpy()).cast("B"))
+        flat = t.detach().contiguous().reshape(-1)
+        for part in chunks(flat.numel()):
+            h.update(memoryview(flat[part].numpy()).cast("B"))
+            done(part)
     return h.hexdigest()[:16]

@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 import torch
 
 from p2pdiloco.config import WEIGHTINGS
+from p2pdiloco.core.exact import chunks
 
 
 def pseudo_gradient(global_params: torch.Tensor, local_params: torch.Tensor) -> torch.Tensor:
@@ -122,13 +123,12 @@ class OuterOptimizer:
         told each chunk finished (a parked state pages it out)."""
         mu = torch.tensor(self.momentum, dtype=torch.float32)
         lr = torch.tensor(self.lr, dtype=torch.float32)
-        for start in range(0, self.params.numel(), STEP_CHUNK):
-            part = slice(start, start + STEP_CHUNK)
+        for part in chunks(self.params.numel(), STEP_CHUNK):
             buffer, delta = self.momentum_buffer[part], merged_delta[part]
             buffer.mul_(mu).add_(delta)
             update = torch.mul(buffer, mu).add_(delta)
             self.params[part].sub_(update.mul_(lr))
-            done(slice(start, min(start + STEP_CHUNK, self.params.numel())))
+            done(part)
 
     @torch.no_grad()
     def lookahead(self, delta: torch.Tensor) -> torch.Tensor:

@@ -65,7 +65,7 @@ class GlobalState:
         """Hash of Θ and the outer momentum: equal digests mean the next outer step is equal too."""
         with self.lock:
             if self._digest is None:
-                self._digest = digest(*self.outer.state_tensors())
+                self._digest = digest(*self.outer.state_tensors(), done=self.page_out)
             return self._digest
 
     @property

@@ -11,18 +11,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from p2pdiloco.core.exact import digest
+from p2pdiloco.core.exact import chunks, digest
 
 TENSORS, META = "tensors.safetensors", "meta.json"
 FORMAT = 1
@@ -51,7 +52,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def save(folder: Path, meta: dict, tensors: dict[str, torch.Tensor | Concatenated], keep: int = 3) -> Path:
+def save(folder: Path, meta: dict, tensors: dict[str, Entry], keep: int = 3) -> Path:
     """Write one checkpoint atomically and prune all but the newest `keep`."""
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"v{meta['version']:08d}-{meta['inner_step']:09d}"
@@ -90,8 +91,28 @@ class Concatenated:
         self.parts, self.dtype = parts, dtype
         self.shape = (sum(p.numel() for p in parts),)
 
+    def pieces(self) -> Iterator[torch.Tensor]:
+        return iter(self.parts)
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor | Concatenated]) -> None:
+
+class Released:
+    """A flat CPU vector written a chunk at a time, `done` told each chunk's elements once written: a parked
+    global state (training.parked) lets those pages go, so a checkpoint never holds all of Θ and the momentum
+    in memory at once."""
+
+    def __init__(self, vector: torch.Tensor, done: Callable[[slice], None]):
+        self.vector, self.done, self.dtype, self.shape = vector, done, vector.dtype, tuple(vector.shape)
+
+    def pieces(self) -> Iterator[torch.Tensor]:
+        for part in chunks(self.vector.numel()):
+            yield self.vector[part]  # written before the next one is asked for
+            self.done(part)
+
+
+Entry = Union[torch.Tensor, Concatenated, Released]
+
+
+def write_safetensors(path: Path, tensors: dict[str, Entry]) -> None:
     """The safetensors format (read back by the safetensors library), written one tensor at a time. The
     library's own save_file first turns every tensor into a bytes copy, so saving a checkpoint briefly doubled
     a peer's memory; here a CPU tensor is written from its own memory, and a GPU tensor (a GPU peer's θ and
@@ -99,22 +120,22 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor | Concatenated
     header, offset, entries = {}, 0, []
     for name in sorted(tensors):
         entry = tensors[name]
-        parts, dtype = (entry.parts, entry.dtype) if isinstance(entry, Concatenated) else ([entry], entry.dtype)
+        dtype = entry.dtype
         if dtype not in SAFETENSORS_DTYPES:
             raise TypeError(f"cannot save {name} of dtype {dtype}")
-        size = sum(p.numel() for p in parts) * dtype.itemsize
+        size = math.prod(entry.shape) * dtype.itemsize
         header[name] = dict(dtype=SAFETENSORS_DTYPES[dtype], shape=list(entry.shape),
                             data_offsets=[offset, offset + size])
         offset += size
-        entries.append((parts, dtype))
+        entries.append(entry)
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as the format asks
     with path.open("wb") as f:
         f.write(len(blob).to_bytes(8, "little"))
         f.write(blob)
-        for parts, dtype in entries:
-            for part in parts:
-                raw = part.detach().to("cpu", dtype).contiguous().reshape(-1).view(torch.uint8)
+        for entry in entries:
+            for piece in (entry.pieces() if hasattr(entry, "pieces") else [entry]):
+                raw = piece.detach().to("cpu", entry.dtype).contiguous().reshape(-1).view(torch.uint8)
                 f.write(memoryview(raw.numpy()))
 
 

@@ -38,7 +38,7 @@ from p2pdiloco.training.inner import (InnerTrainer, flat_params, load_flat_param
 from p2pdiloco.protocol.outcomes import Contribution, Kept, RolledBack, RoundOutcome, Solo
 from p2pdiloco.core.state import GlobalState, contains
 from p2pdiloco.protocol.timing import RoundClock
-from p2pdiloco.training.checkpoint import Concatenated
+from p2pdiloco.training.checkpoint import Concatenated, Entry, Released
 from p2pdiloco.training.spill import InMemory, OnDisk
 
 log = logging.getLogger(__name__)
@@ -341,14 +341,16 @@ class DiLoCo:
         self.keep.close()
 
     # ---- resuming ---------------------------------------------------------------------------------------
-    def checkpoint_state(self) -> tuple[dict, dict[str, torch.Tensor | Concatenated]]:
+    def checkpoint_state(self) -> tuple[dict, dict[str, Entry]]:
         """Everything a restarted peer needs to go on exactly where it stopped: Θ, momentum and version, θ,
         the AdamW moments, the step count, the data stream's position and the unmerged counters. Only
         between rounds: a contribution in flight could still be merged by others after we save."""
         assert self.in_flight is None, "checkpoint between rounds only"
         trainer = self.trainer
         with self.state.lock:  # no copies of Θ: only this (the training) thread changes it, and it is saving
-            tensors = {"global": self.state.params, "momentum": self.state.outer.momentum_buffer,
+            page_out = self.state.page_out
+            tensors = {"global": Released(self.state.params, page_out),
+                       "momentum": Released(self.state.outer.momentum_buffer, page_out),
                        "local": Concatenated([p for _, p, _ in param_slices(trainer.model)])}
             meta = dict(version=self.state.version, digest=self.state.digest, history=self.state.history,
                         last_members=self.state.last_members)

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
 from p2pdiloco.config import ConfigError, InnerConfig
+from p2pdiloco.core.exact import chunks
 
 BETAS = (0.9, 0.95)
 ALIAS = "@"  # in a checkpoint's optimizer scalars: this state is the tensor saved under another name
@@ -188,22 +189,34 @@ class InnerTrainer:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: list, device: torch.device, params: torch.Tensor | None = None) -> float:
+def evaluate(model: nn.Module, batches: list, device: torch.device, params: torch.Tensor | None = None,
+             done: Callable[[slice], None] = lambda part: None) -> float:
     """Mean loss over `batches`. With `params` (a flat vector in `flat_params`' layout, e.g. Θ), the loss of
     those parameters, run through this model's modules on views of the vector: no second model (4 bytes per
-    parameter) and no copy of the vector on a CPU."""
+    parameter) and no copy of the vector on a CPU. On a GPU the vector goes to the device a parameter at a
+    time, `done` told each part once copied (a parked global state lets its host pages go)."""
     was_training = model.training
     model.eval()
     try:
         if params is None:
             losses = [model(x.to(device), y.to(device)).item() for x, y in batches]
         else:
-            views = parameter_views(model, params.to(device))
+            views = parameter_views(model, _moved(params, device, done))
             losses = [torch.func.functional_call(model, views, (x.to(device), y.to(device))).item()
                       for x, y in batches]
     finally:
         model.train(was_training)
     return sum(losses) / len(losses)
+
+
+def _moved(flat: torch.Tensor, device: torch.device, done: Callable[[slice], None]) -> torch.Tensor:
+    if flat.device.type == torch.device(device).type:
+        return flat.to(device)
+    out = torch.empty_like(flat, device=device)
+    for part in chunks(flat.numel()):
+        out[part].copy_(flat[part])  # from pageable memory: done when it returns
+        done(part)
+    return out
 
 
 def parameter_views(model: nn.Module, flat: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -154,7 +154,7 @@ def test_a_checkpoint_written_before_inner_state_keeps_its_adamw_moments():
         assert torch.equal(state["exp_avg_sq"], torch.full(p.shape, float(i + 1)))
 
 
-def _status_kb(field: str) -> int:
+def status_kb(field: str) -> int:
     for line in open("/proc/self/status"):
         if line.startswith(field + ":"):
             return int(line.split()[1])
@@ -182,10 +182,10 @@ def test_a_checkpoint_is_written_without_a_copy_of_the_model(tmp_path):
     d.inner_step()  # AdamW's moments exist
     model_bytes = 4 * d.state.params.numel()
     open("/proc/self/clear_refs", "w").write("5")
-    before = _status_kb("VmRSS")
+    before = status_kb("VmRSS")
     meta, tensors = d.checkpoint_state()
     checkpoint.save(tmp_path, dict(meta, model="base"), tensors)
-    grew = (_status_kb("VmHWM") - before) * 1024
+    grew = (status_kb("VmHWM") - before) * 1024
     assert grew < model_bytes / 4, f"resident memory grew by {grew / 1e6:.1f} MB ({model_bytes / 1e6:.1f} MB of θ)"
     found = checkpoint.load_latest(tmp_path, d.state.params.numel())
     assert torch.equal(found.tensors["local"], d.local_params())

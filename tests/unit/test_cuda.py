@@ -52,3 +52,20 @@ def test_theta_goes_between_the_gpu_and_the_cpu_buffers_bit_for_bit_through_pinn
     assert torch.equal(staged, cpu)
     load_flat_params(trainer.model, staged * 2)
     assert torch.equal(flat_params(trainer.model), staged * 2)
+
+
+@CUDA
+def test_the_global_model_is_evaluated_on_the_gpu_from_host_memory_a_chunk_at_a_time():
+    """Θ lives on the host; its evaluation copies it to the device a chunk at a time, telling each chunk done
+    (a parked Θ lets its pages go), and gives the loss of a model holding Θ (to rounding: views of one flat
+    vector may be aligned differently from the parameters, and cuBLAS picks its kernels by alignment)."""
+    from p2pdiloco.training.inner import evaluate
+
+    trainer = trainer_on("cuda")
+    theta = flat_params(trainer.model).clone() * 0.9  # not θ
+    batches = [next(trainer.batches) for _ in range(2)]
+    parts = []
+    loss = evaluate(trainer.model, batches, torch.device("cuda"), params=theta, done=parts.append)
+    assert sum(p.stop - p.start for p in parts) == theta.numel()  # every chunk told
+    load_flat_params(trainer.model, theta)
+    assert loss == pytest.approx(evaluate(trainer.model, batches, torch.device("cuda")), rel=1e-5)
