@@ -112,15 +112,25 @@ def first_address(log_dir: Path, timeout: float) -> str:
     raise RuntimeError("the first peer did not publish its address")
 
 
+def val_curve(log_dir: Path) -> list[tuple[int, float]]:
+    """The global model's val loss per version: of the state the most peers held at that version. Peers at one
+    version normally hold one state; at a run's end one may merge alone after the others left (a solo round),
+    forking a state with the same version number, which is not the swarm's model (a solo merge of a sparse
+    variant's full Δ at its outer lr moved val by +0.3)."""
+    evals = {}  # version → state digest → val losses
+    for path in sorted(log_dir.glob("p*.jsonl")):
+        for r in of_kind(read_records(path), (Start, Round)):
+            if r.val_loss is not None:
+                evals.setdefault(r.version, {}).setdefault(getattr(r, "digest", ""), []).append(r.val_loss)
+    return sorted((v, statistics.mean(max(states.values(), key=len))) for v, states in evals.items())
+
+
 def summarize(log_dir: Path, args, wall: float, codes: list) -> dict:
-    rounds, summaries, evals = [], [], {}  # rounds: merged ones with more than one member
+    rounds, summaries = [], []  # rounds: merged ones with more than one member
     for path in sorted(log_dir.glob("p*.jsonl")):
         records = read_records(path)
         rounds += [r for r in of_kind(records, Round) if r.applied and len(r.members) > 1]
         summaries += of_kind(records, Summary)
-        for r in of_kind(records, (Start, Round)):  # the global model's val loss per version (equal on every peer)
-            if r.val_loss is not None:
-                evals.setdefault(r.version, []).append(r.val_loss)
     sent = [r.bytes_sent for r in rounds if r.bytes_sent]
     received = [r.bytes_received for r in rounds if r.bytes_received]
     tokens = [r.tokens for r in rounds]
@@ -134,7 +144,7 @@ def summarize(log_dir: Path, args, wall: float, codes: list) -> dict:
                 full_round_bytes_sent=median_or_none([r.bytes_sent for r in full_rounds(rounds, args.peers)]),
                 utilization=statistics.mean(s.utilization for s in summaries) if summaries else None,
                 final_val=statistics.mean(s.final_val for s in summaries) if summaries else None,
-                val_curve=sorted((v, statistics.mean(losses)) for v, losses in evals.items()))
+                val_curve=val_curve(log_dir))
 
 
 def full_rounds(rounds: list, peers: int) -> list:
@@ -268,6 +278,10 @@ def report(results: dict, args, seeds: list[int]) -> None:
         if variant != "dp":
             for seed, run in zip(seeds, result["runs"]):  # reports written before runs carried their seed
                 run.setdefault("seed", seed)
+            for run in result["runs"]:  # scored again from its logs where they are still there
+                logs = args.log_dir / f"{variant}-seed{run['seed']}"
+                if any(logs.glob("p*.jsonl")):
+                    run["val_curve"] = val_curve(logs)
             result.update({k: v for k, v in combine(result["runs"], args.rounds).items() if k != "runs"})
     paired_with_fp32(results)
     (args.log_dir / "report.json").write_text(json.dumps(results, indent=1))
