@@ -160,6 +160,22 @@ class ErrorFeedback:
             residual[part] = (intended.double() - sent.double()).float()
         self.residual = residual
 
+    def alone(self, contribution: torch.Tensor, bits: int, fmt: "DenseFormat") -> torch.Tensor:
+        """The update a member alone in its round merges: what its codes would carry in an island (its compensated
+        contribution, on scales from its own block statistics, the elements `fmt` selects), the rest carried as
+        in an island. The outer step then gets the same kind of update whatever the island's size: a top-k
+        member that merged its whole Δ alone would step at an outer lr tuned for 2 % of it (at lr 2, val went
+        from 1.97 to 2.30 in that one round). A chunk of blocks at a time, like `record_encoded`."""
+        old, n = self.residual, contribution.numel()
+        merged, residual = torch.empty(n), old if old is not None else torch.empty(n)
+        for part, _ in blockwise(n):
+            intended = contribution[part] if old is None else contribution[part] + self._carried(old[part])
+            scales = agreed_scales([fmt.block_statistic(intended).double()], bits)
+            merged[part] = encode(intended, 1.0, scales, bits, fmt).sent
+            residual[part] = (intended.double() - merged[part].double()).float()
+        self.residual = residual
+        return merged
+
 
 # ---- the lossless stage: every packed part goes on the wire through it ----------------------------------------
 RAW, DEFLATED = 0, 1  # the first byte of a wire payload

@@ -24,7 +24,7 @@ from p2pdiloco.config import OuterConfig, SwarmConfig
 from p2pdiloco.core import codec
 from p2pdiloco.core.outer import Segment, rda_directions
 from p2pdiloco.core.state import sharing_priority, validate_state
-from p2pdiloco.protocol.outcomes import Contribution, RoundOutcome, StateTuple
+from p2pdiloco.protocol.outcomes import Contribution, RoundOutcome, Solo, StateTuple
 from p2pdiloco.protocol.island import Bounds, PenaltyBox
 from p2pdiloco.protocol.remote import MAX_VERSION, Expect, PeerRecord
 from p2pdiloco.protocol.round import (Done, Download, FormIsland, IslandFailed, IslandReduced, IslandResult,
@@ -97,9 +97,14 @@ class SwarmMerger:
     # ---- the round: the protocol decides, we do ----------------------------------------------------------
     def merge(self, c: Contribution) -> RoundOutcome:
         try:
-            return self._drive(Round(self.rules, self.peer, c, self.clock, time.monotonic()))
+            outcome = self._drive(Round(self.rules, self.peer, c, self.clock, time.monotonic()))
         finally:
             self.heartbeat.update(ready=-1)
+        if isinstance(outcome, Solo) and self.feedback is not None and not self.outer.rda:
+            # alone, we merge what our wire would have carried (codec.ErrorFeedback.alone), not our whole Δ
+            outcome = dataclasses.replace(outcome, merged=self.feedback.alone(c.delta, self.bits,
+                                                                             self.averager.wire_format(1)))
+        return outcome
 
     def _drive(self, rnd: Round) -> RoundOutcome:
         decision, traffic = rnd.start(self.live_others(), time.monotonic()), {}

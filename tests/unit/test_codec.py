@@ -172,6 +172,29 @@ def test_error_feedback_recorded_a_chunk_at_a_time_keeps_the_bits_of_the_whole_v
         assert torch.equal(chunked.residual, whole.residual)
 
 
+@pytest.mark.parametrize("fmt", [codec.DenseFormat(4, 1), codec.TopKFormat(2, 1, 0.02), codec.DenseFormat(2, 1)],
+                         ids=["int4", "topk", "int2"])
+def test_a_member_alone_merges_what_its_codes_would_carry_and_carries_the_rest(fmt):
+    """A round with nobody else merges, like an island's, the member's compensated contribution as its codes
+    carry it (on scales from its own block statistics; top-k: 2 % of each block), never its whole Δ; what was
+    left out rides along to the next round, as in an island, so the two rounds' sum tracks the two Δs."""
+    from p2pdiloco.core.exact import _CHUNK
+
+    n = _CHUNK + 3 * BLOCK + 5  # two chunks, and a last block that is not full
+    g = torch.Generator().manual_seed(5)
+    alone, island = codec.ErrorFeedback(decay=0.95), codec.ErrorFeedback(decay=0.95)
+    deltas = [torch.randn(n, generator=g) for _ in range(2)]
+    for delta in deltas:
+        merged = alone.alone(delta, fmt.bits, fmt)
+        intended = island.compensate(delta)  # what the same member sends in an island of its own weight 1
+        scales = codec.agreed_scales([fmt.block_statistic(intended).double()], fmt.bits)
+        sent = codec.encode(intended, 1.0, scales, fmt.bits, fmt).sent
+        island.record(intended, sent)
+        assert torch.equal(merged, sent) and torch.equal(alone.residual, island.residual)
+        if isinstance(fmt, codec.TopKFormat):
+            assert int(torch.count_nonzero(merged)) <= fmt.k(BLOCK) * codec.n_blocks(n)
+
+
 def test_decayed_error_feedback_is_sparselocos_accumulator():
     """e ← β·e + Δ, sent = Q(top-k(e)), e ← e − sent: a value top-k never selects converges to Δ/(1 − β) instead
     of growing without bound, and a selected one leaves only its rounding behind."""
