@@ -39,7 +39,6 @@ from p2pdiloco.protocol.island import Bounds, PenaltyBox, Stragglers, plan_islan
 from p2pdiloco.protocol.remote import Expect, parse_island
 from p2pdiloco.protocol.round import IslandReduced
 from p2pdiloco.runtime.faults import NO_FAULTS, FaultPlan
-from p2pdiloco.runtime.heap import return_large_frees
 from p2pdiloco.swarm.codes import Codes, CodesExchange, faults_and_late, piece_ranges
 from p2pdiloco.swarm.auth import MemberPasses
 from p2pdiloco.swarm.statefetch import PartServer, parse_part_request, request_pass
@@ -271,7 +270,6 @@ class ExactAverager(DecentralizedAverager):
 
     def run(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        return_large_frees()  # a round's messages, once freed, leave this process (runtime.heap)
         self._inner_pipe = WholeMessagePipe(self._inner_pipe)  # this (the averager) process's end only
         super().run()
 
