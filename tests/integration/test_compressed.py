@@ -47,6 +47,9 @@ def test_top_k_rounds_with_2_bit_codes_stay_bitwise_equal_on_a_sliver_of_the_byt
         assert ratios[len(ratios) // 2] < 0.05, ratios  # vs the fp32 butterfly: ~0.3 bits out, ~1 bit back
 
 
+# opt-in (the default suite took 15:05 on a slow day with it): tests/unit/test_codec.py checks the update a member
+# alone merges; this checks the merger hands it on
+@pytest.mark.slow
 def test_a_top_k_peer_alone_merges_what_its_codes_would_carry_not_its_whole_update(tmp_path):
     """Alone in the swarm (a quorum of 1), a round merges the peer's own update, as the wire would have carried it:
     2 % of each block under top-k, so Θ moves only there (the rest rides along in error feedback). Merging its
