@@ -116,7 +116,7 @@ def val_curve(log_dir: Path) -> list[tuple[int, float]]:
     """The global model's val loss per version: of the state the most peers held at that version. Peers at one
     version normally hold one state; at a run's end one may merge alone after the others left (a solo round),
     forking a state with the same version number, which is not the swarm's model (a solo merge of a sparse
-    variant's full Δ at its outer lr moved val by +0.3)."""
+    variant's full Δ at its outer lr moved val by +0.3). A tie goes to the state seen first, in the logs' name order."""
     evals = {}  # version → state digest → val losses
     for path in sorted(log_dir.glob("p*.jsonl")):
         for r in of_kind(read_records(path), (Start, Round)):

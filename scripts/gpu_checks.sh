@@ -4,8 +4,9 @@
 #   SWARM_SECONDS sets step 4's seconds per run, default 180)
 # 1. the CUDA tests (bf16 inner steps, pinned staging, 8-bit AdamW resumed bit-exactly on the GPU, a CPU peer
 #    and a GPU peer bitwise-equal after merged rounds), inside a loopback-only network namespace;
-# 2. one GPU peer of the ~100M `large` model: tokens/s and peak host and device memory, AdamW vs AdamW8bit, with
-#    Θ and the outer momentum in memory and parked on disk (--global-state-on-disk);
+# 2. one GPU peer (solo rounds) of the ~100M `large` model, and of `tiny` for the slope per parameter: tokens/s
+#    and peak host and device memory, AdamW with Θ and the outer momentum in memory and parked on disk
+#    (--global-state-on-disk), 8-bit AdamW parked; a memory timeline of each run;
 # 3. compute utilization of 2 GPU peers in one swarm;
 # 4. 4 peers vs 1 at equal wall-clock with a core per peer (scripts/bench_swarm_vs_solo.py).
 # It needs a CUDA build of torch in .venv (scripts/setup.sh installs the CPU one: pip install torch first), or

@@ -193,8 +193,8 @@ def evaluate(model: nn.Module, batches: list, device: torch.device, params: torc
              done: Callable[[slice], None] = lambda part: None) -> float:
     """Mean loss over `batches`. With `params` (a flat vector in `flat_params`' layout, e.g. Θ), the loss of
     those parameters, run through this model's modules on views of the vector: no second model (4 bytes per
-    parameter) and no copy of the vector on a CPU. On a GPU the vector goes to the device a parameter at a
-    time, `done` told each part once copied (a parked global state lets its host pages go)."""
+    parameter) and no copy of the vector on a CPU. On a GPU the vector goes to the device a chunk at a time,
+    `done` told each chunk once copied (a parked global state lets its host pages go)."""
     was_training = model.training
     model.eval()
     try:
