@@ -121,6 +121,10 @@ class OuterConfig:
     max_norm_ratio: float = option(
         2.0, "A member whose claimed pseudo-gradient norm is above this multiple of its island's median has its "
         "merge weight cut to match (0: no cut). Every peer of a swarm must use the same.")
+    stale_factor: float = option(
+        0.5, "What a member's merge weight keeps per version its pseudo-gradient is behind its island's newest "
+        "member's (1: no discount): a late Δ usually carries a failed round's steps too. Every peer of a swarm must "
+        "use the same.")
     application: str = option(
         "delayed", "While a round is in flight, train on from the local model and rebase onto the merge when it "
         "lands (delayed), or from an estimate of the next global model (eager).", choices=APPLICATIONS)
@@ -133,6 +137,8 @@ class OuterConfig:
             raise ConfigError(f"weighting must be one of {', '.join(WEIGHTINGS)}, got {self.weighting!r}")
         if not 0.0 <= self.momentum < 1.0:
             raise ConfigError(f"outer momentum must be in [0, 1), got {self.momentum}")
+        if not (isinstance(self.stale_factor, (int, float)) and 0.0 < self.stale_factor <= 1.0):
+            raise ConfigError(f"stale factor must be in (0, 1], got {self.stale_factor!r}")
         for name in ("max_weight_ratio", "max_scale_ratio", "max_norm_ratio"):
             value = getattr(self, name)
             if not (math.isfinite(value) and (value == 0 or value >= 1)):
@@ -303,7 +309,8 @@ class PeerConfig:
                     topk="off" if swarm.topk is None else f"{swarm.topk:g}", weighting=outer.weighting,
                     rda=on[outer.rda], outer_lr=f"{outer.lr:g}", outer_momentum=f"{outer.momentum:g}",
                     max_weight_ratio=f"{outer.max_weight_ratio:g}", max_scale_ratio=f"{outer.max_scale_ratio:g}",
-                    max_norm_ratio=f"{outer.max_norm_ratio:g}", robust_merge=on[swarm.robust_merge])
+                    max_norm_ratio=f"{outer.max_norm_ratio:g}", stale_factor=f"{outer.stale_factor:g}",
+                    robust_merge=on[swarm.robust_merge])
 
 
 def _positive(obj, *names: str) -> None:

@@ -11,6 +11,15 @@ Nothing a member claims is taken at face value (volunteers are strangers):
   clipped scale;
 - its weight is cut further where the norm of its pseudo-gradient (the sum of its claimed block norms) stands
   above `norm_ratio` × the island's median, so the vector it adds is bounded too, not only each value.
+
+A member whose Δ was taken from an older global state than the one the merge is applied to (the newest member's)
+keeps `stale_factor` of its weight per version it is behind, and the weights are not renormalised: the merge is
+that much shorter. Such a Δ is late by the versions between, and usually long too: a member falls behind when its
+round failed while others merged, so its Δ carries that round's steps as well, and tokens²/steps gives it twice the
+weight for them. Merged at full weight, an island of such members stepped twice the usual length, and Nesterov
+momentum carried the overshoot on (measured: docs/hardware.md). Age-scaled pseudo-gradients are CGAD's answer to
+the same instability (arXiv 2605.09126); 0.5 per version gives back a one-round-late member the weight of one
+round.
 Whoever reduces a part then checks each sender's codes against its claims (p2pdiloco.core.claims): a member
 cannot claim modest statistics and send more.
 The median is the lower one: with two members, an outlier is bounded by the other, not by their average.
@@ -43,6 +52,7 @@ class Bounds:
     weight_ratio: float = 2.0
     scale_ratio: float = 2.0
     norm_ratio: float = 2.0
+    stale_factor: float = 0.5  # what a member's weight keeps per version it is behind the newest member (1: all)
 
 
 @dataclass
@@ -131,10 +141,11 @@ def _plan(island: Island, weighting: str, cap: float, n_params: int, bounds: Bou
     capped, weight_notes = cap_to_median(raw, bounds.weight_ratio)
     norms = [_fp32(m.block_norms) for m in accepted]
     capped, norm_notes = cut_to_median_norm(capped, [m.delta_norm or 0.0 for m in accepted], bounds.norm_ratio)
+    capped, stale_notes = discount_stale(capped, [m.version for m in accepted], bounds.stale_factor)
     stats = [_fp32(m.maxabs) for m in accepted]
     clipped, over = clip_to_block_median(stats, bounds.scale_ratio)
     notes: dict[int, str] = {}
-    for k, why in [*weight_notes.items(), *norm_notes.items(),
+    for k, why in [*weight_notes.items(), *norm_notes.items(), *stale_notes.items(),
                    *((k, f"{int(o.sum())} block maxima clipped") for k, o in enumerate(over) if o.any())]:
         notes[index[k]] = "; ".join(filter(None, [notes.get(index[k]), why]))
     nothing = torch.zeros(n_blocks(n_params))
@@ -206,6 +217,17 @@ def cut_to_median_norm(weights: list[float], norms: list[float], ratio: float) -
     notes = {k: f"weight cut to {f:.2g}× (its Δ's norm is {1 / f:.2g}× the bound of {ratio:g}× the island's median)"
              for k, f in enumerate(factors) if f < 1.0}
     return [w / total for w in cut], notes
+
+
+def discount_stale(weights: list[float], versions: list[int], factor: float) -> tuple[list[float], dict[int, str]]:
+    """Each weight times `factor` to the power of the versions its member is behind the newest, not renormalised
+    (the module's docstring says why)."""
+    newest = max(versions, default=0)
+    behind = [newest - v for v in versions]
+    if factor >= 1.0 or not any(behind):
+        return weights, {}
+    notes = {k: f"weight × {factor ** b:.3g}: {b} version{'s' if b > 1 else ''} behind" for k, b in enumerate(behind) if b}
+    return [w * factor ** b for w, b in zip(weights, behind)], notes
 
 
 def clip_to_block_median(stats: list[torch.Tensor], ratio: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -393,11 +393,12 @@ def claims_for(plan, senders: Sequence[int], peer_ids: Sequence, scales: torch.T
 
 
 def reweigh(piece: torch.Tensor, left_out: frozenset, weights: dict) -> None:
-    """A piece some senders were left out of sums the others' weights only: scale it back to a weighted mean.
-    The names come from the piece's reducer, the same for every member, so every member gets the same bits."""
+    """A piece some senders were left out of sums the others' weights only: scale it back to the weights' total
+    (1, but where stale members were discounted: p2pdiloco.protocol.island). The names come from the piece's
+    reducer, the same for every member, so every member gets the same bits."""
     kept = sum(w for peer, w in weights.items() if peer not in left_out)  # dict order: the group's, everywhere
     if left_out and kept > 0:
-        piece.mul_(torch.tensor(1.0 / kept, dtype=torch.float32))
+        piece.mul_(torch.tensor(sum(weights.values()) / kept, dtype=torch.float32))
 
 
 def gather_record(peer: str, name: str, version: int, tokens: int, steps: int, body: torch.Tensor,

@@ -46,7 +46,8 @@ def averager_prefix(cfg: SwarmConfig, outer: OuterConfig) -> str:
     """The DHT prefix of the run's islands: peers with another merge rule, codec or outer step never meet."""
     sparsity = f"top{cfg.topk:g}" if cfg.topk else "dense"
     merge_rule = (f"{outer.weighting}_{'rda' if outer.rda else 'mean'}_{cfg.compression}_{sparsity}"
-                  f"_w{outer.max_weight_ratio:g}_s{outer.max_scale_ratio:g}{'_robust' if cfg.robust_merge else ''}"
+                  f"_w{outer.max_weight_ratio:g}_s{outer.max_scale_ratio:g}_n{outer.max_norm_ratio:g}"
+                  f"_a{outer.stale_factor:g}{'_robust' if cfg.robust_merge else ''}"
                   f"_o{outer.lr:g}m{outer.momentum:g}").replace(".", "p")  # hivemind: no '.' in a prefix
     return f"{cfg.run_id}_{merge_rule}"
 
@@ -71,7 +72,7 @@ class SwarmMerger:
             allreduce_cap=self.limits.allreduce_cap, buffer_elements=self.buffer_size, max_island=cfg.max_island,
             declared_bytes_per_s=self.limits.initial_bytes_per_s,
             rda_segments=tuple(self.segments) if outer.rda else ())
-        bounds = Bounds(outer.max_weight_ratio, outer.max_scale_ratio, outer.max_norm_ratio)
+        bounds = Bounds(outer.max_weight_ratio, outer.max_scale_ratio, outer.max_norm_ratio, outer.stale_factor)
         self.bits, self.topk = codec.BITS[cfg.compression], cfg.topk
         default_feedback = self.bits <= 4 or bool(cfg.topk)
         feedback = cfg.error_feedback if cfg.error_feedback is not None else default_feedback

@@ -241,6 +241,11 @@ def test_a_piece_missing_a_sender_is_scaled_back_to_a_weighted_mean():
     reweigh(whole, frozenset(), weights)
     reweigh(missing_c, frozenset({"c"}), weights)
     assert whole.tolist() == pytest.approx([0.6, 0.6]) and missing_c.tolist() == pytest.approx([1.0, 1.0])
+    # weights whose total is under 1 (a stale member discounted): scaled back to that total, not to 1
+    discounted = {"a": 0.4, "b": 0.4, "stale": 0.1}
+    missing_b = torch.tensor([0.5, 0.5])  # a's and the stale member's 0.5 of a common value 1
+    reweigh(missing_b, frozenset({"b"}), discounted)
+    assert missing_b.tolist() == pytest.approx([0.9, 0.9])
 
 
 class LoopbackStub:

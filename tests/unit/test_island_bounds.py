@@ -12,10 +12,11 @@ from p2pdiloco.protocol.remote import Expect, parse_island
 N = 4 * codec.BLOCK
 
 
-def member(peer: str, delta: torch.Tensor, tokens: int = 4096, steps: int = 32, maxabs=None, norms=None) -> dict:
+def member(peer: str, delta: torch.Tensor, tokens: int = 4096, steps: int = 32, maxabs=None, norms=None,
+           version: int = 3) -> dict:
     stat = exact.block_maxabs(delta) if maxabs is None else maxabs
     norms = block_norms(delta) if norms is None else norms
-    return dict(peer=peer, name=peer, version=3, digest="abcdef", tokens=tokens, steps=steps, budget=10.0,
+    return dict(peer=peer, name=peer, version=version, digest="abcdef", tokens=tokens, steps=steps, budget=10.0,
                 norms=[], maxabs=stat.numpy().tobytes(), block_norms=norms.numpy().tobytes())
 
 
@@ -29,6 +30,31 @@ def test_a_member_claiming_1000x_the_tokens_gets_at_most_the_capped_share():
     assert "merge weight capped" in plan.bounded[3] and set(plan.bounded) == {3}
     unbounded = plan_island(parse_island(records, Expect(N)), "tokens2", 60.0, N, Bounds(0, 0, 0))
     assert unbounded.weights[3] > 0.999  # what one liar decided before
+
+
+def test_a_member_a_version_behind_with_two_rounds_in_its_delta_moves_the_merge_as_far_as_one_round():
+    """It fell behind because its last round failed while the others merged: its Δ, taken from the version
+    before, carries two rounds of steps, and tokens²/steps doubles its weight for them. At full weight the island
+    steps 1.5 rounds' length (3 members) and Nesterov carries the overshoot on."""
+    direction = torch.randn(N)
+    fresh = [member(f"f{i}", direction + 0.01 * torch.randn(N)) for i in range(2)]
+    stale = member("stale", 2 * direction, tokens=2 * 4096, steps=2 * 32, version=2)
+    island = parse_island([*fresh, stale], Expect(N))
+
+    def length(plan) -> float:  # of the merge Σ wᵢΔᵢ along the common direction, in rounds
+        deltas = [direction, direction, 2 * direction]
+        merged = sum(w * d for w, d in zip(plan.weights, deltas))
+        return float(merged @ direction / (direction @ direction))
+
+    full = plan_island(island, "tokens2", 60.0, N, Bounds(stale_factor=1.0))
+    assert full.weights[2] == pytest.approx(0.5) and length(full) == pytest.approx(1.5)
+    plan = plan_island(island, "tokens2", 60.0, N)  # the default: half the weight per version behind
+    assert plan.weights[:2] == full.weights[:2] and plan.weights[2] == pytest.approx(0.25)
+    assert length(plan) == pytest.approx(1.0) and sum(plan.weights) == pytest.approx(0.75)
+    assert "1 version behind" in plan.bounded[2] and set(plan.bounded) == {2}
+    # two versions behind keeps a quarter; members on the newest version are never discounted
+    older = plan_island(parse_island([*fresh, {**stale, "version": 1}], Expect(N)), "tokens2", 60.0, N)
+    assert older.weights[2] == pytest.approx(0.125) and older.weights[:2] == full.weights[:2]
 
 
 @pytest.mark.parametrize("weights", [[0.97, 0.01, 0.01, 0.01], [0.5, 0.5], [0.9, 0.1], [0.4, 0.3, 0.2, 0.1],
