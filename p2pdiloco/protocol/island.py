@@ -134,18 +134,17 @@ def _plan(island: Island, weighting: str, cap: float, n_params: int, bounds: Bou
         return IslandPlan(None, deadline, "no member's record was well-formed, or every member was blamed",
                           left_out=left_out)
     try:
-        raw = merge_weights([m.tokens for m in accepted], [m.steps for m in accepted], weighting)
+        capped, weight_notes = member_weights([m.tokens for m in accepted], [m.steps for m in accepted],
+                                              [m.delta_norm or 0.0 for m in accepted], [m.version for m in accepted],
+                                              weighting, bounds)
     except ValueError as e:  # no tokens at all
         return IslandPlan(None, deadline, str(e), left_out=left_out)
     index = [i for i, m in enumerate(island.members) if m is not None]
-    capped, weight_notes = cap_to_median(raw, bounds.weight_ratio)
     norms = [_fp32(m.block_norms) for m in accepted]
-    capped, norm_notes = cut_to_median_norm(capped, [m.delta_norm or 0.0 for m in accepted], bounds.norm_ratio)
-    capped, stale_notes = discount_stale(capped, [m.version for m in accepted], bounds.stale_factor)
     stats = [_fp32(m.maxabs) for m in accepted]
     clipped, over = clip_to_block_median(stats, bounds.scale_ratio)
     notes: dict[int, str] = {}
-    for k, why in [*weight_notes.items(), *norm_notes.items(), *stale_notes.items(),
+    for k, why in [*weight_notes,
                    *((k, f"{int(o.sum())} block maxima clipped") for k, o in enumerate(over) if o.any())]:
         notes[index[k]] = "; ".join(filter(None, [notes.get(index[k]), why]))
     nothing = torch.zeros(n_blocks(n_params))
@@ -153,6 +152,18 @@ def _plan(island: Island, weighting: str, cap: float, n_params: int, bounds: Bou
                       maxabs=_spread(clipped, index, len(island.members), nothing),
                       clipped=_spread(over, index, len(island.members), nothing.bool()),
                       norms=_spread(norms, index, len(island.members), nothing), bounded=notes, left_out=left_out)
+
+
+def member_weights(tokens: list[int], steps: list[int], norms: list[float], versions: list[int], weighting: str,
+                   bounds: Bounds) -> tuple[list[float], list[tuple[int, str]]]:
+    """The merge weights of an island's accepted members from what they claim, and (member, what was bounded)
+    notes: token weighting, capped at the median, cut where a norm stands out, discounted where stale. Raises
+    ValueError where no member trained a token."""
+    weights = merge_weights(tokens, steps, weighting)
+    weights, capped = cap_to_median(weights, bounds.weight_ratio)
+    weights, cut = cut_to_median_norm(weights, norms, bounds.norm_ratio)
+    weights, discounted = discount_stale(weights, versions, bounds.stale_factor)
+    return weights, [*capped.items(), *cut.items(), *discounted.items()]
 
 
 def _fp32(blob: bytes) -> torch.Tensor:
