@@ -181,6 +181,10 @@ class SwarmConfig:
         None, "τ: inner steps a round may run in flight (default H: the next contribution is due then).")
     max_staleness: int = option(2, "Contribute from up to this many versions behind; further behind, catch up "
                                 "first.")
+    wait_for_newest: bool = option(
+        True, "Decoupled mode: while peers on a newer global state train and none of them looks for an island, wait "
+        "for them (up to 1.5 rounds) and join their island a version behind, rather than form an island that "
+        "would fork the state.")
     sync_wait: float = option(60.0, "Sync mode: longest wait at a round for peers still training, in seconds.")
     bandwidth_mbps: float = option(100.0, "Assumed link speed until the first round measures it (all-reduce "
                                    "deadlines).")

@@ -66,6 +66,16 @@ def stale_merges(records: list[list[dict]]) -> list[dict]:
     return sorted(seen.values(), key=lambda x: x["version"])
 
 
+def forks(records: list[list[dict]]) -> dict[int, int]:
+    """Versions at which the swarm's peers made more than one global state: version → how many."""
+    states: dict[int, set] = {}
+    for rec in records:
+        for r in rec:
+            if r.kind == "round" and r.applied:
+                states.setdefault(r.version, set()).add(r.digest)
+    return {v: len(d) for v, d in sorted(states.items()) if len(d) > 1}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=180)
@@ -91,7 +101,7 @@ def main():
                    compute_share=compute_share(swarm)),
         swarm_val_at_solo_tokens=at_equal_tokens,
         solo_curve=[round(v, 4) for _, v in solo_curve], swarm_curve=[round(v, 4) for _, v in swarm_curve],
-        swarm_stale_merges=stale_merges(swarm),
+        swarm_stale_merges=stale_merges(swarm), swarm_forks=forks(swarm),
         val_ratio_equal_wallclock=final_val(swarm) / final_val(solo),
     )
     print(json.dumps(result, indent=1))

@@ -7,7 +7,8 @@ against the real swarm; the simulator (p2pdiloco.sim) runs the same object on a 
 Decoupled mode (the default), no global barrier:
 1. catch up first only if needed: a live peer holds a higher state at our version (a fork: everyone moves to
    the highest `lineage_key`) or is more than `max_staleness` versions ahead;
-2. quorum: wait until K−1 other peers are looking for an island (K=1: no wait);
+2. quorum: wait until K−1 other peers are looking for an island (K=1: no wait); while peers on a newer state
+   than ours train and none of them looks, wait for them (up to τ steps): an island without them would fork;
 3. grace window (Eq. 3, from measured EMAs): how long our matchmaking stays open for more members;
 4. the island's exact sum; a complete, checked, finite result commits, anything else rolls back;
 5. members on the group's newest state apply the merge; stale members download that state afterwards.
@@ -50,6 +51,7 @@ class RoundRules:
     declared_bytes_per_s: float = 12.5e6  # the link speed assumed until a round is measured
     poll: float = 0.25  # how often a driver looks at peer records while waiting
     rda_segments: tuple[Segment, ...] = ()  # RDA on: the merge is recombined from directions and norms
+    wait_for_newest: bool = True  # behind peers that are not looking: wait for them rather than fork (decoupled)
 
 
 # ---- decisions: what the driver is asked to do next ------------------------------------------------------
@@ -142,7 +144,7 @@ class Round:
         self.started = now
         self.phase = "new"
         self.state_before: Optional[StateTuple] = None
-        self.quorum_started = self.quorum_seconds = 0.0
+        self.quorum_started = self.quorum_seconds = self.newest_wait = 0.0
         self.others: list[PeerRecord] = []
         self.island: Optional[FormIsland] = None
         self.no_island_reason = ""
@@ -179,8 +181,9 @@ class Round:
         self._expect("quorum")
         self.others = self._others(peers)
         if not self._quorum_reached(now):
-            return self._waiting()
-        self.quorum_seconds = now - self.quorum_started
+            return self._waiting(now)
+        # the wait for peers on a newer state is not the quorum's: Eq. 3 would shut our grace window for it
+        self.quorum_seconds = now - self.quorum_started - self.newest_wait
         if not self.others and self.rules.quorum <= 1:
             return self._solo(now)  # alone in the swarm: K=1 applies its own update
         return self._form_island()
@@ -210,22 +213,47 @@ class Round:
     # ---- decisions ----------------------------------------------------------------------------------------
     def _wait_for_quorum(self, now: float) -> Decision:
         self.phase, self.quorum_started = "quorum", now
-        return self._waiting()
+        return self._waiting(now)
 
-    def _waiting(self) -> WaitForPeers:
-        until = (self.started + self.rules.sync_wait if self.rules.mode == "sync"
-                 else self.quorum_started + self.rules.grace.cap)
+    def _waiting(self, now: float) -> WaitForPeers:
+        until = self._give_up_at()
+        if self.rules.mode != "sync" and self._newest_not_ready() and now < self._newest_due() < until:
+            until = self._newest_due()  # a driver that looks only when records change looks again then
         return WaitForPeers(self.c.version, until, self.rules.poll)
 
+    def _give_up_at(self) -> float:
+        return (self.started + self.rules.sync_wait if self.rules.mode == "sync"
+                else self.quorum_started + self.rules.grace.cap)
+
     def _quorum_reached(self, now: float) -> bool:
-        if now >= self._waiting().until:
+        if now >= self._give_up_at():
             return True
         if self.rules.mode == "sync":  # everyone waits for everyone at our version
             ahead = [r for r in self.others if r.version > self.c.version]
             expected = [r for r in self.others if r.version == self.c.version]
             self.others = expected + ahead
             return bool(ahead) or all(r.ready == self.c.version for r in expected)
+        if self._newest_not_ready() and now < self._newest_due():
+            self.newest_wait = now - self.quorum_started
+            return False
         return sum(r.ready >= 0 for r in self.others) >= self.rules.quorum - 1  # any version: stale are welcome
+
+    def _newest_not_ready(self) -> bool:
+        """Live peers hold a newer state than ours and none of them is looking for an island: one we formed now
+        could hold no member on the newest state, and its merge would make a second state at a version the swarm
+        already has (a fork: one lineage's merge then rides along as a longer Δ). Waiting for them instead, we
+        join their next island one version behind, at a discounted weight (p2pdiloco.protocol.island)."""
+        ahead = [r for r in self.others if r.version > self.c.version]
+        return bool(ahead) and not any(r.ready >= 0 for r in ahead)
+
+    def _newest_due(self) -> float:
+        """How long we wait for them: until they are due to contribute again, τ inner steps after their last round
+        at most, with half as much again for slower peers (from our measured step time; no wait before we measured
+        one). A peer that never comes costs one such wait per round."""
+        if not self.rules.wait_for_newest:
+            return self.quorum_started
+        due = 1.5 * self.rules.overlap_steps * self.clock.step.get()
+        return self.quorum_started + min(self.rules.grace.cap, due)
 
     def _form_island(self) -> FormIsland:
         rules = self.rules

@@ -45,6 +45,7 @@ class Learner:
     due: bool = False  # H steps are done while a round was in flight: contribute when it settles
     island: Optional["Island"] = None
     life: int = 0  # bumped on each failure: events of an earlier life are ignored
+    poll: int = 0  # bumped on each look at the records scheduled: only the latest one counts
     name: str = ""
 
     def __post_init__(self):
@@ -68,6 +69,7 @@ class DecoupledSim:
     def __init__(self, p: SimParams, d: Draws):
         self.p, self.d = p, d
         self.rules = RoundRules(mode="decoupled", quorum=p.quorum, max_staleness=2, overlap_steps=p.inner_steps,
+                                wait_for_newest=p.wait_for_newest,
                                 grace=GracePolicy(gamma=p.grace_gamma, floor=0.0,
                                                   cap=p.inner_steps * max(d.step_seconds)),
                                 buffer_elements=0, poll=1.0)
@@ -80,6 +82,8 @@ class DecoupledSim:
         self.chip_seconds = 0.0
         self.commits = 0
         self.outcomes: dict[str, int] = {}
+        self.waiting: dict[str, Learner] = {}  # learners whose round waits on the records (quorum, newest peers)
+        self.states: dict[int, set[str]] = {}  # version → the global states made at it (more than one: a fork)
 
     # ---- the event loop -----------------------------------------------------------------------------------
     def run(self) -> SimResult:
@@ -87,15 +91,20 @@ class DecoupledSim:
             self._schedule(learner.step * self.p.inner_steps, "contribute", learner)
             for t in self.d.failures[learner.index]:
                 self._push(t, "fail", learner, None)
+        records = self._records()
         while self.events:
             t, _, kind, learner, arg = heapq.heappop(self.events)
             if t > self.p.horizon:
                 break
             getattr(self, f"_on_{kind}")(t, learner, arg)
+            if self.waiting and self._records() != records:
+                self._wake(t)  # as a real peer sees a record change at its next poll
+            records = self._records()
         failures = sum(len(f) for f in self.d.failures)
         return SimResult("decoupled", self.chip_seconds / (self.p.chips * self.p.horizon),
                          union_length(self.useful) / self.p.horizon, failures, self.commits,
-                         details=dict(outcomes=dict(sorted(self.outcomes.items()))))
+                         details=dict(outcomes=dict(sorted(self.outcomes.items())),
+                                      forks=sum(len(d) - 1 for d in self.states.values())))
 
     def _push(self, t: float, kind: str, learner: Optional[Learner], arg) -> None:
         heapq.heappush(self.events, (t, next(self.seq), kind, learner, arg))
@@ -129,6 +138,7 @@ class DecoupledSim:
             return  # handled by the restart under way
         learner.up, learner.life = False, learner.life + 1
         learner.pending, learner.in_round, learner.round, learner.due = [], [], None, False  # unmerged: lost
+        self.waiting.pop(learner.name, None)
         island = learner.island
         if island is not None:
             if island.closed:
@@ -155,15 +165,27 @@ class DecoupledSim:
                 decision = rnd.on_state(self._state_at_least(decision.min_version), t)
             elif isinstance(decision, (WaitForPeers, RefreshPeers)):
                 decision = rnd.on_peers(self._records(), t)
-                if isinstance(decision, WaitForPeers):  # quorum not reached: look again later
-                    return self._push(min(t + decision.poll, decision.until), "poll", learner, rnd)
+                if isinstance(decision, WaitForPeers):  # look again when a record changes, or when it stops waiting
+                    self.waiting[learner.name] = learner
+                    return self._look(decision.until, learner)
+                self.waiting.pop(learner.name, None)
             elif isinstance(decision, FormIsland):
                 return self._join_island(t, learner, decision)
             else:
                 raise TypeError(f"unknown decision {decision!r}")
 
-    def _on_poll(self, t: float, learner: Learner, rnd: Round) -> None:
-        if learner.round is rnd:
+    def _look(self, t: float, learner: Learner) -> None:
+        learner.poll += 1
+        self._push(t, "poll", learner, (learner.round, learner.poll))
+
+    def _wake(self, t: float) -> None:
+        for learner in list(self.waiting.values()):
+            self._look(t, learner)
+
+    def _on_poll(self, t: float, learner: Learner, look) -> None:
+        rnd, poll = look
+        if learner.round is rnd and learner.poll == poll and learner.name in self.waiting:
+            del self.waiting[learner.name]
             self._decide(t, learner, rnd.on_peers(self._records(), t))
 
     def _records(self) -> list[PeerRecord]:
@@ -203,6 +225,7 @@ class DecoupledSim:
             newest = max(records, key=lambda m: m.key)
             for x in members:  # the island's new global state; stale members download it from the others
                 x.version, x.digest = newest.version + 1, f"v{newest.version + 1}-i{island.id}"
+            self.states.setdefault(newest.version + 1, set()).add(f"v{newest.version + 1}-i{island.id}")
             self.commits += 1
         for x in members:
             x.island = None
@@ -230,6 +253,7 @@ class DecoupledSim:
             if outcome.kind == "solo":
                 learner.version, self.commits = learner.version + 1, self.commits + 1
                 learner.digest = f"v{learner.version}-{learner.name}"
+                self.states.setdefault(learner.version, set()).add(learner.digest)
         else:
             learner.pending = learner.in_round + learner.pending  # rolled back: it rides along next time
         learner.in_round = []

@@ -68,6 +68,7 @@ class SwarmMerger:
         self.grace_policy = GracePolicy(gamma=cfg.grace_gamma, floor=self.limits.matchmaking + 0.5)
         self.rules = RoundRules(
             mode=cfg.mode, quorum=cfg.quorum, max_staleness=cfg.max_staleness, sync_wait=cfg.sync_wait,
+            wait_for_newest=cfg.wait_for_newest,
             overlap_steps=overlap_steps, grace=self.grace_policy, request_timeout=self.limits.request,
             allreduce_cap=self.limits.allreduce_cap, buffer_elements=self.buffer_size, max_island=cfg.max_island,
             declared_bytes_per_s=self.limits.initial_bytes_per_s,

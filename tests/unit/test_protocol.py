@@ -130,6 +130,26 @@ def test_behind_more_than_max_staleness_catches_up_first_and_within_it_contribut
     assert new_round(mode="sync").start([record("b", version=4)], 100.0) == Download(4, "behind")
 
 
+def test_behind_peers_that_are_not_looking_we_wait_for_them_rather_than_fork():
+    """We are at v3 and quorum is met by c (also v3, looking), but b already holds v4 and trains: an island of c
+    and us would make a second v4. We wait until b looks (we then join its island, a version behind), at most the
+    τ steps until b is due again (20 steps of 1 s) and half as much again, then form the island anyway."""
+    b_training, c_looking = record("b", version=4), record("c", ready=3)
+    rnd = new_round(quorum=2)
+    assert isinstance(rnd.start([b_training, c_looking], 100.0), WaitForPeers)
+    assert isinstance(rnd.on_peers([b_training, c_looking], 110.0), WaitForPeers)
+    assert isinstance(rnd.on_peers([record("b", version=4, ready=4), c_looking], 111.0), FormIsland)
+    rnd = new_round(quorum=2)
+    rnd.start([b_training, c_looking], 100.0)
+    assert isinstance(rnd.on_peers([b_training, c_looking], 129.9), WaitForPeers)
+    assert isinstance(rnd.on_peers([b_training, c_looking], 130.0), FormIsland)  # b did not come within 1.5 τ steps
+    # nobody ahead of us: the island forms at once, as before; and the rule can be turned off
+    assert isinstance(to_island(new_round(quorum=2), [c_looking]), FormIsland)
+    rnd = new_round(quorum=2, wait_for_newest=False)
+    rnd.start([b_training, c_looking], 100.0)
+    assert isinstance(rnd.on_peers([b_training, c_looking], 101.0), FormIsland)
+
+
 def test_a_failed_catch_up_download_goes_on_from_our_own_state():
     rnd = new_round()
     rnd.start([record("b", version=9)], 100.0)
@@ -200,7 +220,7 @@ def test_no_island_with_a_quorum_rolls_back_at_once():
 def test_a_stale_member_fetches_the_groups_newer_state_after_committing():
     for fetched in ((dict(version=5, digest="bbbbbb"), [torch.ones(8), torch.zeros(8)]), None):
         rnd = new_round()
-        to_island(rnd, [record("b", version=4)])
+        to_island(rnd, [record("b", version=4, ready=4)])  # b holds a newer state and is looking
         decision = rnd.on_island(reduced(member(ME), member("b", version=4, digest="bbbbbb")), 110.0)
         assert decision == Download(5, "stale contribution")
         o = rnd.on_state(fetched, 112.0).outcome

@@ -58,6 +58,17 @@ def test_decoupled_learners_keep_the_global_model_advancing_while_others_are_rep
     assert decoupled.details["outcomes"].get("committed", 0) > 0  # islands of several learners formed
 
 
+def test_learners_behind_a_newer_state_wait_for_it_and_fork_a_fifth_as_often():
+    """A learner behind peers that train on a newer state (it missed their island: a failure, a slow round) used to
+    form its own island at its version, a second state beside theirs. Waiting for them to look instead, it joins
+    their next island a version behind."""
+    for seed in (0, 1):
+        p = dataclasses.replace(SMALL, seed=seed)
+        waiting, forking = simulate(p, "decoupled"), simulate(dataclasses.replace(p, wait_for_newest=False), "decoupled")
+        assert forking.details["forks"] > 50 and waiting.details["forks"] < forking.details["forks"] / 3
+        assert waiting.goodput > forking.goodput - 0.05  # rounds a waiting learner's work rides along are not lost
+
+
 def test_datacenter_scale_a_week_of_1_2m_chips_in_every_mode_within_a_minute():
     started = time.monotonic()
     result = CliRunner().invoke(cli, ["simulate", "--chips", "1200000", "--learners", "16", "--mtbi-years", "1",
