@@ -7,8 +7,9 @@ against the real swarm; the simulator (p2pdiloco.sim) runs the same object on a 
 Decoupled mode (the default), no global barrier:
 1. catch up first only if needed: a live peer holds a higher state at our version (a fork: everyone moves to
    the highest `lineage_key`) or is more than `max_staleness` versions ahead;
-2. quorum: wait until K−1 other peers are looking for an island (K=1: no wait); while peers on a newer state
-   than ours train and none of them looks, wait for them (up to τ steps): an island without them would fork;
+2. quorum: wait until K−1 other peers are looking for an island (K=1: no wait); with `wait_for_newest`, while
+   peers on a newer state than ours train and none of them looks, wait for them too (up to 1.5 τ steps): an
+   island without them would fork;
 3. grace window (Eq. 3, from measured EMAs): how long our matchmaking stays open for more members;
 4. the island's exact sum; a complete, checked, finite result commits, anything else rolls back;
 5. members on the group's newest state apply the merge; stale members download that state afterwards.
@@ -51,7 +52,7 @@ class RoundRules:
     declared_bytes_per_s: float = 12.5e6  # the link speed assumed until a round is measured
     poll: float = 0.25  # how often a driver looks at peer records while waiting
     rda_segments: tuple[Segment, ...] = ()  # RDA on: the merge is recombined from directions and norms
-    wait_for_newest: bool = True  # behind peers that are not looking: wait for them rather than fork (decoupled)
+    wait_for_newest: bool = False  # behind peers that are not looking: wait for them rather than fork (decoupled)
 
 
 # ---- decisions: what the driver is asked to do next ------------------------------------------------------

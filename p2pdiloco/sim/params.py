@@ -36,7 +36,7 @@ class SimParams:
                                  group="sim")
     quorum: int = option(1, "decoupled: K, fewest learners for a merge.", group="sim")
     grace_gamma: float = option(0.5, "decoupled: γ of the grace window (Eq. 3).", group="sim")
-    wait_for_newest: bool = option(True, "decoupled: wait for learners on a newer state rather than form an island "
+    wait_for_newest: bool = option(False, "decoupled: wait for learners on a newer state rather than form an island "
                                    "that forks it (join --wait-for-newest).", group="sim")
     days: float = option(7.0, "Simulated days.", group="sim")
     seed: int = option(0, "Failure times and learner speeds are drawn from this seed.", group="sim")

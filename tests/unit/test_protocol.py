@@ -130,22 +130,22 @@ def test_behind_more_than_max_staleness_catches_up_first_and_within_it_contribut
     assert new_round(mode="sync").start([record("b", version=4)], 100.0) == Download(4, "behind")
 
 
-def test_behind_peers_that_are_not_looking_we_wait_for_them_rather_than_fork():
+def test_with_wait_for_newest_behind_peers_that_are_not_looking_we_wait_for_them_rather_than_fork():
     """We are at v3 and quorum is met by c (also v3, looking), but b already holds v4 and trains: an island of c
     and us would make a second v4. We wait until b looks (we then join its island, a version behind), at most the
     τ steps until b is due again (20 steps of 1 s) and half as much again, then form the island anyway."""
     b_training, c_looking = record("b", version=4), record("c", ready=3)
-    rnd = new_round(quorum=2)
+    rnd = new_round(quorum=2, wait_for_newest=True)
     assert isinstance(rnd.start([b_training, c_looking], 100.0), WaitForPeers)
     assert isinstance(rnd.on_peers([b_training, c_looking], 110.0), WaitForPeers)
     assert isinstance(rnd.on_peers([record("b", version=4, ready=4), c_looking], 111.0), FormIsland)
-    rnd = new_round(quorum=2)
+    rnd = new_round(quorum=2, wait_for_newest=True)
     rnd.start([b_training, c_looking], 100.0)
     assert isinstance(rnd.on_peers([b_training, c_looking], 129.9), WaitForPeers)
     assert isinstance(rnd.on_peers([b_training, c_looking], 130.0), FormIsland)  # b did not come within 1.5 τ steps
-    # nobody ahead of us: the island forms at once, as before; and the rule can be turned off
-    assert isinstance(to_island(new_round(quorum=2), [c_looking]), FormIsland)
-    rnd = new_round(quorum=2, wait_for_newest=False)
+    # nobody ahead of us: the island forms at once, as before; and without the rule (the default) at once too
+    assert isinstance(to_island(new_round(quorum=2, wait_for_newest=True), [c_looking]), FormIsland)
+    rnd = new_round(quorum=2)
     rnd.start([b_training, c_looking], 100.0)
     assert isinstance(rnd.on_peers([b_training, c_looking], 101.0), FormIsland)
 
