@@ -184,7 +184,7 @@ class SwarmConfig:
     wait_for_newest: bool = option(
         False, "Decoupled mode: while peers on a newer global state train and none of them looks for an island, "
         "wait for them (up to 1.5 rounds) and join their island a version behind, rather than form an island that "
-        "would fork the state. Simulated: 1.4-3.7x fewer forks; with --quorum 2 in a swarm of 4 also more goodput, "
+        "would fork the state. Simulated: 1.3-5x fewer forks; with --quorum 2 in a swarm of 4 also more goodput, "
         "with 16 learners 1-4 points less (docs/architecture.md).")
     sync_wait: float = option(60.0, "Sync mode: longest wait at a round for peers still training, in seconds.")
     bandwidth_mbps: float = option(100.0, "Assumed link speed until the first round measures it (all-reduce "
