@@ -122,9 +122,9 @@ class OuterConfig:
         2.0, "A member whose claimed pseudo-gradient norm is above this multiple of its island's median has its "
         "merge weight cut to match (0: no cut). Every peer of a swarm must use the same.")
     stale_factor: float = option(
-        0.5, "What a member's merge weight keeps per version its pseudo-gradient is behind its island's newest "
-        "member's (1: no discount): a late Δ usually carries a failed round's steps too. Every peer of a swarm must "
-        "use the same.")
+        1.0, "What a member's merge weight keeps per version its pseudo-gradient is behind its island's newest "
+        "member's (1: no discount; 0.5 gives back a one-round-late Δ that carries a failed round's steps the weight "
+        "of one round; measured within ±0.4 %, docs/architecture.md). Every peer of a swarm must use the same.")
     application: str = option(
         "delayed", "While a round is in flight, train on from the local model and rebase onto the merge when it "
         "lands (delayed), or from an estimate of the next global model (eager).", choices=APPLICATIONS)

@@ -28,10 +28,11 @@ def test_stale_contributor_is_merged_then_catches_up(tmp_path):
     names = ["fast1", "fast2", "slow"]
     with local_swarm(tmp_path, "stale") as swarm:
         for name in names[:2]:
-            swarm.start_peer(name, "-H", "10", "--max-rounds", "10", "--max-staleness", "20")
+            swarm.start_peer(name, "-H", "10", "--max-rounds", "10", "--max-staleness", "20", "--stale-factor", "0.5")
         # 8× slower steps: its 10 take about a round of the fast peers (tiny steps are so short that at 4×
         # it kept pace with rounds whose time is mostly matchmaking: CI saw it never fall behind)
-        swarm.start_peer("slow", "-H", "10", "--max-rounds", "3", "--max-staleness", "20", "--throttle", "8")
+        swarm.start_peer("slow", "-H", "10", "--max-rounds", "3", "--max-staleness", "20", "--throttle", "8",
+                         "--stale-factor", "0.5")
         swarm.wait_clean(names, timeout=400)
     slow_rounds = swarm.records("slow", "round")
     stale = [r for r in slow_rounds if r.applied and r.from_version < max(r.member_versions)]
@@ -39,8 +40,8 @@ def test_stale_contributor_is_merged_then_catches_up(tmp_path):
     for r in stale:  # ...its work was merged, and it now holds the island's newer state
         assert r.adopted and r.version >= max(r.member_versions) + 1, r
         assert "slow" in r.members and r.fork_distance == 0.0
-        # each member's weight was halved per version it was behind (the default --stale-factor), and the others'
-        # were not renormalised up: the merge is shorter
+        # each member's weight was halved per version it was behind (--stale-factor 0.5), and the others' were not
+        # renormalised up: the merge is shorter
         newest = max(r.member_versions)
         assert sum(w / 0.5 ** (newest - v) for w, v in zip(r.weights, r.member_versions)) == pytest.approx(1.0), r
         assert sum(r.weights) < 0.99, r
