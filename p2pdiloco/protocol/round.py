@@ -243,7 +243,7 @@ class Round:
         """Live peers hold a newer state than ours and none of them is looking for an island: one we formed now
         could hold no member on the newest state, and its merge would make a second state at a version the swarm
         already has (a fork: one lineage's merge then rides along as a longer Δ). Waiting for them instead, we
-        join their next island one version behind, at a discounted weight (p2pdiloco.protocol.island)."""
+        join their next island one version behind (our weight discounted where the swarm's --stale-factor says)."""
         ahead = [r for r in self.others if r.version > self.c.version]
         return bool(ahead) and not any(r.ready >= 0 for r in ahead)
 
