@@ -97,9 +97,10 @@ class DecoupledSim:
             if t > self.p.horizon:
                 break
             getattr(self, f"_on_{kind}")(t, learner, arg)
-            if self.waiting and self._records() != records:
+            current = self._records()
+            if self.waiting and current != records:
                 self._wake(t)  # as a real peer sees a record change at its next poll
-            records = self._records()
+            records = current
         failures = sum(len(f) for f in self.d.failures)
         return SimResult("decoupled", self.chip_seconds / (self.p.chips * self.p.horizon),
                          union_length(self.useful) / self.p.horizon, failures, self.commits,

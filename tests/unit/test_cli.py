@@ -216,3 +216,34 @@ def test_a_malformed_initial_peer_is_refused_before_any_daemon_starts(tmp_path):
     assert proc.returncode == 1 and f"--initial-peers {address}: {message}" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and "Daemon" not in proc.stderr
     assert time.monotonic() - start < 30
+
+
+def test_a_peer_that_has_left_ignores_sigterm_while_its_interpreter_exits(monkeypatch):
+    """Python puts the default action back for its handled signals as it exits: a launcher's SIGTERM in that window
+    killed a peer that had left cleanly (CI: exit -15 after "done after 9 rounds"). Once `run_peer` returns, the
+    peer ignores SIGINT and SIGTERM, which stay ignored through the exit."""
+    import faulthandler
+    import signal
+
+    from p2pdiloco import peer as peer_module
+
+    class Finished:
+        def __init__(self, cfg):
+            pass
+
+        def request_stop(self, *_):
+            pass
+
+        def run(self):
+            assert signal.getsignal(signal.SIGTERM) == self.request_stop  # while it runs, a SIGTERM is a leave
+            return {}
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    monkeypatch.setattr(peer_module, "Peer", Finished)
+    try:
+        assert peer_module.run_peer(None) == {}
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        faulthandler.unregister(signal.SIGUSR1)  # run_peer registers the stack dump; not this process's to keep

@@ -74,6 +74,8 @@ def test_unreadable_data_is_a_clear_error_not_a_traceback(tmp_path):
     (lambda: InnerConfig(steps=0), "steps must be a positive integer"),
     (lambda: InnerConfig(lr=-1.0), "lr must be a positive number"),
     (lambda: OuterConfig(momentum=1.0), "outer momentum must be in"),
+    (lambda: OuterConfig(stale_factor=0.0), "stale factor must be in (0, 1]"),  # 0 would exclude every late member
+    (lambda: OuterConfig(stale_factor=1.5), "stale factor must be in (0, 1]"),
     (lambda: SwarmConfig(quorum=5, max_island=4), "quorum (5) cannot exceed"),
     (lambda: SwarmConfig(run_id="has space"), "run id must be"),
     (lambda: SwarmConfig(initial_peers=("localhost:1234",)), "is not a multiaddr"),
