@@ -186,6 +186,11 @@ class SwarmConfig:
         "wait for them (up to 1.5 rounds) and join their island a version behind, rather than form an island that "
         "would fork the state. Simulated: 1.3-5x fewer forks; with --quorum 2 in a swarm of 4 also more goodput, "
         "with 16 learners 1-4 points less (docs/architecture.md).")
+    wait_for_island: bool = option(
+        True, "Decoupled mode: while an island merges from our global state without us (its all-reduce began before "
+        "we were ready), wait for it rather than form a second island that would fork the state; then join its "
+        "members' next island a version behind, or take their state and let our update ride along. Simulated: "
+        "2-20x fewer forks at about the same goodput (docs/architecture.md).")
     sync_wait: float = option(60.0, "Sync mode: longest wait at a round for peers still training, in seconds.")
     bandwidth_mbps: float = option(100.0, "Assumed link speed until the first round measures it (all-reduce "
                                    "deadlines).")

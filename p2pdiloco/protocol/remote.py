@@ -35,6 +35,7 @@ class PeerRecord:
     version: int  # outer steps applied to this peer's global state
     digest: str  # hash of its global parameters: equal digests at equal versions = consensus
     ready: int = -1  # the version it contributes from while it looks for an island, or -1
+    merging: int = -1  # the version it contributes from while its island's all-reduce runs (closed to others), or -1
     inner_step: int = 0
     tokens_per_s: float = 0.0
     sketch: list = field(default_factory=list)  # p2pdiloco.core.consensus.sketch of its Θ
@@ -139,8 +140,8 @@ def _fields(value: Any, known: Sequence[str], required: Sequence[str]) -> dict:
     return value
 
 
-_PEER_FIELDS = ("peer", "name", "version", "digest", "ready", "inner_step", "tokens_per_s", "sketch", "loss", "rounds",
-                "island", "bytes_sent", "client_mode", "settings")
+_PEER_FIELDS = ("peer", "name", "version", "digest", "ready", "merging", "inner_step", "tokens_per_s", "sketch", "loss",
+                "rounds", "island", "bytes_sent", "client_mode", "settings")
 MAX_SETTINGS = 32
 
 
@@ -157,6 +158,7 @@ def _peer_record(value: Any) -> PeerRecord:
     return PeerRecord(peer=_str(v["peer"], "peer", 1, MAX_ID), name=_str(v["name"], "name", 0, MAX_NAME),
                       version=_int(v["version"], "version"), digest=_str(v["digest"], "digest", MIN_DIGEST, MAX_DIGEST),
                       ready=_int(v.get("ready", -1), "ready", lo=-1),
+                      merging=_int(v.get("merging", -1), "merging", lo=-1),
                       inner_step=_int(v.get("inner_step", 0), "inner_step"),
                       tokens_per_s=_float(v.get("tokens_per_s", 0.0), "tokens_per_s"),
                       sketch=list(_floats(v.get("sketch", []), "sketch", SKETCH_DIM)),

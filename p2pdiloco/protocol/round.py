@@ -9,7 +9,11 @@ Decoupled mode (the default), no global barrier:
    the highest `lineage_key`) or is more than `max_staleness` versions ahead;
 2. quorum: wait until K−1 other peers are looking for an island (K=1: no wait); with `wait_for_newest`, while
    peers on a newer state than ours train and none of them looks, wait for them too (up to 1.5 τ steps): an
-   island without them would fork;
+   island without them would fork; with `wait_for_island` (the default), while an island merges from a state at
+   least as new as ours without us (closed: its all-reduce has begun), wait for its end rather than make a second
+   state at its version with whoever else came late; if it merged, wait for its members as `wait_for_newest` does
+   and join their next island a version behind, or, if they do not look in time, take their state and roll back
+   (our Δ rides along with our next contribution);
 3. grace window (Eq. 3, from measured EMAs): how long our matchmaking stays open for more members;
 4. the island's exact sum; a complete, checked, finite result commits, anything else rolls back;
 5. members on the group's newest state apply the merge; stale members download that state afterwards.
@@ -53,6 +57,7 @@ class RoundRules:
     poll: float = 0.25  # how often a driver looks at peer records while waiting
     rda_segments: tuple[Segment, ...] = ()  # RDA on: the merge is recombined from directions and norms
     wait_for_newest: bool = False  # behind peers that are not looking: wait for them rather than fork (decoupled)
+    wait_for_island: bool = True  # an island merging from our state without us: wait, adopt its merge (decoupled)
 
 
 # ---- decisions: what the driver is asked to do next ------------------------------------------------------
@@ -145,7 +150,8 @@ class Round:
         self.started = now
         self.phase = "new"
         self.state_before: Optional[StateTuple] = None
-        self.quorum_started = self.quorum_seconds = self.newest_wait = 0.0
+        self.quorum_started = self.quorum_seconds = self.other_wait = 0.0  # other: not for quorum (below)
+        self.waited_for_island = False
         self.others: list[PeerRecord] = []
         self.island: Optional[FormIsland] = None
         self.no_island_reason = ""
@@ -165,6 +171,13 @@ class Round:
         return self._wait_for_quorum(now)
 
     def on_state(self, state: Optional[StateTuple], now: float) -> Decision:
+        if self.phase == "adopt":
+            if state is None:
+                return self._done(self._rolled_back_type, now, "rolled back: an island merged without us, and "
+                                  "its state did not download")
+            self.state_before = state
+            return self._done(Adopted, now, f"rolled back: an island merged from v{self.c.version} without us; "
+                              f"took its state v{int(state[0]['version'])}")
         if self.phase == "catch_up":
             if state is not None:
                 self.state_before = state
@@ -183,8 +196,12 @@ class Round:
         self.others = self._others(peers)
         if not self._quorum_reached(now):
             return self._waiting(now)
-        # the wait for peers on a newer state is not the quorum's: Eq. 3 would shut our grace window for it
-        self.quorum_seconds = now - self.quorum_started - self.newest_wait
+        if self.waited_for_island and self._newest_not_ready():
+            self.phase = "adopt"  # the island we waited for merged: an island of ours now would fork its state
+            return Download(max(r.version for r in self.others), "an island merged without us")
+        # the waits for peers on a newer state or an island in flight are not the quorum's: Eq. 3 would shut our
+        # grace window for them
+        self.quorum_seconds = now - self.quorum_started - self.other_wait
         if not self.others and self.rules.quorum <= 1:
             return self._solo(now)  # alone in the swarm: K=1 applies its own update
         return self._form_island()
@@ -234,8 +251,11 @@ class Round:
             expected = [r for r in self.others if r.version == self.c.version]
             self.others = expected + ahead
             return bool(ahead) or all(r.ready == self.c.version for r in expected)
+        if self._island_in_flight():
+            self.waited_for_island, self.other_wait = True, now - self.quorum_started
+            return False  # until its end shows in the records, or we give up (above)
         if self._newest_not_ready() and now < self._newest_due():
-            self.newest_wait = now - self.quorum_started
+            self.other_wait = now - self.quorum_started
             return False
         return sum(r.ready >= 0 for r in self.others) >= self.rules.quorum - 1  # any version: stale are welcome
 
@@ -247,11 +267,19 @@ class Round:
         ahead = [r for r in self.others if r.version > self.c.version]
         return bool(ahead) and not any(r.ready >= 0 for r in ahead)
 
+    def _island_in_flight(self) -> bool:
+        """Live peers merge from a state at least as new as ours in an island closed to us. Any island we formed
+        meanwhile would make a second state at a version it makes too (a fork), so we wait for its end. An island
+        has two members at least (a stale one merges from an older state): one record alone saying so (a liar's)
+        cannot hold our rounds up."""
+        merging = [r.merging for r in self.others if r.merging >= 0]
+        return self.rules.wait_for_island and len(merging) >= 2 and max(merging) >= self.c.version
+
     def _newest_due(self) -> float:
         """How long we wait for them: until they are due to contribute again, τ inner steps after their last round
         at most, with half as much again for slower peers (from our measured step time; no wait before we measured
         one). A peer that never comes costs one such wait per round."""
-        if not self.rules.wait_for_newest:
+        if not (self.rules.wait_for_newest or self.waited_for_island):
             return self.quorum_started
         due = 1.5 * self.rules.overlap_steps * self.clock.step.get()
         return self.quorum_started + min(self.rules.grace.cap, due)

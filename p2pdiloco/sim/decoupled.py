@@ -53,8 +53,10 @@ class Learner:
 
     def record(self) -> PeerRecord:
         rnd = self.round
-        ready = rnd.c.version if rnd is not None and rnd.phase == "quorum" else -1
-        return PeerRecord(self.name, self.name, self.version, self.digest, ready)
+        # as a real peer's heartbeat: ready from its first look at the records until its round is over
+        ready = rnd.c.version if rnd is not None and rnd.phase not in ("new", "catch_up") else -1
+        merging = rnd.c.version if self.island is not None and self.island.closed else -1
+        return PeerRecord(self.name, self.name, self.version, self.digest, ready, merging)
 
 
 @dataclass
@@ -69,7 +71,7 @@ class DecoupledSim:
     def __init__(self, p: SimParams, d: Draws):
         self.p, self.d = p, d
         self.rules = RoundRules(mode="decoupled", quorum=p.quorum, max_staleness=2, overlap_steps=p.inner_steps,
-                                wait_for_newest=p.wait_for_newest,
+                                wait_for_newest=p.wait_for_newest, wait_for_island=p.wait_for_island,
                                 grace=GracePolicy(gamma=p.grace_gamma, floor=0.0,
                                                   cap=p.inner_steps * max(d.step_seconds)),
                                 buffer_elements=0, poll=1.0)

@@ -38,6 +38,9 @@ class SimParams:
     grace_gamma: float = option(0.5, "decoupled: γ of the grace window (Eq. 3).", group="sim")
     wait_for_newest: bool = option(False, "decoupled: wait for learners on a newer state rather than form an island "
                                    "that forks it (join --wait-for-newest).", group="sim")
+    wait_for_island: bool = option(True, "decoupled: a learner that finds an island merging from its state without "
+                                   "it waits for that island and takes its state (join --wait-for-island).",
+                                   group="sim")
     days: float = option(7.0, "Simulated days.", group="sim")
     seed: int = option(0, "Failure times and learner speeds are drawn from this seed.", group="sim")
 

@@ -68,7 +68,7 @@ class SwarmMerger:
         self.grace_policy = GracePolicy(gamma=cfg.grace_gamma, floor=self.limits.matchmaking + 0.5)
         self.rules = RoundRules(
             mode=cfg.mode, quorum=cfg.quorum, max_staleness=cfg.max_staleness, sync_wait=cfg.sync_wait,
-            wait_for_newest=cfg.wait_for_newest,
+            wait_for_newest=cfg.wait_for_newest, wait_for_island=cfg.wait_for_island,
             overlap_steps=overlap_steps, grace=self.grace_policy, request_timeout=self.limits.request,
             allreduce_cap=self.limits.allreduce_cap, buffer_elements=self.buffer_size, max_island=cfg.max_island,
             declared_bytes_per_s=self.limits.initial_bytes_per_s,
@@ -101,7 +101,7 @@ class SwarmMerger:
         try:
             outcome = self._drive(Round(self.rules, self.peer, c, self.clock, time.monotonic()))
         finally:
-            self.heartbeat.update(ready=-1)
+            self.heartbeat.update(ready=-1, merging=-1)
         if isinstance(outcome, Solo) and self.feedback is not None and not self.outer.rda:
             # alone, we merge what our wire would have carried (codec.ErrorFeedback.alone), not our whole Δ
             outcome = dataclasses.replace(outcome, merged=self.feedback.alone(c.delta, self.bits,
@@ -162,8 +162,12 @@ class SwarmMerger:
         control = self._control = self.averager.step(
             gather=gather, weight=1.0, timeout=island.find_timeout, scheduled_time=get_dht_time() + self._start_in(island),
             allow_retries=False, wait=False)
+        def announce_merging() -> None:  # others arriving now cannot join us: they wait rather than fork
+            if control.began_allreduce and self.heartbeat.record.merging != c.version:
+                self.heartbeat.update(merging=c.version)
+
         try:
-            result = result_unless_closed(control, island.result_timeout, self.closed)
+            result = result_unless_closed(control, island.result_timeout, self.closed, on_poll=announce_merging)
         except Exception as e:  # CancelledError too: we left while looking for an island
             began = control.began_allreduce
             cancel(control)
@@ -308,13 +312,15 @@ def hostile(plan: FaultPlan, body: torch.Tensor, c: Contribution) -> tuple[torch
     return body, c.tokens
 
 
-def result_unless_closed(future, timeout: float, closed: threading.Event, poll: float = 0.25):
+def result_unless_closed(future, timeout: float, closed: threading.Event, poll: float = 0.25,
+                         on_poll: Callable[[], None] = lambda: None):
     """`future.result(timeout)`, but raise as soon as `closed` is set: the peer is leaving, and an outcome
-    that can no longer arrive must not keep its process alive."""
+    that can no longer arrive must not keep its process alive. `on_poll` runs every `poll` s while we wait."""
     deadline = time.monotonic() + timeout
     while True:
         if closed.is_set():
             raise LeavingError("the peer is leaving")
+        on_poll()
         try:
             return future.result(timeout=max(0.0, min(poll, deadline - time.monotonic())))
         except TimeoutError:

@@ -15,7 +15,7 @@ GOOD = dict(peer="12D3Koo", name="a", version=3, digest="abcdef0123456789", read
 @pytest.mark.parametrize("change", [
     dict(version="3"), dict(digest=None), dict(digest=""), dict(ready=1.5), dict(peer=7),
     dict(sketch=["x"] * 4), dict(sketch=[math.nan]), dict(sketch=[1.0] * (SKETCH_DIM + 1)), dict(sketch="abc"),
-    dict(unexpected_field=1),
+    dict(unexpected_field=1), dict(merging=-2), dict(merging="3"), dict(merging=True),
 ])
 def test_a_malformed_record_is_dropped(change):
     assert parse_record({**GOOD, **change}) is None
@@ -24,6 +24,7 @@ def test_a_malformed_record_is_dropped(change):
 def test_well_formed_records_parse_and_give_a_distance():
     a, b = parse_record(GOOD), parse_record({**GOOD, "digest": "ffffff0000000000", "sketch": [1.5] * SKETCH_DIM})
     assert a is not None and b is not None and parse_record(None) is None and parse_record([1, 2]) is None
+    assert a.merging == -1 and parse_record({**GOOD, "merging": 3}).merging == 3
     assert consensus_distance([(a.version, a.digest, a.sketch), (b.version, b.digest, b.sketch)]) == pytest.approx(8.0)
 
 

@@ -19,8 +19,8 @@ def contribution(version=3, digest="aaaaaa", tokens=100, steps=10) -> Contributi
                            name="me", digest=digest)
 
 
-def record(peer, version=3, digest="aaaaaa", ready=-1) -> PeerRecord:
-    return PeerRecord(peer=peer, name=peer, version=version, digest=digest, ready=ready)
+def record(peer, version=3, digest="aaaaaa", ready=-1, merging=-1) -> PeerRecord:
+    return PeerRecord(peer=peer, name=peer, version=version, digest=digest, ready=ready, merging=merging)
 
 
 def member(peer, version=3, digest="aaaaaa", tokens=100, steps=10) -> Member:
@@ -148,6 +148,51 @@ def test_with_wait_for_newest_behind_peers_that_are_not_looking_we_wait_for_them
     rnd = new_round(quorum=2)
     rnd.start([b_training, c_looking], 100.0)
     assert isinstance(rnd.on_peers([b_training, c_looking], 101.0), FormIsland)
+
+
+def test_an_island_merging_from_our_state_without_us_is_waited_for_not_forked():
+    """b and c began an all-reduce from v3 (our state) just before we were ready; d came late too. An island of d
+    and us would make a second v4. We wait for theirs; once it merged, we wait for its members to look again (1.5 τ
+    steps: 30 s) and join them, or else take their state and roll back: our Δ rides along."""
+    b, c = record("b", ready=3, merging=3), record("c", ready=3, merging=3)
+    d_late = record("d", ready=3)
+    rnd = new_round()
+    assert isinstance(rnd.start([b, c, d_late], 100.0), WaitForPeers)
+    assert isinstance(rnd.on_peers([b, c, d_late], 105.0), WaitForPeers)
+    merged = [record("b", version=4), record("c", version=4), d_late]
+    assert isinstance(rnd.on_peers(merged, 106.0), WaitForPeers)  # b and c train on v4: wait for them to look
+    assert isinstance(rnd.on_peers(merged, 119.5), WaitForPeers)
+    assert isinstance(rnd.on_peers([record("b", version=4, ready=4), merged[1], d_late], 120.0), FormIsland)
+    assert rnd.quorum_seconds == pytest.approx(0.5)  # waiting for them is not waiting for quorum (Eq. 3's ξ_quorum)
+
+    rnd = new_round()
+    rnd.start([b, c, d_late], 100.0)
+    rnd.on_peers([b, c, d_late], 101.0)
+    assert isinstance(rnd.on_peers(merged, 106.0), WaitForPeers)
+    assert rnd.on_peers(merged, 130.0) == Download(4, "an island merged without us")  # they did not come in time
+    state = ({"version": 4, "digest": "bbbbbb"}, [])
+    done = rnd.on_state(state, 131.0)
+    assert isinstance(done.outcome, Adopted) and done.outcome.state_before is state and not done.outcome.committed
+    rnd = new_round()
+    rnd.start([b, c, d_late], 100.0)
+    rnd.on_peers([b, c, d_late], 101.0)
+    rnd.on_peers(merged, 130.0)
+    assert isinstance(rnd.on_state(None, 131.0).outcome, RolledBack)  # nothing to adopt: roll back as it is
+
+
+def test_an_island_in_flight_that_failed_or_is_older_or_the_rule_off_lets_us_form_ours():
+    b, c, d_late = record("b", ready=3, merging=3), record("c", ready=3, merging=3), record("d", ready=3)
+    rnd = new_round()
+    rnd.start([b, c, d_late], 100.0)
+    assert isinstance(rnd.on_peers([b, c, d_late], 101.0), WaitForPeers)
+    assert isinstance(rnd.on_peers([record("b"), record("c"), d_late], 104.0), FormIsland)  # it rolled back
+    assert isinstance(to_island(new_round(), [record("b", version=2, ready=2, merging=2), d_late]), FormIsland)
+    assert isinstance(to_island(new_round(wait_for_island=False), [b, c, d_late]), FormIsland)
+    assert isinstance(to_island(new_round(), [b, d_late]), FormIsland)  # one record alone is no island (a liar?)
+    rnd = new_round()
+    rnd.start([b, c, d_late], 100.0)
+    assert isinstance(rnd.on_peers([b, c, d_late], 159.9), WaitForPeers)
+    assert isinstance(rnd.on_peers([b, c, d_late], 160.0), FormIsland)  # never longer than the grace window's cap
 
 
 def test_a_failed_catch_up_download_goes_on_from_our_own_state():
