@@ -510,7 +510,7 @@ class Peer:
             sync_seconds=o.sync_seconds, deadline_seconds=o.deadline_seconds, grace_seconds=o.grace_seconds,
             step_seconds_ema=self.diloco.clock.step.get(), bytes_sent=o.bytes_sent, bytes_received=o.bytes_received,
             allreduce_bytes_model=o.allreduce_bytes_model,
-            adopted=o.adopted, consensus_distance=distance,
+            adopted=o.adopted, waited_for_island=o.waited_for_island, consensus_distance=distance,
             fork_distance=fork_distance(own, others_states),
             version_spread=max(versions) - min(versions), live_peers=len(versions), recovered_tokens=self.diloco.recovered_tokens,
             **self._goodput_fields(), utilization=self.compute_seconds / max(wall, 1e-9), wall=wall,

@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 from p2pdiloco.ops.launcher import run_local_swarm
+from p2pdiloco.ops.swarmreport import forks, island_waits, stale_merges
 from p2pdiloco.runtime.schema import read_records
 
 
@@ -53,29 +54,6 @@ def tokens_curve(records: list[list[dict]]) -> list[tuple[int, float]]:
     return curve
 
 
-def stale_merges(records: list[list[dict]]) -> list[dict]:
-    """The swarm's merged rounds with a member behind the newest, as each member logged them (version, how far
-    behind each member was, the weights' total)."""
-    seen = {}
-    for rec in records:
-        for r in rec:
-            if r.kind == "round" and r.applied and len(set(r.member_versions)) > 1:
-                newest = max(r.member_versions)
-                seen[(r.version, r.digest)] = dict(version=r.version, behind=[newest - v for v in r.member_versions],
-                                                   weights_total=round(sum(r.weights), 4))
-    return sorted(seen.values(), key=lambda x: x["version"])
-
-
-def forks(records: list[list[dict]]) -> dict[int, int]:
-    """Versions at which the swarm's peers made more than one global state: version → how many."""
-    states: dict[int, set] = {}
-    for rec in records:
-        for r in rec:
-            if r.kind == "round" and r.applied:
-                states.setdefault(r.version, set()).add(r.digest)
-    return {v: len(d) for v, d in sorted(states.items()) if len(d) > 1}
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=180)
@@ -101,7 +79,7 @@ def main():
                    compute_share=compute_share(swarm)),
         swarm_val_at_solo_tokens=at_equal_tokens,
         solo_curve=[round(v, 4) for _, v in solo_curve], swarm_curve=[round(v, 4) for _, v in swarm_curve],
-        swarm_stale_merges=stale_merges(swarm), swarm_forks=forks(swarm),
+        swarm_stale_merges=stale_merges(swarm), swarm_forks=forks(swarm), swarm_island_waits=island_waits(swarm),
         val_ratio_equal_wallclock=final_val(swarm) / final_val(solo),
     )
     print(json.dumps(result, indent=1))

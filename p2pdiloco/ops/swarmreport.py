@@ -147,6 +147,39 @@ def unresolved_forks(rounds_by_peer: dict[str, list[Round]], within_rounds: int,
     return stuck
 
 
+def stale_merges(records: Iterable[Iterable[Record]]) -> list[dict]:
+    """The swarm's merged rounds with a member behind the newest, as each member logged them (version, how far
+    behind each member was, the weights' total)."""
+    seen = {}
+    for rec in records:
+        for r in rec:
+            if r.kind == "round" and r.applied and len(set(r.member_versions)) > 1:
+                newest = max(r.member_versions)
+                seen[(r.version, r.digest)] = dict(version=r.version, behind=[newest - v for v in r.member_versions],
+                                                   weights_total=round(sum(r.weights), 4))
+    return sorted(seen.values(), key=lambda x: x["version"])
+
+
+def forks(records: Iterable[Iterable[Record]]) -> dict[int, int]:
+    """Versions at which the swarm's peers made more than one global state: version → how many."""
+    states: dict[int, set] = {}
+    for rec in records:
+        for r in rec:
+            if r.kind == "round" and r.applied:
+                states.setdefault(r.version, set()).add(r.digest)
+    return {v: len(d) for v, d in sorted(states.items()) if len(d) > 1}
+
+
+def island_waits(records: Iterable[Iterable[Record]]) -> dict[str, int]:
+    """Rounds that waited for an island merging without them (--wait-for-island), by how each ended."""
+    ended: dict[str, int] = {}
+    for rec in records:
+        for r in rec:
+            if r.kind == "round" and r.waited_for_island:
+                ended[r.outcome] = ended.get(r.outcome, 0) + 1
+    return ended
+
+
 def summarize(lives: list[Life], start: float, end: float, step_window: int) -> dict:
     rounds = [r for life in lives for r in life.of_kind("round")]
     times = advances(lives)

@@ -79,6 +79,7 @@ class RoundOutcome:
     seconds: float = 0.0  # ready → outcome
     quorum_seconds: float = 0.0  # ready → K−1 others ready
     grace_seconds: float = 0.0  # how long matchmaking stayed open for more members (Eq. 3)
+    waited_for_island: bool = False  # an island merged from our state without us: we waited rather than fork
     sync_seconds: float = 0.0  # group formed → all-reduce returned
     deadline_seconds: float = 0.0  # the all-reduce deadline the group agreed on (from measured link speeds)
     allreduce_bytes_model: int = 0  # what the all-reduce layout says this peer sends (and receives)

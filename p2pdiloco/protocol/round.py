@@ -344,7 +344,7 @@ class Round:
 
     def _common(self, now: float) -> dict:
         return dict(seconds=now - self.started, quorum_seconds=self.quorum_seconds, state_before=self.state_before,
-                    grace_seconds=self.island.grace if self.island else 0.0)
+                    grace_seconds=self.island.grace if self.island else 0.0, waited_for_island=self.waited_for_island)
 
     # ---- helpers --------------------------------------------------------------------------------------------
     def _others(self, peers: Sequence[PeerRecord]) -> list[PeerRecord]:

@@ -134,6 +134,7 @@ class Round(Record, kind="round"):
     bytes_received: Optional[int] = None
     allreduce_bytes_model: Optional[int] = None  # what the all-reduce layout says we send
     adopted: bool = False  # we took a newer state from a peer instead of merging
+    waited_for_island: bool = False  # for an island that merged from our state without us (not to fork it)
     consensus_distance: float = 0.0
     fork_distance: float = 0.0
     version_spread: int = 0

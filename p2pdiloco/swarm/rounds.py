@@ -162,12 +162,9 @@ class SwarmMerger:
         control = self._control = self.averager.step(
             gather=gather, weight=1.0, timeout=island.find_timeout, scheduled_time=get_dht_time() + self._start_in(island),
             allow_retries=False, wait=False)
-        def announce_merging() -> None:  # others arriving now cannot join us: they wait rather than fork
-            if control.began_allreduce and self.heartbeat.record.merging != c.version:
-                self.heartbeat.update(merging=c.version)
-
         try:
-            result = result_unless_closed(control, island.result_timeout, self.closed, on_poll=announce_merging)
+            result = result_unless_closed(control, island.result_timeout, self.closed,
+                                          on_poll=merging_announcer(control, self.heartbeat, c.version))
         except Exception as e:  # CancelledError too: we left while looking for an island
             began = control.began_allreduce
             cancel(control)
@@ -310,6 +307,15 @@ def hostile(plan: FaultPlan, body: torch.Tensor, c: Contribution) -> tuple[torch
     if on("hostile_nan"):
         return torch.full_like(body, math.nan), c.tokens
     return body, c.tokens
+
+
+def merging_announcer(control, heartbeat: Heartbeat, version: int) -> Callable[[], None]:
+    """Once our island's all-reduce has begun, say so in our record: a peer ready now cannot join it, and one that
+    sees it waits for its end (protocol.round, `wait_for_island`) rather than form a second island at our version."""
+    def announce() -> None:
+        if control.began_allreduce and heartbeat.record.merging != version:
+            heartbeat.update(merging=version)
+    return announce
 
 
 def result_unless_closed(future, timeout: float, closed: threading.Event, poll: float = 0.25,

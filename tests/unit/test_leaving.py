@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from p2pdiloco.swarm.rounds import LeavingError, result_unless_closed
+from p2pdiloco.protocol.remote import PeerRecord
+from p2pdiloco.swarm.rounds import LeavingError, merging_announcer, result_unless_closed
 from p2pdiloco.swarm.statefetch import StateFetcher
 from p2pdiloco.swarm.transfer import TransferError
 
@@ -38,6 +39,34 @@ def test_result_unless_closed_returns_the_result_and_keeps_its_timeout():
     with pytest.raises(TimeoutError):
         result_unless_closed(concurrent.futures.Future(), timeout=0.5, closed=threading.Event())
     assert 0.4 < time.monotonic() - start < 2.0
+
+
+def test_a_peer_says_in_its_record_when_its_island_closed_to_others_while_it_waits_for_the_result():
+    """protocol.round's wait_for_island needs the record field `merging`: set once the all-reduce began, once."""
+    from types import SimpleNamespace
+
+    class Beat:
+        def __init__(self):
+            self.record, self.updates = PeerRecord(peer="p", name="p", version=3, digest="abcdef"), []
+
+        def update(self, **fields):
+            self.updates.append(fields)
+            self.record = PeerRecord(**{**self.record.__dict__, **fields})
+
+    control, beat = SimpleNamespace(began_allreduce=False), Beat()
+    future, polls = concurrent.futures.Future(), []
+
+    def on_poll():
+        polls.append(1)
+        merging_announcer(control, beat, 3)()
+        if len(polls) == 2:
+            control.began_allreduce = True  # the group formed: matchmaking is over
+        if len(polls) == 5:
+            future.set_result("reduced")
+
+    assert result_unless_closed(future, timeout=10.0, closed=threading.Event(), poll=0.01, on_poll=on_poll) == \
+        "reduced"
+    assert beat.updates == [dict(merging=3)] and beat.record.merging == 3
 
 
 class HangingDHT:

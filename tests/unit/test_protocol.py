@@ -173,6 +173,7 @@ def test_an_island_merging_from_our_state_without_us_is_waited_for_not_forked():
     state = ({"version": 4, "digest": "bbbbbb"}, [])
     done = rnd.on_state(state, 131.0)
     assert isinstance(done.outcome, Adopted) and done.outcome.state_before is state and not done.outcome.committed
+    assert done.outcome.waited_for_island  # in the round's record
     rnd = new_round()
     rnd.start([b, c, d_late], 100.0)
     rnd.on_peers([b, c, d_late], 101.0)
