@@ -7,7 +7,7 @@ machine is where peers come late. Repeated --reps times. Per variant: the versio
 that waited for an island merging without them and how they ended, merged rounds, the highest version and the
 final validation loss (mean over peers).
 Usage: python scripts/bench_islands.py [--peers 4] [--seconds 120] [--model tiny] [--reps 1] [--sequential]
-       [--join-args "..."]   # run inside a loopback-only namespace: unshare -n, then bring lo up
+       [--join-args "..."] [--keep records.tar.gz]   # run inside a loopback-only namespace: unshare -n, then bring lo up
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 from pathlib import Path
 
@@ -57,6 +58,7 @@ def main():
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--sequential", action="store_true", help="one variant after the other, not together")
     parser.add_argument("--join-args", default="", help="further `join` flags for every peer")
+    parser.add_argument("--keep", type=Path, help="write every peer's records (JSONL) into this tar.gz")
     parser.add_argument("--one", choices=sorted(VARIANTS), help=argparse.SUPPRESS)  # a child: one swarm
     parser.add_argument("--log-dir", type=Path, help=argparse.SUPPRESS)
     a = parser.parse_args()
@@ -77,6 +79,10 @@ def main():
             for v, d in dirs.items():
                 results[v].append(summary(d, a.peers))
                 print(v, rep, json.dumps(results[v][-1]), flush=True)
+        if a.keep:
+            with tarfile.open(a.keep, "w:gz") as tar:
+                for jsonl in sorted(Path(tmp).glob("*/peer*.jsonl")):
+                    tar.add(jsonl, arcname=f"{jsonl.parent.name}/{jsonl.name}")
     total = {v: dict(forks=sum(r["forks"] for r in rs), rounds_merged=sum(r["rounds_merged"] for r in rs),
                      versions=[r["versions"] for r in rs], final_val=[r["final_val"] for r in rs])
              for v, rs in results.items()}

@@ -101,7 +101,7 @@ class SwarmMerger:
         try:
             outcome = self._drive(Round(self.rules, self.peer, c, self.clock, time.monotonic()))
         finally:
-            self.heartbeat.update(ready=-1, merging=-1)
+            self.heartbeat.update(ready=-1)  # `merging` stays until the outcome's state is published (below)
         if isinstance(outcome, Solo) and self.feedback is not None and not self.outer.rda:
             # alone, we merge what our wire would have carried (codec.ErrorFeedback.alone), not our whole Δ
             outcome = dataclasses.replace(outcome, merged=self.feedback.alone(c.delta, self.bits,
@@ -271,10 +271,13 @@ class SwarmMerger:
         return None if loaded is None else (loaded[0], list(loaded[1]))
 
     def publish_state(self, version: int, state_digest: str, sketch: list[float]) -> None:
-        """After every change of Θ: donors are ranked by the same order peers reconcile by."""
+        """After every round and every change of Θ: donors are ranked by the same order peers reconcile by. Our
+        island's `merging` is withdrawn only now, with the state it made: withdrawn as the round ended, it left a
+        moment where our record showed neither the island nor its merge, and a peer that waited for it formed an
+        island at the old version (a fork; seen on the H200 machine)."""
         if not self.cfg.client_mode:  # a client serves no state (hivemind refuses to rank it)
             self.averager.state_sharing_priority = sharing_priority(version, state_digest)
-        self.heartbeat.update(version=version, digest=state_digest, sketch=sketch)
+        self.heartbeat.update(version=version, digest=state_digest, sketch=sketch, merging=-1)
 
     def shutdown(self) -> None:
         self.closed.set()  # before the averager goes: its pending step would never resolve

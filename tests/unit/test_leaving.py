@@ -9,7 +9,7 @@ import time
 import pytest
 
 from p2pdiloco.protocol.remote import PeerRecord
-from p2pdiloco.swarm.rounds import LeavingError, merging_announcer, result_unless_closed
+from p2pdiloco.swarm.rounds import LeavingError, SwarmMerger, merging_announcer, result_unless_closed
 from p2pdiloco.swarm.statefetch import StateFetcher
 from p2pdiloco.swarm.transfer import TransferError
 
@@ -67,6 +67,10 @@ def test_a_peer_says_in_its_record_when_its_island_closed_to_others_while_it_wai
     assert result_unless_closed(future, timeout=10.0, closed=threading.Event(), poll=0.01, on_poll=on_poll) == \
         "reduced"
     assert beat.updates == [dict(merging=3)] and beat.record.merging == 3
+    # withdrawn with the state the island made, never before: no moment shows neither the island nor its merge
+    merger = SimpleNamespace(cfg=SimpleNamespace(client_mode=True), heartbeat=beat)
+    SwarmMerger.publish_state(merger, 4, "bbbbbb", [])
+    assert beat.record.merging == -1 and beat.record.version == 4
 
 
 class HangingDHT:
