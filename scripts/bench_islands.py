@@ -1,6 +1,6 @@
 """Forks in a real local swarm, with and without --wait-for-island, side by side in one invocation.
 
-Each variant is a local swarm of --peers peers (short rounds, H = 25 by default, where Eq. 3's grace window is a
+Each variant (--variants; `on+newest` adds --wait-for-newest) is a local swarm of --peers peers (short rounds, H = 25 by default, where Eq. 3's grace window is a
 few seconds and a peer a few seconds late misses an island). With --together (the default) the variants run at
 the same time, each swarm its own run id and bootstrap node, so both meet the same load on this machine; a loaded
 machine is where peers come late. Repeated --reps times. Per variant: the versions made twice (forks), the rounds
@@ -26,7 +26,8 @@ from p2pdiloco.ops.launcher import run_local_swarm
 from p2pdiloco.ops.swarmreport import forks, island_waits, stale_merges
 from p2pdiloco.runtime.schema import read_records
 
-VARIANTS = {"off": ["--no-wait-for-island"], "on": ["--wait-for-island"]}
+VARIANTS = {"off": ["--no-wait-for-island"], "on": ["--wait-for-island"],
+            "on+newest": ["--wait-for-island", "--wait-for-newest"]}
 
 
 def one_swarm(variant: str, log_dir: Path, a) -> None:
@@ -57,6 +58,7 @@ def main():
     parser.add_argument("--inner-steps", "-H", type=int, default=25)
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--sequential", action="store_true", help="one variant after the other, not together")
+    parser.add_argument("--variants", default="off,on", help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--join-args", default="", help="further `join` flags for every peer")
     parser.add_argument("--keep", type=Path, help="write every peer's records (JSONL) into this tar.gz")
     parser.add_argument("--one", choices=sorted(VARIANTS), help=argparse.SUPPRESS)  # a child: one swarm
@@ -64,10 +66,13 @@ def main():
     a = parser.parse_args()
     if a.one:
         return one_swarm(a.one, a.log_dir, a)
-    results = {v: [] for v in VARIANTS}
+    chosen = a.variants.split(",")
+    if not set(chosen) <= set(VARIANTS):
+        parser.error(f"--variants: choose from {', '.join(VARIANTS)}")
+    results = {v: [] for v in chosen}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(a.reps):
-            dirs = {v: Path(tmp) / f"{v}{rep}" for v in VARIANTS}
+            dirs = {v: Path(tmp) / f"{v}{rep}" for v in chosen}
             children = []
             for v, d in dirs.items():
                 cmd = [sys.executable, __file__, *sys.argv[1:], "--one", v, "--log-dir", str(d)]
