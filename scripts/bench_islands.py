@@ -33,7 +33,7 @@ VARIANTS = {"off": ["--no-wait-for-island"], "on": ["--wait-for-island"],
 def one_swarm(variant: str, log_dir: Path, a) -> None:
     """Runs in its own process: the launcher owns its signal handlers, which only a main thread may."""
     args = ["--model", a.model, "--threads", "1", "-H", str(a.inner_steps), "--max-time", str(a.seconds),
-            "--run-id", f"islands-{variant}-{log_dir.name}", "--device", "cpu", "--eval-every", "1",
+            "--run-id", f"islands-{log_dir.name}".replace("+", "-"), "--device", "cpu", "--eval-every", "1",
             *VARIANTS[variant], *shlex.split(a.join_args)]
     run_local_swarm(a.peers, log_dir, args, stagger=0.2)
 
