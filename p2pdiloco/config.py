@@ -184,8 +184,8 @@ class SwarmConfig:
     wait_for_newest: bool = option(
         False, "Decoupled mode: while peers on a newer global state train and none of them looks for an island, "
         "wait for them (up to 1.5 rounds) and join their island a version behind, rather than form an island that "
-        "would fork the state. Simulated: 1.3-5x fewer forks; with --quorum 2 in a swarm of 4 also more goodput, "
-        "with 16 learners 1-4 points less (docs/architecture.md).")
+        "would fork the state. Simulated, on top of --wait-for-island: 3-30x fewer forks again, for 0-0.6 points of "
+        "goodput in a swarm of 4 and 1-1.5 points with 16 learners (docs/architecture.md).")
     wait_for_island: bool = option(
         True, "Decoupled mode: while an island merges from our global state without us (its all-reduce began before "
         "we were ready), wait for it rather than form a second island that would fork the state; then join its "
