@@ -184,13 +184,14 @@ class SwarmConfig:
     wait_for_newest: bool = option(
         False, "Decoupled mode: while peers on a newer global state train and none of them looks for an island, "
         "wait for them (up to 1.5 rounds) and join their island a version behind, rather than form an island that "
-        "would fork the state. Simulated, on top of --wait-for-island: 3-30x fewer forks again, for 0-0.6 points of "
-        "goodput in a swarm of 4 and 1-1.5 points with 16 learners (docs/architecture.md).")
+        "would fork the state. Simulated, on top of --wait-for-island: 2-30x fewer forks again, for 0-0.7 points of "
+        "goodput in a swarm of 4 and 0.1-1.4 points with 16 learners (docs/architecture.md).")
     wait_for_island: bool = option(
         True, "Decoupled mode: while an island merges from our global state without us (its all-reduce began before "
         "we were ready), wait for it rather than form a second island that would fork the state; then join its "
         "members' next island a version behind, or take their state and let our update ride along. Simulated: "
-        "2-20x fewer forks at about the same goodput (docs/architecture.md).")
+        "1.7-80x fewer forks, at the same goodput in a swarm of 4 and half a point less with 16 learners "
+        "(docs/architecture.md).")
     sync_wait: float = option(60.0, "Sync mode: longest wait at a round for peers still training, in seconds.")
     bandwidth_mbps: float = option(100.0, "Assumed link speed until the first round measures it (all-reduce "
                                    "deadlines).")
