@@ -30,6 +30,7 @@ class PeerView:
     client_mode: bool
     seen_seconds_ago: Optional[float]  # since it last published its record (None: the DHT did not say)
     ready: bool  # looking for an island right now
+    merging: bool = False  # its island's all-reduce is running (closed to others)
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ def _peer_view(r: PeerRecord, age: Optional[float]) -> PeerView:
     return PeerView(name=r.name, peer=r.peer[-8:], version=r.version, tokens_per_s=r.tokens_per_s,
                     loss=r.loss if r.inner_step else None, island=r.island, rounds=r.rounds,
                     bytes_sent=r.bytes_sent, client_mode=r.client_mode, seen_seconds_ago=None if age is None else round(age, 1),
-                    ready=r.ready >= 0)
+                    ready=r.ready >= 0, merging=r.merging >= 0)
 
 
 def table(view: SwarmView):
@@ -86,9 +87,13 @@ def table(view: SwarmView):
     for p in view.peers:
         t.add_row(p.name, p.peer, str(p.version), f"{p.tokens_per_s:,.0f}",
                   "-" if p.loss is None else f"{p.loss:.3f}", str(p.island or "-"), str(p.rounds),
-                  _bytes(p.bytes_sent), ("client" if p.client_mode else "full") + (" · ready" if p.ready else ""),
+                  _bytes(p.bytes_sent), ("client" if p.client_mode else "full") + _activity(p),
                   "-" if p.seen_seconds_ago is None else f"{p.seen_seconds_ago:.0f}s ago")
     return t
+
+
+def _activity(p: PeerView) -> str:
+    return " · merging" if p.merging else " · ready" if p.ready else ""
 
 
 def _bytes(n: int) -> str:

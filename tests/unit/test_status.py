@@ -32,9 +32,10 @@ def test_rounds_per_minute_come_from_two_views_of_the_newest_version():
 
 def test_the_table_has_a_row_per_peer_and_the_totals():
     view = view_of("run", [(record("alpha", 2, inner_step=1, loss=3.25, bytes_sent=2_500_000, island=2), 1.0),
-                           (record("beta", 2), 4.0)])
+                           (record("beta", 2, ready=2, merging=2), 4.0), (record("gamma", 2, ready=2), 4.0)])
     text = _render(table(view))
-    assert "alpha" in text and "beta" in text and "3.250" in text and "2.5 MB" in text and "2 peers" in text
+    assert "alpha" in text and "beta" in text and "3.250" in text and "2.5 MB" in text and "3 peers" in text
+    assert "full · merging" in text and "full · ready" in text  # beta's island is closed to others; gamma looks
     assert isinstance(view, SwarmView)
 
 
