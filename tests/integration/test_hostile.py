@@ -28,6 +28,18 @@ def run_with_a_liar(tmp_path, run_id: str, fault: str, *extra: str):
                 swarm.records("liar", "round"))
 
 
+def lost_rounds(rounds: dict[str, list]) -> dict[str, list]:
+    """Each honest peer's rounds that merged nothing, less those it began after every other honest peer had ended
+    its last round: with no honest partner left, a round can only merge alone and roll back, whatever the liar
+    does (seen in CI: a peer that had waited for an island, --wait-for-island, did its 5th round alone)."""
+    ends = {name: max(r.time for r in rs) for name, rs in rounds.items()}
+    lost = {}
+    for name, rs in rounds.items():
+        others_done = max(t for other, t in ends.items() if other != name)
+        lost[name] = [(r.round, r.reason) for r in rs if not r.applied and r.time - r.round_seconds < others_done]
+    return lost
+
+
 # Opt-in (the default suite stays under 15 minutes): the scaled liar below is blamed and left out the same way, a
 # member that sends and serves nothing is test_swarm's killed one, and NaN cannot be packed (tests/unit/test_codec)
 @pytest.mark.parametrize("wire", [pytest.param(INT4, marks=pytest.mark.slow),
@@ -40,7 +52,7 @@ def test_a_peer_sending_nan_costs_the_honest_peers_at_most_one_round(tmp_path, w
     leaves it out: it sends and reduces nothing there."""
     rounds, liar, its_rounds = run_with_a_liar(tmp_path, "nan", "hostile_nan", *wire)
     for name, rs in rounds.items():
-        assert len(rs) == 5 and sum(not r.applied for r in rs) <= 1, [(r.applied, r.reason) for r in rs]
+        assert len(rs) == 5 and len(lost_rounds(rounds)[name]) <= 1, lost_rounds(rounds)[name]
         assert not any(r.applied and "liar" in r.members for r in rs[1:])  # left out after the first round
     # blamed by every honest member: they turn it away at matchmaking, or leave it out if it leads
     assert not any(r.applied and len(r.members) > 1 for r in its_rounds), [(r.applied, r.reason) for r in its_rounds]
@@ -62,7 +74,7 @@ def test_a_scaled_liar_claiming_1000x_its_tokens_costs_the_honest_peers_at_most_
     bench_hostile."""
     rounds, liar, _ = run_with_a_liar(tmp_path, "scaled", "hostile_scaled", *wire)
     for name, rs in rounds.items():
-        assert len(rs) == 5 and sum(not r.applied for r in rs) <= 1, [(r.applied, r.reason) for r in rs]
+        assert len(rs) == 5 and len(lost_rounds(rounds)[name]) <= 1, lost_rounds(rounds)[name]
         assert not any(r.applied and "liar" in r.members and liar not in r.excluded for r in rs), \
             [(r.applied, r.members, r.excluded) for r in rs]
         first = next((r for r in rs if "liar" in r.members), None)
