@@ -2,6 +2,7 @@
 and the datacenter-scale run it exists for."""
 
 import dataclasses
+import functools
 import json
 import time
 
@@ -58,12 +59,18 @@ def test_decoupled_learners_keep_the_global_model_advancing_while_others_are_rep
     assert decoupled.details["outcomes"].get("committed", 0) > 0  # islands of several learners formed
 
 
+@functools.lru_cache(maxsize=None)
+def decoupled(p: SimParams):
+    """The decoupled mode's result, once per setting: the fork tests below compare the same runs."""
+    return simulate(p, "decoupled")
+
+
 def test_learners_that_find_an_island_merging_without_them_wait_for_it_fork_less_and_keep_their_goodput():
     """A learner ready just after an island at its version closed (its all-reduce had begun) formed an island with
     whoever else came late: a second state at that version. With --wait-for-island (the default) it waits for that
     island, then for its members' next one. Simulated 2 days, 4 learners: K=1 125 -> 32 forks, K=2 25 -> 3."""
     for p in (SMALL, dataclasses.replace(SMALL, quorum=2)):
-        forking, waiting = simulate(dataclasses.replace(p, wait_for_island=False), "decoupled"), simulate(p, "decoupled")
+        forking, waiting = decoupled(dataclasses.replace(p, wait_for_island=False)), decoupled(p)
         assert forking.details["forks"] > 20 and waiting.details["forks"] < forking.details["forks"] / 3
         assert waiting.goodput > forking.goodput - 0.002
 
@@ -72,12 +79,11 @@ def test_learners_that_wait_for_a_newer_state_fork_less_and_with_quorum_2_lose_n
     """A learner behind peers that train on a newer state (it missed their island: a failure, a slow round) forms
     its own island at its version, a second state beside theirs. With --wait-for-newest it waits for them to look
     and joins their next island a version behind."""
-    forking, waiting = simulate(SMALL, "decoupled"), simulate(dataclasses.replace(SMALL, wait_for_newest=True),
-                                                               "decoupled")
+    forking, waiting = decoupled(SMALL), decoupled(dataclasses.replace(SMALL, wait_for_newest=True))
     assert forking.details["forks"] > 20 and waiting.details["forks"] < forking.details["forks"] / 3
     assert waiting.goodput > forking.goodput - 0.03  # with K=1: a point or less (a waiting round's work rides on)
     p = dataclasses.replace(SMALL, quorum=2)
-    forking, waiting = simulate(p, "decoupled"), simulate(dataclasses.replace(p, wait_for_newest=True), "decoupled")
+    forking, waiting = decoupled(p), decoupled(dataclasses.replace(p, wait_for_newest=True))
     assert waiting.details["forks"] <= forking.details["forks"] and waiting.goodput > forking.goodput - 0.002
 
 
