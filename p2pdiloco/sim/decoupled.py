@@ -51,12 +51,17 @@ class Learner:
     def __post_init__(self):
         self.name = f"learner{self.index}"
 
-    def record(self) -> PeerRecord:
+    def seen(self) -> tuple[str, int, str, int, int]:
+        """What its record says (name, version, digest, ready, merging): as a real peer's heartbeat, ready from its
+        first look at the records until its round is over, merging while its island's all-reduce runs."""
         rnd = self.round
-        # as a real peer's heartbeat: ready from its first look at the records until its round is over
         ready = rnd.c.version if rnd is not None and rnd.phase not in ("new", "catch_up") else -1
         merging = rnd.c.version if self.island is not None and self.island.closed else -1
-        return PeerRecord(self.name, self.name, self.version, self.digest, ready, merging)
+        return self.name, self.version, self.digest, ready, merging
+
+    def record(self) -> PeerRecord:
+        name, version, digest, ready, merging = self.seen()
+        return PeerRecord(name, name, version, digest, ready, merging)
 
 
 @dataclass
@@ -93,16 +98,16 @@ class DecoupledSim:
             self._schedule(learner.step * self.p.inner_steps, "contribute", learner)
             for t in self.d.failures[learner.index]:
                 self._push(t, "fail", learner, None)
-        records = self._records()
+        seen = self._seen()
         while self.events:
             t, _, kind, learner, arg = heapq.heappop(self.events)
             if t > self.p.horizon:
                 break
             getattr(self, f"_on_{kind}")(t, learner, arg)
-            current = self._records()
-            if self.waiting and current != records:
+            now_seen = self._seen()  # what the records say, without building them (most of the run's time)
+            if self.waiting and now_seen != seen:
                 self._wake(t)  # as a real peer sees a record change at its next poll
-            records = current
+            seen = now_seen
         failures = sum(len(f) for f in self.d.failures)
         return SimResult("decoupled", self.chip_seconds / (self.p.chips * self.p.horizon),
                          union_length(self.useful) / self.p.horizon, failures, self.commits,
@@ -193,6 +198,9 @@ class DecoupledSim:
 
     def _records(self) -> list[PeerRecord]:
         return [x.record() for x in self.learners if x.up]
+
+    def _seen(self) -> list[tuple]:
+        return [x.seen() for x in self.learners if x.up]
 
     def _state_at_least(self, version: int):
         newest = max(self.learners, key=lambda x: (x.version, x.digest))
