@@ -7,8 +7,12 @@ import threading
 import time
 
 import pytest
+import torch
 
+from p2pdiloco.protocol.outcomes import Contribution, RolledBack
 from p2pdiloco.protocol.remote import PeerRecord
+from p2pdiloco.protocol.round import RoundRules
+from p2pdiloco.protocol.timing import RoundClock
 from p2pdiloco.swarm.rounds import LeavingError, SwarmMerger, merging_announcer, result_unless_closed
 from p2pdiloco.swarm.statefetch import StateFetcher
 from p2pdiloco.swarm.transfer import TransferError
@@ -67,8 +71,13 @@ def test_a_peer_says_in_its_record_when_its_island_closed_to_others_while_it_wai
     assert result_unless_closed(future, timeout=10.0, closed=threading.Event(), poll=0.01, on_poll=on_poll) == \
         "reduced"
     assert beat.updates == [dict(merging=3)] and beat.record.merging == 3
-    # withdrawn with the state the island made, never before: no moment shows neither the island nor its merge
-    merger = SimpleNamespace(cfg=SimpleNamespace(client_mode=True), heartbeat=beat)
+    # withdrawn with the state the island made, never before: no moment shows neither the island nor its merge.
+    # The round's end keeps it (withdrawn there, peers that had waited forked: seen on the H200 machine)
+    merger = SimpleNamespace(cfg=SimpleNamespace(client_mode=True), heartbeat=beat, rules=RoundRules(), peer="p",
+                             clock=RoundClock(), feedback=None, _drive=lambda rnd: RolledBack(reason="test"))
+    contribution = Contribution.of(torch.zeros(4), tokens=1, steps=1, version=3, peer="p", name="p", digest="abcdef")
+    assert isinstance(SwarmMerger.merge(merger, contribution), RolledBack)
+    assert beat.record.merging == 3 and beat.record.ready == -1
     SwarmMerger.publish_state(merger, 4, "bbbbbb", [])
     assert beat.record.merging == -1 and beat.record.version == 4
 
