@@ -43,6 +43,7 @@ class ChaosPlan:
     min_alive: int = 2  # never kill or freeze below this many running, unfrozen peers
     quiet_tail: float = 0.0  # the last seconds without faults, for the swarm to settle
     phase_wait: float = 8.0  # how long a kill may wait for a peer in the phase it drew
+    freeze_precedence: float = 20.0  # how long kills hold back while a due freeze waits for enough trainers
     seed: int = 0
 
     @property
@@ -105,6 +106,7 @@ class Chaos:
         next_kill = self._next(now, p.kill_every)
         next_freeze = self._next(now, p.freeze_every)
         next_add = self._next(now, p.add_every)
+        freeze_due_since: Optional[float] = None
         while (now := time.time()) < self.start + p.seconds:
             self._restart_exited(now)
             for slot in self.slots.values():
@@ -113,10 +115,16 @@ class Chaos:
                 if slot.restart_at is not None and now >= slot.restart_at:
                     self._spawn(slot.name)
             if now < faults_until:
-                if now >= next_kill:  # a fault the floor of live peers forbade now is retried shortly
-                    next_kill = self._next(now, p.kill_every) if self._kill_in_phase(now) else now + 2.0
+                # a fault the floor of live peers forbade now is retried shortly; a freeze refused for want of
+                # trainers holds kills back a while (kills of joining peers would otherwise keep the trainers
+                # below the floor, and a run could draw no freeze at all)
                 if now >= next_freeze:
-                    next_freeze = self._next(now, p.freeze_every) if self._freeze() else now + 2.0
+                    frozen = self._freeze()
+                    freeze_due_since = None if frozen else (freeze_due_since or now)
+                    next_freeze = self._next(now, p.freeze_every) if frozen else now + 2.0
+                kills_held = freeze_due_since is not None and now < freeze_due_since + p.freeze_precedence
+                if now >= next_kill and not kills_held:
+                    next_kill = self._next(now, p.kill_every) if self._kill_in_phase(now) else now + 2.0
                 if now >= next_add:
                     if len(self.slots) < p.max_peers:
                         self._spawn(f"new{len(self.slots) - p.peers}")

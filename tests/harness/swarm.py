@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -63,6 +65,21 @@ class LocalSwarm:
             if time.monotonic() > deadline:
                 raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
             time.sleep(0.5)
+
+    def watch_status(self, via: str | None = None, interval: float = 1.0) -> None:
+        """Start `p2pdiloco status --watch --json` through `via` (default: the bootstrap node): one process for the
+        whole test, as each one-off call pays seconds of imports and DHT start-up on a loaded machine."""
+        cmd = [sys.executable, "-m", "p2pdiloco.cli", "status", "--initial-peers", via or self.address,
+               "--run-id", self.run_id, "--json", "--watch", "--interval", str(interval)]
+        self.procs["status"] = start_process(cmd, self.log_dir / "status.log")
+
+    def status(self) -> dict | None:
+        """The watcher's latest view of the swarm (None before its first)."""
+        path = self.log_dir / "status.log"
+        lines = path.read_text().splitlines() if path.exists() else []
+        views = [json.loads(line) for line in lines[:-1] if line.startswith("{")]  # the last may be half written
+        assert self.procs["status"].poll() is None, lines[-20:]
+        return views[-1] if views else None
 
     def version(self, name: str) -> int:
         rounds = self.records(name, "round")

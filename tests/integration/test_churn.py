@@ -1,5 +1,6 @@
-"""Churn: a late joiner, the bootstrap node's death, a newcomer through a live peer, SIGTERM with a
-checkpoint, and a restart that resumes from it, all in one swarm to keep the suite short."""
+"""Churn: a late joiner, the bootstrap node's death, a newcomer through a live peer, `p2pdiloco status` listing
+them, SIGTERM with a checkpoint, a restart that resumes from it, and a SIGKILLed peer dropped from the status,
+all in one swarm to keep the suite short."""
 
 import os
 import re
@@ -11,6 +12,7 @@ import pytest
 from hivemind.p2p import P2P, PeerID
 
 from p2pdiloco.ops.launcher import stop_tree
+from p2pdiloco.swarm.records import TTL
 from p2pdiloco.training import checkpoint
 FAULTS_ENV = "P2PDILOCO_FAULT_PLAN"  # the hidden `join --fault-plan`, set through the environment
 from tests.harness.swarm import islands_disagreeing, local_swarm, unresolved_forks
@@ -19,7 +21,7 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
 ARGS = ["-H", "10", "--max-time", "400", "--checkpoint-every", "2"]
 
 
-def test_late_join_bootstrap_death_graceful_leave_and_restart(tmp_path):
+def test_late_join_bootstrap_death_status_graceful_leave_restart_and_a_kill(tmp_path):
     with local_swarm(tmp_path, "churn") as swarm:
         swarm.start_peer("a", *ARGS)
         swarm.start_peer("b", *ARGS)
@@ -38,6 +40,8 @@ def test_late_join_bootstrap_death_graceful_leave_and_restart(tmp_path):
         swarm.start_peer("newcomer", *ARGS, via=swarm.address_of("late"))
         swarm.wait_for(lambda: any(r.applied and len(r.members) > 1
                                    for r in swarm.records("newcomer", "round")), 150, "the newcomer to merge")
+        swarm.watch_status(via=swarm.address_of("late"), interval=2.0)  # the bootstrap node is dead
+        check_status_lists(swarm, ["a", "b", "late", "newcomer"])
 
         # SIGTERM: a leaves within 10 s and writes a checkpoint
         left_at_version = swarm.version("a")
@@ -68,14 +72,35 @@ def test_late_join_bootstrap_death_graceful_leave_and_restart(tmp_path):
         first = [r for r in swarm.records("a", "contribute") if r.time > joined.time][0]
         assert first.steps >= joined.unmerged_steps  # those steps are in its first contribution
 
+        # a SIGKILLed peer says no goodbye: its record expires by itself and the status drops it
+        swarm.procs["newcomer"].kill()
+        killed = time.monotonic()
+        swarm.wait_for(lambda: sorted(p["name"] for p in swarm.status()["peers"]) == ["a", "b", "late"],
+                       TTL + 30, "the killed peer's record to expire")
+        assert time.monotonic() - killed <= TTL + 30
+
         names = ["a", "b", "late", "newcomer"]
-        for name in names:
+        for name in names[:3]:
             swarm.procs[name].send_signal(signal.SIGTERM)
         swarm.wait(names, timeout=60)
         # four live peers may form two islands from one version (a fork, repaired at the loser's next round);
         # what must never happen is an island whose members end a round with different states
         assert not islands_disagreeing(swarm, names)
         assert not unresolved_forks(swarm, names, within_rounds=2)
+
+
+def check_status_lists(swarm, names) -> None:
+    """Every live peer is listed with sane values."""
+    swarm.wait_for(lambda: (lambda v: v and v["n_peers"] == len(names) and all(p["rounds"] for p in v["peers"]))(
+        swarm.status()), 60, "every peer's record to show its rounds")
+    view = swarm.status()
+    assert sorted(p["name"] for p in view["peers"]) == sorted(names)
+    for p in view["peers"]:
+        assert p["tokens_per_s"] > 0 and 0 < p["loss"] < 6.0, p  # byte-level loss starts at ln 256 ≈ 5.5
+        assert p["version"] >= 0 and p["rounds"] >= 1 and 1 <= p["island"] <= len(names) and not p["client_mode"], p
+        assert 0 <= p["seen_seconds_ago"] <= TTL, p
+    assert view["tokens_per_s"] == pytest.approx(sum(p["tokens_per_s"] for p in view["peers"]))
+    assert any(p["bytes_sent"] > 0 for p in view["peers"]), view  # someone merged with someone
 
 
 # opt-in (the suite's 15 minutes): tests/unit/test_transfer.py kills and freezes donors mid-transfer, in-process

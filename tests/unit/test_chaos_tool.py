@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import time
 
 from p2pdiloco.ops.chaos import Chaos, ChaosPlan, Slot, lives_from_logs
 
@@ -49,3 +50,27 @@ def test_lives_end_at_a_kill_or_an_exit(tmp_path):
     (tmp_path / "a.jsonl").write_text(json.dumps(dict(kind="start", time=10)) + "\n")
     lives = lives_from_logs(tmp_path)
     assert [(life.spawned, life.ended) for life in lives] == [(0, 30), (35, 60)]
+
+
+def test_a_freeze_the_floor_refuses_holds_kills_back_until_it_lands(tmp_path):
+    """Kills of joining peers could keep the trainers below the floor all run long, so no freeze would be drawn
+    (a CI run of the short chaos test drew none): a refused freeze holds kills back until it lands, or a while."""
+    plan = ChaosPlan(seconds=4.0, kill_every=0.2, freeze_every=0.2, add_every=0, freeze_precedence=10.0, seed=1)
+    chaos = Chaos(plan, tmp_path, [])
+    calls = []
+
+    def freeze():
+        calls.append(("freeze", time.time()))
+        return time.time() >= chaos.start + 2.0  # refused for want of trainers for the first 2 s
+
+    def kill(now):
+        calls.append(("kill", time.time()))
+        return True
+
+    chaos._freeze, chaos._kill_in_phase = freeze, kill
+    chaos.start = time.time()
+    chaos._loop()
+    first_refusal = next(t for what, t in calls if what == "freeze")
+    landed = next(t for what, t in calls if what == "freeze" and t >= chaos.start + 2.0)
+    assert not [t for what, t in calls if what == "kill" and first_refusal < t < landed], calls
+    assert [t for what, t in calls if what == "kill" and t > landed], calls  # kills resume once it landed
