@@ -83,6 +83,11 @@ class InnerConfig:
         "backward pass: the whole model's gradients are never held at once (4 bytes per parameter less at the "
         "peak), with the same bits as stepping after it. Needs --grad-clip 0: a global norm needs every gradient "
         "before the first step.")
+    activation_checkpointing: bool = option(
+        False, "Keep only each transformer block's input through the forward pass and recompute the block's "
+        "activations in the backward pass: the activations' memory (which grows with batch size × sequence "
+        "length) drops to about one block's worth, for one more forward pass of compute per step (~30 %). The "
+        "same bits as without it.")
     round_seconds: Optional[float] = option(
         None, "Time-budgeted H: contribute every this many seconds instead of every H steps.")
     optimizer: str = option(

@@ -106,7 +106,8 @@ def _name(pid: int) -> str:
 
 
 # what a variant adds to a peer's flags; variants join them with '+' ("in-backward+on-disk"), "plain" has none
-FEATURES = {"in-backward": ["--step-in-backward"], "on-disk": ["--global-state-on-disk"]}
+FEATURES = {"in-backward": ["--step-in-backward"], "on-disk": ["--global-state-on-disk"],
+            "recompute": ["--activation-checkpointing"]}
 
 
 def features(variant: str) -> list[str]:

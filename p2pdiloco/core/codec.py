@@ -137,6 +137,12 @@ class ErrorFeedback:
     def compensate(self, delta: torch.Tensor) -> torch.Tensor:
         return delta if self.residual is None else delta + self._carried(self.residual)
 
+    def compensate_(self, delta: torch.Tensor) -> None:
+        """`compensate` in place, a chunk at a time (the same bits: elementwise)."""
+        if self.residual is not None:
+            for part, _ in blockwise(delta.numel()):
+                delta[part] += self._carried(self.residual[part])
+
     def _carried(self, residual: torch.Tensor) -> torch.Tensor:
         return residual if self.decay == 1.0 else residual * self.decay  # elementwise: a chunk's bits are the whole's
 

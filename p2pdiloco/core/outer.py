@@ -104,7 +104,7 @@ def rda_reference(deltas: Sequence[torch.Tensor], weights: Sequence[float],
     return rda_combine(weighted_merge(units, weights), norms, weights, segments)
 
 
-STEP_CHUNK = 1 << 22  # elements per slice of the outer step
+STEP_CHUNK = 1 << 20  # elements per slice of the outer step (4 MB temporaries)
 
 
 class OuterOptimizer:

@@ -5,13 +5,28 @@ deadline, the weights, the reason), so metrics log the outcome as it is and neve
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Optional
+from typing import ClassVar, Optional, Protocol
 
 import torch
 
 from p2pdiloco.protocol.remote import Member
 
 StateTuple = tuple[dict, list[torch.Tensor]]  # (metadata with version and digest, [Θ, outer momentum])
+
+
+class Parts(Protocol):
+    """A flat fp32 vector read a slice at a time: a tensor is one."""
+
+    def __getitem__(self, part: slice) -> torch.Tensor: ...
+
+    def numel(self) -> int: ...
+
+
+def copy_parts(source: Parts, out: torch.Tensor, chunk: int = 1 << 20) -> None:
+    """out ← source, a few MB at a time."""
+    for start in range(0, out.numel(), chunk):
+        part = slice(start, min(out.numel(), start + chunk))
+        out[part] = source[part]
 
 
 class Kept:
@@ -25,6 +40,11 @@ class Kept:
         if self._tensor is None:
             raise ValueError("this contribution was dropped")
         return self._tensor
+
+    def parts(self) -> "Parts":
+        """Δ to read a slice at a time (`parts[a:b]`), with no model-sized read: the tensor itself where it is
+        held, or a reader of where it waits (p2pdiloco.training.spill)."""
+        return self.get()
 
     def drop(self) -> None:
         self._tensor = None

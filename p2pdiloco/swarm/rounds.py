@@ -24,7 +24,7 @@ from p2pdiloco.config import OuterConfig, SwarmConfig
 from p2pdiloco.core import codec
 from p2pdiloco.core.outer import Segment, rda_directions
 from p2pdiloco.core.state import sharing_priority, validate_state
-from p2pdiloco.protocol.outcomes import Contribution, RoundOutcome, Solo, StateTuple
+from p2pdiloco.protocol.outcomes import Contribution, RoundOutcome, Solo, StateTuple, copy_parts
 from p2pdiloco.protocol.island import Bounds, PenaltyBox
 from p2pdiloco.protocol.remote import MAX_VERSION, Expect, PeerRecord
 from p2pdiloco.protocol.round import (Done, Download, FormIsland, IslandFailed, IslandReduced, IslandResult,
@@ -104,7 +104,7 @@ class SwarmMerger:
             self.heartbeat.update(ready=-1)  # `merging` stays until the outcome's state is published (below)
         if isinstance(outcome, Solo) and self.feedback is not None and not self.outer.rda:
             # alone, we merge what our wire would have carried (codec.ErrorFeedback.alone), not our whole Δ
-            outcome = dataclasses.replace(outcome, merged=self.feedback.alone(c.delta, self.bits,
+            outcome = dataclasses.replace(outcome, merged=self.feedback.alone(self._contribution_parts(c), self.bits,
                                                                              self.averager.wire_format(1)))
         return outcome
 
@@ -192,12 +192,20 @@ class SwarmMerger:
     def _load_buffer(self, c: Contribution, island: FormIsland) -> dict:
         """Write what we send into the averaging buffer; our gathered record. Nothing here holds Δ while the
         round runs: the buffer has it, and the host keeps its own on disk (error feedback reads it back after)."""
-        body, norms = self._uncompensated(c)
-        if self.feedback is not None:
-            body = self.feedback.compensate(body)
-        sent, claimed_tokens = hostile(self.fault_plan, body, c)  # test-only: a lying peer (fault plan)
-        with self.averager.buffer() as buffer:
-            buffer[: self.n] = sent
+        with self.averager.buffer() as buffer:  # the averager reads it only once we step: ours until then
+            body, norms = buffer[: self.n], []
+            if self.outer.rda:
+                directions, norms = self._uncompensated(c)
+                body.copy_(directions)
+                del directions
+            else:  # read into the buffer a slice at a time: no model-sized copy of Δ on its way there
+                copy_parts(c.kept.parts(), body)
+            if self.feedback is not None:
+                self.feedback.compensate_(body)
+            sent, claimed_tokens = hostile(self.fault_plan, body, c)  # test-only: a lying peer (fault plan)
+            if sent is not body:  # the lie goes on the wire; the record keeps the honest statistics
+                body = body.clone()
+                buffer[: self.n] = sent
         return gather_record(self.peer, c.name, c.version, claimed_tokens, c.steps, body, c.digest, island.budget,
                              norms, self.averager.wire_format(1),
                              blame=self.penalties.active(time.monotonic()), credential=self.credential)
@@ -206,12 +214,16 @@ class SwarmMerger:
         """Our contribution as sent before error feedback: Δ, or its RDA directions (and their norms)."""
         return rda_directions(c.delta, self.segments) if self.outer.rda else (c.delta, [])
 
+    def _contribution_parts(self, c: Contribution):
+        """What `_uncompensated` gives, to read a slice at a time where it can be (Δ itself, without RDA)."""
+        return self._uncompensated(c)[0] if self.outer.rda else c.kept.parts()
+
     def _record_feedback(self, c: Contribution, result: IslandReduced) -> None:
         """What of our compensated contribution reached the sum: the same codes the averager sent, decoded."""
         weight = next((w for m, w in zip(result.members, result.weights) if m.peer == self.peer), 0.0)
         if weight > 0:
             fmt = self.averager.wire_format(sum(w > 0 for w in result.weights))  # the members that sent codes
-            self.feedback.record_encoded(self._uncompensated(c)[0], weight, result.codec_scales, self.bits, fmt)
+            self.feedback.record_encoded(self._contribution_parts(c), weight, result.codec_scales, self.bits, fmt)
 
     def _traffic(self, before) -> dict:
         """What this round really moved (failed rounds too), measured on our averager process."""

@@ -29,17 +29,17 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol
+from typing import Callable, Iterator, Optional, Protocol
 
 import torch
 
 from p2pdiloco.training.inner import (InnerTrainer, flat_params, load_flat_params, optimizer_state, param_slices,
                                       restore_optimizer_state)
-from p2pdiloco.protocol.outcomes import Contribution, Kept, RolledBack, RoundOutcome, Solo
+from p2pdiloco.protocol.outcomes import Contribution, Kept, Parts, RolledBack, RoundOutcome, Solo
 from p2pdiloco.core.state import GlobalState, contains
 from p2pdiloco.protocol.timing import RoundClock
 from p2pdiloco.training.checkpoint import Concatenated, Entry, Released
-from p2pdiloco.training.spill import InMemory, OnDisk
+from p2pdiloco.training.spill import InMemory, OnDisk, assemble
 
 log = logging.getLogger(__name__)
 
@@ -135,12 +135,16 @@ class DiLoCo:
         """Snapshot Δ and hand it to the merger in the background; training goes on at once."""
         assert self.in_flight is None, "one round in flight at a time"
         with self.state.lock:
-            delta = pseudo_gradient_of(self.trainer.model, self.state.params, done=self.state.page_out)
-            c = Contribution(kept=self.keep.put(delta), tokens=self.unmerged_tokens, steps=self.unmerged_steps,
+            if self.eager:  # the estimate needs Δ whole
+                delta = pseudo_gradient_of(self.trainer.model, self.state.params, done=self.state.page_out)
+                kept, origin = self.keep.put(delta), self._eager_estimate(delta)
+                del delta  # from here on the merger and the spill hold it, as long as each needs it
+            else:  # a parameter's worth at a time, straight to where it waits (no model-sized Δ on disk's way)
+                kept, origin = self.keep.put_parts(lambda: pseudo_gradient_parts(
+                    self.trainer.model, self.state.params, done=self.state.page_out), self.state.params.numel()), None
+            c = Contribution(kept=kept, tokens=self.unmerged_tokens, steps=self.unmerged_steps,
                              version=self.state.version, peer=self.peer, name=self.name, digest=self.state.digest,
                              seconds=self.unmerged_seconds)
-            origin = self._eager_estimate(delta) if self.eager else None
-            del delta  # from here on the merger and the spill hold it, as long as each needs it
         future = self._executor.submit(self.merger.merge, c)
         if origin is not None:
             load_flat_params(self.trainer.model, origin)
@@ -277,24 +281,35 @@ class DiLoCo:
         Θ' (our local progress is lost, never the global state)."""
         origin = None if flight is None else flight.origin
         uses_delta = flight is not None and kept == ("since snapshot" if origin is None else "all unmerged")
-        delta = read_back(flight.kept, "the round's Δ") if uses_delta else None  # once, if it waited on disk
-        lost = uses_delta and delta is None
+        delta = parts_of(flight.kept, "the round's Δ") if uses_delta else None  # read a parameter at a time
+        if uses_delta and delta is None:
+            self._progress_lost()
+            return False
+        try:
+            with torch.no_grad():
+                for _, p, part in param_slices(self.trainer.model):
+                    progress = _flat(p)
+                    if origin is None:
+                        progress.sub_(self.state.params[part])
+                        if kept == "since snapshot":
+                            progress.add_(delta[part])
+                    else:
+                        progress.sub_(origin[part])
+                        if kept == "all unmerged":
+                            progress.sub_(delta[part])
+                    _store(p, progress)
+                    self.state.page_out(part)
+        except (OSError, ValueError) as e:  # Δ's file failed halfway: no parameter's progress can be trusted
+            log.warning("could not read back the round's Δ (%s): the local progress it measures is given up", e)
+            self._progress_lost()
+            return False
+        return True
+
+    def _progress_lost(self) -> None:
+        """θ ← 0 as the progress, so the second pass makes θ = Θ' (our local progress is lost, never Θ)."""
         with torch.no_grad():
-            for _, p, part in param_slices(self.trainer.model):
-                progress = _flat(p)
-                if lost:
-                    progress.zero_()
-                elif origin is None:
-                    progress.sub_(self.state.params[part])
-                    if kept == "since snapshot":
-                        progress.add_(delta[part])
-                else:
-                    progress.sub_(origin[part])
-                    if kept == "all unmerged":
-                        progress.sub_(delta[part])
-                _store(p, progress)
-                self.state.page_out(part)
-        return not lost
+            for _, p, _part in param_slices(self.trainer.model):
+                p.detach().zero_()
 
     def _add_global(self, restored: Optional[torch.Tensor]) -> None:
         """θ ← progress [+ restored] + Θ (the second pass)."""
@@ -398,14 +413,28 @@ def _store(p: torch.Tensor, flat: torch.Tensor) -> None:
 
 def pseudo_gradient_of(model: torch.nn.Module, global_params: torch.Tensor,
                        done: Callable[[slice], None] = lambda part: None) -> torch.Tensor:
-    """Δ = Θ − θ (`core.outer.pseudo_gradient`), one parameter at a time: the same bits without a flat copy
-    of θ. `done` is told each part of Θ that was read."""
-    delta = torch.empty_like(global_params)
+    """Δ = Θ − θ (`core.outer.pseudo_gradient`) whole, made a parameter at a time: the same bits without a flat
+    copy of θ. `done` is told each part of Θ that was read."""
+    return assemble(lambda: pseudo_gradient_parts(model, global_params, done), global_params.numel())
+
+
+def pseudo_gradient_parts(model: torch.nn.Module, global_params: torch.Tensor,
+                          done: Callable[[slice], None] = lambda part: None) -> Iterator[torch.Tensor]:
+    """Δ = Θ − θ a parameter at a time, in the flat layout's order: the same bits as `pseudo_gradient_of`."""
     with torch.no_grad():
         for _, p, part in param_slices(model):
-            torch.sub(global_params[part], _flat(p), out=delta[part])
+            piece = global_params[part] - _flat(p)
             done(part)
-    return delta
+            yield piece
+
+
+def parts_of(kept: Kept, what: str) -> Optional[Parts]:
+    """`read_back`, a slice at a time (the file opened and checked now; None if it cannot be)."""
+    try:
+        return kept.parts()
+    except (OSError, ValueError) as e:
+        log.warning("could not read back %s (%s): the local progress it measures is given up", what, e)
+        return None
 
 
 def read_back(kept: Kept, what: str) -> Optional[torch.Tensor]:

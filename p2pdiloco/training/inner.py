@@ -134,6 +134,10 @@ class InnerTrainer:
         self.optimizer = make_optimizer(model.parameters(), cfg)
         self.total_steps = 0  # over the peer's life: drives the warm-up
         self.on_gpu = device.type == "cuda"
+        if cfg.activation_checkpointing:
+            if not hasattr(model, "checkpoint_blocks"):
+                raise ConfigError(f"--activation-checkpointing: {type(model).__name__} cannot recompute its blocks")
+            model.checkpoint_blocks = True
         if cfg.step_in_backward:
             for p in model.parameters():
                 if p.requires_grad:

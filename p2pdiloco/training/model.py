@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from p2pdiloco.config import ModelConfig
 
@@ -32,6 +33,9 @@ class ByteGPT(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        # recompute each block's activations in the backward pass instead of keeping them (the trainer's
+        # --activation-checkpointing): one block's worth held at a time, for one more forward pass of compute
+        self.checkpoint_blocks = False
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
@@ -44,8 +48,9 @@ class ByteGPT(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.embed(tokens) + self.pos(positions)
+        recompute = self.checkpoint_blocks and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         logits = self.norm(x) @ self.embed.weight.T  # tied output head
         if targets is None:
             return logits

@@ -14,20 +14,35 @@ a write that fails (a full disk) keeps that Δ in memory and says so once.
 from __future__ import annotations
 
 import logging
+import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable, Iterator, Optional
 
 import torch
 
 from p2pdiloco.protocol.outcomes import Kept
 
+PartsMaker = Callable[[], Iterator[torch.Tensor]]  # Δ's consecutive pieces, afresh at each call
+
 log = logging.getLogger(__name__)
+
+
+def assemble(make_parts: PartsMaker, numel: int) -> torch.Tensor:
+    out, at = torch.empty(numel, dtype=torch.float32), 0
+    for piece in make_parts():
+        out[at:at + piece.numel()] = piece
+        at += piece.numel()
+    return out
 
 
 class InMemory:
     def put(self, delta: torch.Tensor) -> Kept:
         return Kept(delta)
+
+    def put_parts(self, make_parts: PartsMaker, numel: int) -> Kept:
+        return Kept(assemble(make_parts, numel))
 
     def close(self) -> None:
         pass
@@ -45,12 +60,33 @@ class OnDisk:
         # earlier write or removal of the same file is still under way
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spill")
 
-    def put(self, delta: torch.Tensor) -> Kept:
+    def _take_slot(self) -> Optional[int]:
         with self._lock:
-            slot = self._free.pop(0) if self._free and not self._closed else None
+            return self._free.pop(0) if self._free and not self._closed else None
+
+    def put(self, delta: torch.Tensor) -> Kept:
+        slot = self._take_slot()
         if slot is None:  # a caller holding more than SLOTS at once: keep it in memory rather than overwrite one
             return Kept(delta)
-        return _Spilled(self, slot, delta)
+        return _Spilled(self, slot, delta.numel(), delta)
+
+    def put_parts(self, make_parts: PartsMaker, numel: int) -> Kept:
+        """Δ written as it is made, a piece at a time, in the caller's thread: it is never whole in memory. A
+        write that fails keeps it in memory (made again from the start), as `put` does."""
+        slot = self._take_slot()
+        if slot is None:
+            return Kept(assemble(make_parts, numel))
+        self._io.submit(lambda: None).result()  # the removal of this slot's last file is done: ours is not touched
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with open(self.path(slot), "wb") as f:
+                for piece in make_parts():
+                    f.write(memoryview(piece.detach().contiguous().numpy()).cast("B"))
+        except OSError as e:
+            self.warn(e)
+            self.release(slot)
+            return Kept(assemble(make_parts, numel))
+        return _Spilled(self, slot, numel)
 
     def path(self, slot: int) -> Path:
         return self.folder / f"delta-{slot}.f32"
@@ -79,12 +115,17 @@ class OnDisk:
 
 
 class _Spilled(Kept):
-    """A Δ on its way to, or in, a file: memory holds it only until the write completes (or if it failed)."""
+    """A Δ on its way to, or in, a file: memory holds it only until the write completes (or if it failed). Without
+    `delta`, the caller wrote the file already (`OnDisk.put_parts`)."""
 
-    def __init__(self, store: OnDisk, slot: int, delta: torch.Tensor):
+    def __init__(self, store: OnDisk, slot: int, numel: int, delta: Optional[torch.Tensor] = None):
         super().__init__(delta)
-        self.store, self.slot, self.numel = store, slot, delta.numel()
-        self._written = store._io.submit(self._write, delta)
+        self.store, self.slot, self.numel = store, slot, numel
+        if delta is None:
+            self._written = Future()
+            self._written.set_result(None)
+        else:
+            self._written = store._io.submit(self._write, delta)
 
     def _write(self, delta: torch.Tensor) -> None:
         try:
@@ -96,16 +137,23 @@ class _Spilled(Kept):
             return
         self._tensor = None  # ours only: the merger may still hold it, until it copied it into its buffer
 
-    def get(self) -> torch.Tensor:
-        held = self._tensor  # still in memory (being written, or the write failed): no need to wait
-        if held is not None:
-            return held
-        self._written.result()
-        if self._tensor is not None:
-            return self._tensor
-        if self.slot is None:
+    def _held(self) -> Optional[torch.Tensor]:
+        """The tensor if memory still holds it (being written, or the write failed), once the write is done."""
+        held = self._tensor  # still in memory: no need to wait
+        if held is None:
+            self._written.result()
+            held = self._tensor
+        if held is None and self.slot is None:
             raise ValueError("this contribution was dropped")
-        return self.store._io.submit(self._read).result()
+        return held
+
+    def get(self) -> torch.Tensor:
+        held = self._held()
+        return held if held is not None else self.store._io.submit(self._read).result()
+
+    def parts(self):
+        held = self._held()
+        return held if held is not None else FileParts(self.store.path(self.slot), self.numel)
 
     def _read(self) -> torch.Tensor:
         """Straight into a new tensor: no bytes object beside it."""
@@ -126,3 +174,32 @@ class _Spilled(Kept):
     def in_memory(self) -> bool:
         self._written.result()
         return self._tensor is not None
+
+
+class FileParts:
+    """A spilled Δ read a slice at a time, straight into each slice's tensor. The file is opened (and its size
+    checked) at once, so a removed or truncated file fails here rather than halfway through a caller's pass."""
+
+    def __init__(self, path: Path, numel: int):
+        self.path, self._numel, self._fd = path, numel, None
+        self._fd = os.open(path, os.O_RDONLY)
+        size = os.fstat(self._fd).st_size
+        if size != 4 * numel:
+            os.close(self._fd)
+            self._fd = None
+            raise OSError(f"{path}: {size} bytes, not the {4 * numel} written")
+
+    def numel(self) -> int:
+        return self._numel
+
+    def __getitem__(self, part: slice) -> torch.Tensor:
+        start, stop, _ = part.indices(self._numel)
+        out = torch.empty(max(stop - start, 0), dtype=torch.float32)
+        got = os.preadv(self._fd, [memoryview(out.numpy()).cast("B")], 4 * start)
+        if got != 4 * out.numel():
+            raise OSError(f"{self.path}: short read at element {start}")
+        return out
+
+    def __del__(self):
+        if self._fd is not None:
+            os.close(self._fd)

@@ -449,3 +449,40 @@ def test_with_no_step_in_flight_the_rebase_leaves_theta_exactly_on_the_new_globa
         assert torch.equal(d.local_params(), d.state.params)
         d.inner_step()
     d.close()
+
+
+def test_a_round_on_disk_never_holds_a_model_sized_delta_in_the_trainer(tmp_path):
+    """Δ is written to its file as it is made, a parameter at a time, and read back the same way: into the merger's
+    buffer (as the swarm's merger does) and when the outcome is applied. The process's peak resident memory over a
+    whole round then grows by less than half of Δ's 4 bytes per parameter (before: a model-sized Δ at each)."""
+    from p2pdiloco.protocol.outcomes import copy_parts
+    from tests.unit.test_checkpoint import status_kb
+
+    try:
+        open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM, the peak resident memory, to now
+    except OSError:
+        pytest.skip("this kernel cannot reset a process's peak resident memory")
+    model = build_model(model_config("base"), seed=0)  # 44 MB of θ: above glibc's largest mmap threshold, so a
+    cfg = InnerConfig(steps=1, batch_size=2, seq_len=8)  # model-sized temporary shows in the peak
+    state = GlobalState(flat_params(model), lr=0.7, momentum=0.9)
+    buffer = torch.zeros(state.params.numel())  # the averaging buffer, there before the round
+
+    class CopyingMerger(HeldMerger):
+        def merge(self, c):
+            copy_parts(c.kept.parts(), buffer)
+            return Solo(reason="solo", merged=buffer, members=[c.member], weights=[1.0])
+
+    d = DiLoCo(InnerTrainer(model, random_batches(0), cfg, torch.device("cpu")), state, CopyingMerger(), "me", "me",
+               keep=OnDisk(tmp_path))
+    d.inner_step()  # AdamW's moments exist
+    d.contribute()  # and the outer momentum, once a round wrote it
+    assert d.wait(30).applied
+    d.inner_step()
+    model_bytes = 4 * state.params.numel()
+    open("/proc/self/clear_refs", "w").write("5")
+    before = status_kb("VmRSS")
+    d.contribute()
+    assert d.wait(30).applied
+    grew = (status_kb("VmHWM") - before) * 1024
+    assert grew < model_bytes / 2, f"resident memory grew by {grew / 1e6:.1f} MB ({model_bytes / 1e6:.1f} MB of Δ)"
+    d.close()
