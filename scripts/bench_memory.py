@@ -154,6 +154,8 @@ def measure(model: str, optimizer: str, args, log_dir: Path, variant: str = "pla
         with open(args.timeline.with_suffix(f".{tag}.jsonl"), "w") as f:
             f.writelines(json.dumps(dict(time=t, pss=sizes)) + "\n" for t, sizes in sampler.timeline)
         shutil.copy(log_dir / "peer0.jsonl", args.timeline.with_suffix(f".{tag}.peer0.jsonl"))
+        for i in range(args.peers):  # their text logs too: what a peak's moment was (a download served, a retry)
+            shutil.copy(log_dir / f"peer{i}.log", args.timeline.with_suffix(f".{tag}.peer{i}.log"))
     summary = of_kind(read_records(log_dir / "peer0.jsonl"), Summary)
     n_params = sum_params(model)
     device_peak = summary[-1].device_peak_bytes if summary else None
