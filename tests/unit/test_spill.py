@@ -27,14 +27,15 @@ def test_spilled_deltas_come_back_bit_for_bit_and_never_take_more_than_two_files
     last.drop()  # twice, and after close: nothing to do
 
 
-def test_a_delta_that_cannot_be_written_stays_in_memory_and_says_so(tmp_path, caplog):
+@pytest.mark.parametrize("how", ["whole", "as it is made"])
+def test_a_delta_that_cannot_be_written_stays_in_memory_and_says_so(tmp_path, caplog, how):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     store = OnDisk(blocker / "fork-recovery")
     delta = torch.arange(100, dtype=torch.float32)
     with caplog.at_level(logging.WARNING):
-        kept = store.put(delta)
-        assert kept.in_memory and torch.equal(kept.get(), delta)
+        kept = store.put(delta) if how == "whole" else store.put_parts(lambda: iter(delta.split(30)), delta.numel())
+        assert kept.in_memory and torch.equal(kept.get(), delta) and torch.equal(kept.parts(), delta)
     assert "keeps it in memory" in caplog.text
     store.close()
 
@@ -66,16 +67,4 @@ def test_a_delta_written_as_it_is_made_reads_back_a_slice_at_a_time_bit_for_bit(
     kept.drop()
     with pytest.raises(ValueError, match="dropped"):
         kept.parts()
-    store.close()
-
-
-def test_a_delta_written_as_it_is_made_that_cannot_be_written_stays_in_memory(tmp_path, caplog):
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a folder")
-    store = OnDisk(blocker / "fork-recovery")
-    delta = torch.arange(100, dtype=torch.float32)
-    with caplog.at_level(logging.WARNING):
-        kept = store.put_parts(lambda: iter(delta.split(30)), delta.numel())
-    assert kept.in_memory and torch.equal(kept.parts(), delta)
-    assert "keeps it in memory" in caplog.text
     store.close()
