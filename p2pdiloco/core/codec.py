@@ -135,10 +135,15 @@ class ErrorFeedback:
     decay: float = 1.0
 
     def compensate(self, delta: torch.Tensor) -> torch.Tensor:
-        return delta if self.residual is None else delta + self._carried(self.residual)
+        """Δ plus what earlier rounds' codes dropped (decayed), as a new tensor."""
+        if self.residual is None:
+            return delta
+        out = delta.clone()
+        self.compensate_(out)
+        return out
 
     def compensate_(self, delta: torch.Tensor) -> None:
-        """`compensate` in place, a chunk at a time (the same bits: elementwise)."""
+        """`compensate` in place, a chunk at a time (elementwise: the bits of the whole-vector sum)."""
         if self.residual is not None:
             for part, _ in blockwise(delta.numel()):
                 delta[part] += self._carried(self.residual[part])

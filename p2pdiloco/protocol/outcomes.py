@@ -9,6 +9,7 @@ from typing import ClassVar, Optional, Protocol
 
 import torch
 
+from p2pdiloco.core.exact import chunks
 from p2pdiloco.protocol.remote import Member
 
 StateTuple = tuple[dict, list[torch.Tensor]]  # (metadata with version and digest, [Θ, outer momentum])
@@ -22,10 +23,9 @@ class Parts(Protocol):
     def numel(self) -> int: ...
 
 
-def copy_parts(source: Parts, out: torch.Tensor, chunk: int = 1 << 20) -> None:
-    """out ← source, a few MB at a time."""
-    for start in range(0, out.numel(), chunk):
-        part = slice(start, min(out.numel(), start + chunk))
+def copy_parts(source: Parts, out: torch.Tensor) -> None:
+    """out ← source, a chunk at a time."""
+    for part in chunks(out.numel(), 1 << 20):  # 4 MB of fp32
         out[part] = source[part]
 
 

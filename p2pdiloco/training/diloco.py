@@ -300,7 +300,7 @@ class DiLoCo:
                     _store(p, progress)
                     self.state.page_out(part)
         except (OSError, ValueError) as e:  # Δ's file failed halfway: no parameter's progress can be trusted
-            log.warning("could not read back the round's Δ (%s): the local progress it measures is given up", e)
+            _gave_up("the round's Δ", e)
             self._progress_lost()
             return False
         return True
@@ -433,7 +433,7 @@ def parts_of(kept: Kept, what: str) -> Optional[Parts]:
     try:
         return kept.parts()
     except (OSError, ValueError) as e:
-        log.warning("could not read back %s (%s): the local progress it measures is given up", what, e)
+        _gave_up(what, e)
         return None
 
 
@@ -443,8 +443,12 @@ def read_back(kept: Kept, what: str) -> Optional[torch.Tensor]:
     try:
         return kept.get()
     except (OSError, ValueError) as e:
-        log.warning("could not read back %s (%s): the local progress it measures is given up", what, e)
+        _gave_up(what, e)
         return None
+
+
+def _gave_up(what: str, error: Exception) -> None:
+    log.warning("could not read back %s (%s): the local progress it measures is given up", what, error)
 
 
 def own_weight(outcome: RoundOutcome, peer: str) -> float:

@@ -3,12 +3,13 @@ in memory most of the time. The merger copies Δ into its averaging buffer when 
 that island fails and another is tried); the peer needs it again when the outcome is applied (θ_S = Θ_S − Δ), and
 fork recovery needs the last merged Δ only if a state we adopt later lacks that merge, which is rare.
 
-`InMemory` keeps the tensor (tests, and where no folder is given). `OnDisk` writes each Δ to a file in a
-background thread as soon as it is made, and lets the tensor go once written: while a round runs, its Δ is then
-held only by the averaging buffer (and by the merger while it copies it in), not by the trainer too. Reading it
-back costs one model-sized read: at each apply (between inner steps, when no gradients are held) and for each
-further island tried. Two files at most (the last merge's and the round in flight's), overwritten as rounds go;
-a write that fails (a full disk) keeps that Δ in memory and says so once.
+`InMemory` keeps the tensor (tests, and where no folder is given). `OnDisk` writes each Δ to a file and lets the
+tensor go once written: `put` in a background thread, `put_parts` as Δ is made, a parameter at a time, so it is
+never whole in memory. While a round runs, its Δ is then held only by the averaging buffer, not by the trainer
+too. It is read back a slice at a time (`Kept.parts`, `FileParts`): into the buffer for each island tried, by
+error feedback, and when the outcome is applied; only fork recovery and RDA read it whole (`get`). Two files at
+most (the last merge's and the round in flight's), overwritten as rounds go; a write that fails (a full disk)
+keeps that Δ in memory and says so once.
 """
 
 from __future__ import annotations
@@ -157,12 +158,7 @@ class _Spilled(Kept):
 
     def _read(self) -> torch.Tensor:
         """Straight into a new tensor: no bytes object beside it."""
-        path, out = self.store.path(self.slot), torch.empty(self.numel, dtype=torch.float32)
-        with open(path, "rb") as f:
-            got = f.readinto(memoryview(out.numpy()).cast("B"))
-            if got != 4 * self.numel or f.read(1):
-                raise OSError(f"{path}: not the {4 * self.numel} bytes written")
-        return out
+        return FileParts(self.store.path(self.slot), self.numel)[:]
 
     def drop(self) -> None:
         if self.slot is not None:
@@ -187,7 +183,7 @@ class FileParts:
         if size != 4 * numel:
             os.close(self._fd)
             self._fd = None
-            raise OSError(f"{path}: {size} bytes, not the {4 * numel} written")
+            raise OSError(f"{path}: {size} bytes, not the {4 * numel} bytes written")
 
     def numel(self) -> int:
         return self._numel

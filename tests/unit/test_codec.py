@@ -253,3 +253,15 @@ def test_packing_a_slice_at_a_time_gives_the_bytes_of_packing_all_at_once(width)
     data = codec.pack(values, width)
     assert data == codec._pack_slice(values, width, per, nbytes)
     assert torch.equal(codec.unpack(data, width, n), values)
+
+
+@pytest.mark.parametrize("decay", [1.0, 0.9])
+def test_compensating_in_place_a_chunk_at_a_time_has_the_bits_of_the_whole_vector_sum(decay):
+    """What the merger does to the averaging buffer (no model-sized compensated copy): Δ + β·residual, exactly."""
+    gen = torch.Generator().manual_seed(3)
+    delta, residual = torch.randn(3 * (1 << 22) + 5, generator=gen), torch.randn(3 * (1 << 22) + 5, generator=gen)
+    feedback = codec.ErrorFeedback(residual=residual, decay=decay)
+    buffer = delta.clone()
+    feedback.compensate_(buffer)
+    assert torch.equal(buffer, delta + (residual if decay == 1.0 else residual * decay))
+    assert torch.equal(feedback.compensate(delta), buffer)

@@ -486,3 +486,35 @@ def test_a_round_on_disk_never_holds_a_model_sized_delta_in_the_trainer(tmp_path
     grew = (status_kb("VmHWM") - before) * 1024
     assert grew < model_bytes / 2, f"resident memory grew by {grew / 1e6:.1f} MB ({model_bytes / 1e6:.1f} MB of Δ)"
     d.close()
+
+
+def test_a_delta_file_that_fails_halfway_through_the_rebase_gives_the_local_progress_up_everywhere(
+        tmp_path, caplog, monkeypatch):
+    """A read error after some parameters were rebased (a disk failing mid-pass): none of them can be trusted,
+    so θ becomes Θ' exactly, as when the file cannot be opened, and the peer goes on training."""
+    from p2pdiloco.training import spill
+
+    merger = BufferedMerger()
+    d = make_diloco(merger, keep=OnDisk(tmp_path))
+    for _ in range(3):
+        d.inner_step()
+    d.contribute()
+    assert merger.entered.wait(10) and not d.in_flight.kept.in_memory
+    d.inner_step()
+    read = spill.FileParts.__getitem__
+    calls = []
+
+    def failing(self, part):
+        calls.append(part)
+        if len(calls) > 3:  # some parameters were rebased already
+            raise OSError("I/O error")
+        return read(self, part)
+
+    monkeypatch.setattr(spill.FileParts, "__getitem__", failing)
+    merger.release.set()
+    settled = d.wait(10)
+    assert len(calls) > 3 and settled.applied and d.state.version == 1
+    assert torch.equal(d.local_params(), d.state.params) and d.unmerged_tokens == 0 and d.unmerged_steps == 0
+    assert "could not read back the round's Δ (I/O error)" in caplog.text
+    d.inner_step()
+    d.close()

@@ -62,7 +62,7 @@ def test_a_delta_written_as_it_is_made_reads_back_a_slice_at_a_time_bit_for_bit(
     assert torch.equal(parts[3:9000], delta[3:9000]) and torch.equal(parts[9000:], delta[9000:])
     assert torch.equal(kept.get(), delta)
     (tmp_path / "delta-0.f32").write_bytes(b"\0" * 100)  # cut short while a round ran: refused at once, by size
-    with pytest.raises(OSError, match="not the 40004 written"):
+    with pytest.raises(OSError, match="not the 40004 bytes written"):
         kept.parts()
     kept.drop()
     with pytest.raises(ValueError, match="dropped"):
