@@ -191,10 +191,10 @@ class ExactAverager(DecentralizedAverager):
         """A member's packed codes of the part we reduce (p2pdiloco.swarm.codes)."""
         yield await self._codes.push_answer(requests, str(context.remote_id))
 
-    async def rpc_codes_fetch(self, request: averaging_pb2.DownloadData,
+    async def rpc_codes_fetch(self, requests: AsyncIterator[averaging_pb2.DownloadData],
                               context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
-        """The exact sum of the part we reduce, once every member's codes arrived."""
-        async for answer in self._codes.fetch_answers(request, self.allreduce_cap, str(context.remote_id)):
+        """The exact sum of the part we reduce, once every member's codes arrived; open until the fetcher has it."""
+        async for answer in self._codes.fetch_answers(requests, self.allreduce_cap, str(context.remote_id)):
             yield answer
 
     def _blame(self, culprits, dropped: dict, late_reducers=()) -> frozenset:

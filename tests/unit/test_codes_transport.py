@@ -261,10 +261,10 @@ class LoopbackStub:
             yield reply
         return answer()
 
-    async def rpc_codes_fetch(self, request):
+    async def rpc_codes_fetch(self, requests):
         if self.hold_fetch is not None:
             await self.hold_fetch.wait()
-        return self.exchange.fetch_answers(request, 1.0, self.caller)
+        return self.exchange.fetch_answers(requests, 1.0, self.caller)
 
 
 class DiesAfterOnePiece(LoopbackStub):
@@ -276,6 +276,46 @@ class DiesAfterOnePiece(LoopbackStub):
         async def answer():
             yield await served.__anext__()
         return answer()
+
+
+def test_a_reducer_holds_its_stream_of_sums_open_until_the_fetcher_has_every_piece():
+    """A reducer that closed its stream right after its last piece lost that piece now and then on the testbed:
+    the libp2p daemon resets a stream whose handler closed while it still reads the other way, and the reset drops
+    what the fetcher's daemon had not read yet. So the fetcher ends its requests once the last piece is in, and
+    only then does the reducer's stream end. Each fetch here records what happened in which order."""
+    n, fmt = 4 * PIECE, codec.DenseFormat(4, 2)  # two members: each reduces a part of two pieces
+    ex = {name: CodesExchange(max_payload=1 << 20) for name in "ab"}
+    codes = {"a": torch.full((n,), 3, dtype=torch.int64), "b": torch.full((n,), -1, dtype=torch.int64)}
+    selected = torch.ones(n, dtype=torch.bool)
+    events = {"a": [], "b": []}
+
+    class Recording(LoopbackStub):
+        async def rpc_codes_fetch(self, requests):
+            log = events[self.caller]
+
+            async def watched():
+                async for request in requests:
+                    yield request
+                log.append("fetcher has all")
+
+            served = await super().rpc_codes_fetch(watched())
+
+            async def answer():
+                async for message in served:
+                    log.append("piece")
+                    yield message
+                log.append("closed")
+            return answer()
+
+    async def both():
+        stubs = {("a", "b"): Recording(ex["b"], "a"), ("b", "a"): Recording(ex["a"], "b")}
+        return await asyncio.gather(*(ex[me].run(b"g", ["a", "b"], ["a", "b"], me, made(codes[me], selected), fmt,
+                                                 lambda peer, me=me: stubs[(me, peer)], timeout=3.0)
+                                      for me in "ab"))
+
+    results = asyncio.run(both())
+    assert events == {m: ["piece", "piece", "fetcher has all", "closed"] for m in "ab"}
+    assert all(torch.equal(torch.cat(r.sums), torch.full((n,), 2, dtype=torch.int64)) for r in results)
 
 
 def test_a_member_that_fetches_after_the_reducer_finished_its_round_still_gets_the_sum():
