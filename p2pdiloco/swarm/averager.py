@@ -48,6 +48,9 @@ logger = get_logger(__name__)
 
 REFUSE_SECONDS = 120.0  # a member rejected from our island, or blamed by us, is turned away this long when it
 # asks to join our group (it may still lead a group we join: then the island leaves it out again)
+# a leader's join stream stays open this long after its last message, unless the follower closes it first (hivemind's
+# follower reads that message, the group to run with, then closes): see rpc_join_group
+JOIN_LINGER = 5.0
 AVERAGED_CHUNK = 1 << 18  # elements per tensor handed to hivemind (1 MB; even the test models span several)
 
 StateProvider = Callable[[], tuple[dict, Sequence[torch.Tensor]]]
@@ -87,6 +90,8 @@ class ExactAverager(DecentralizedAverager):
     sum Σ wᵢΔᵢ when `result["verified"]` is True. Otherwise it holds nothing of use: the host keeps its Δ and
     writes it again for its next attempt (no model-sized copy of it here).
     """
+
+    join_linger = JOIN_LINGER
 
     def __init__(self, n_elements: int, max_group: int, state_provider: StateProvider, weighting: str,
                  allreduce_cap: float, expect: Expect, fault_plan: FaultPlan = NO_FAULTS,
@@ -223,6 +228,11 @@ class ExactAverager(DecentralizedAverager):
             return
         async for message in super().rpc_join_group(request, context):
             yield message
+        # Returning at once let our libp2p daemon reset the stream under that last message (it resets a stream whose
+        # handler closed while it still reads the other way, and the reset drops what the follower's daemon has not
+        # read): the follower never learnt of a group the others then ran with it as a reducer, and they waited out
+        # the round's deadline (once in 16 rounds on the testbed, 29 s). Bounded; a follower that closed ends it.
+        await asyncio.sleep(self.join_linger)
 
     def _admits(self, peer: str, gathered: bytes) -> bool:
         """In a swarm with a key: whether what a follower gathers carries its valid pass."""

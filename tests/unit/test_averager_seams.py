@@ -25,6 +25,7 @@ def bare_averager(peer_id="me", passes=None) -> ExactAverager:
     averager._stragglers = Stragglers()
     averager.dht = SimpleNamespace(peer_id=peer_id)  # hivemind's peer_id reads it
     averager._parent_pid = None  # no process to stop when it is collected
+    averager.join_linger = 0.0  # the join stream's wait after its last message: its own test below
     return averager
 
 
@@ -61,6 +62,32 @@ def test_members_rejected_left_out_or_blamed_are_turned_away_at_matchmaking_for_
         [[accepted], [accepted], [refused], [refused], [refused]]
     averager._refused.until = {p: time.monotonic() - 1 for p in averager._refused.until}  # the while is over
     assert join(averager, "evil-id") == [accepted]
+
+
+def test_a_leader_keeps_a_join_stream_open_after_its_last_message():
+    """The message that tells a follower its group is the stream's last. A leader that closed the stream right after
+    it let the libp2p daemon reset the stream under it (the follower never joined; the others waited out the round
+    for it as a reducer). The stream now ends only after `join_linger`, or when the follower closes it."""
+    averager = bare_averager()
+    averager.join_linger = 0.3
+
+    class Matchmaking:  # hivemind's, past our hook
+        async def rpc_join_group(self, request, context):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED)
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.BEGIN_ALLREDUCE, group_id=b"g")
+
+    averager._matchmaking = Matchmaking()
+
+    async def follower():
+        stream = averager.rpc_join_group(averaging_pb2.JoinRequest(), SimpleNamespace(remote_id="f"))
+        codes = [(await stream.__anext__()).code for _ in range(2)]
+        started = time.monotonic()
+        ended = [m async for m in stream] == []
+        return codes, ended, time.monotonic() - started
+
+    codes, ended, waited = asyncio.run(follower())
+    assert codes == [averaging_pb2.ACCEPTED, averaging_pb2.BEGIN_ALLREDUCE] and ended
+    assert 0.25 <= waited < 2.0, waited
 
 
 def test_a_member_late_once_is_not_blamed_one_late_again_is_and_a_malformed_part_is_at_once():
