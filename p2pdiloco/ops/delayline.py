@@ -6,12 +6,12 @@ its hub through the TUN device once (policy routing by input interface), so this
 
 Per packet, Python costs little; the kernel's forwarding of each written packet (routing, tbf, the veth and
 the receiver's TCP) runs inside the write. With one queue and 1500-byte packets that capped 4 peers at 100 Mbit/s
-well below their links (plain TCP at 1.5-3.0x the link bound at 1 ms of delay, against 1.2x with no delay line, and
-12 % of packets dropped at the TUN's queue). So, measured on that testbed:
+well below their links (plain TCP all-to-all at 2.8-3.0x the link bound at 50 ms of delay and 1.6-2.1x at 2 ms,
+against 1.2-1.5x with no delay line, and 12 % of packets dropped at the TUN's queue). So, measured there:
 - without loss, the device takes TSO packets (virtio-net headers): a read carries up to 64 KiB of one flow,
   held and written back whole, and the kernel cuts it into segments later, as a NIC would;
 - the device has several queues, one process each (a flow hashes to one queue, so its order is kept), so the
-  kernel's work runs on several cores (threads, sharing the GIL, did worse: 1.15-1.35x against 1.11-1.14x).
+  kernel's work runs on several cores (threads, sharing the GIL, did worse at 1 ms: 1.15-1.35x against 1.11-1.20x).
 With loss, packets stay single segments, so a drop takes one segment as a lossy link would, not a burst of 40.
 
 Runs until SIGTERM; prints one line of counters when it stops.
@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import ctypes
 import fcntl
+import json
 import os
 import random
 import select
 import signal
 import struct
-import ctypes
-import json
 import time
 
 TUNSETIFF, TUNSETOFFLOAD = 0x400454CA, 0x400454D0
