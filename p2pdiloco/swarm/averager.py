@@ -48,8 +48,8 @@ logger = get_logger(__name__)
 
 REFUSE_SECONDS = 120.0  # a member rejected from our island, or blamed by us, is turned away this long when it
 # asks to join our group (it may still lead a group we join: then the island leaves it out again)
-# a leader's join stream stays open this long after its last message, unless the follower closes it first (hivemind's
-# follower reads that message, the group to run with, then closes): see rpc_join_group
+# a leader's join stream stays open this long after its last message (the group to run with): see rpc_join_group.
+# A follower that closes first may end it sooner (whether its close reaches us depends on the daemon: not measured)
 JOIN_LINGER = 5.0
 AVERAGED_CHUNK = 1 << 18  # elements per tensor handed to hivemind (1 MB; even the test models span several)
 
@@ -231,7 +231,7 @@ class ExactAverager(DecentralizedAverager):
         # Returning at once let our libp2p daemon reset the stream under that last message (it resets a stream whose
         # handler closed while it still reads the other way, and the reset drops what the follower's daemon has not
         # read): the follower never learnt of a group the others then ran with it as a reducer, and they waited out
-        # the round's deadline (once in 16 rounds on the testbed, 29 s). Bounded; a follower that closed ends it.
+        # the round's deadline (one round of 4 on the testbed: 29 s). Bounded, off the round's path.
         await asyncio.sleep(self.join_linger)
 
     def _admits(self, peer: str, gathered: bytes) -> bool:

@@ -425,7 +425,7 @@ class CodesExchange:
         complete in time (the fetcher then blames us only if we are late again, as a late sender).
 
         Then the stream stays open until the fetcher ends its requests, which it does once the last piece came
-        (`_fetch`), or `timeout`. Returning at once lost the last piece now and then (3 of 48 member-rounds on the
+        (`_fetch`), or `timeout`. Returning at once lost the last piece now and then (3 of 44 member-rounds on the
         testbed, "10 of 11 pieces", never an error): our libp2p daemon resets a stream whose handler has closed
         while it still reads the other way, and a reset drops what the fetcher's daemon has not yet read."""
         request = await anext(requests, None)

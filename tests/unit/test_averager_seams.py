@@ -67,7 +67,7 @@ def test_members_rejected_left_out_or_blamed_are_turned_away_at_matchmaking_for_
 def test_a_leader_keeps_a_join_stream_open_after_its_last_message():
     """The message that tells a follower its group is the stream's last. A leader that closed the stream right after
     it let the libp2p daemon reset the stream under it (the follower never joined; the others waited out the round
-    for it as a reducer). The stream now ends only after `join_linger`, or when the follower closes it."""
+    for it as a reducer). The stream now ends only after `join_linger`."""
     averager = bare_averager()
     averager.join_linger = 0.3
 
