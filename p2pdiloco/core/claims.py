@@ -60,14 +60,15 @@ class Claims:
         blocks = _blocks_of(codes, start)
         if blocks.stop > self.max_code.numel():
             return f"codes beyond the model's {self.max_code.numel()} blocks"
-        magnitude = blocked(codes.abs().to(torch.int64))
-        beyond = magnitude > self.max_code[blocks].unsqueeze(1)
-        if bool(beyond.any()):
+        over = _block_maxima(codes) > self.max_code[blocks]
+        if bool(over.any()):
+            beyond = blocked(codes.abs().to(torch.int64)) > self.max_code[blocks].unsqueeze(1)
             return (f"{int(beyond.sum())} codes beyond the block maxima it claimed (of {codes.numel()}; the first in "
-                    f"block {blocks.start + int(beyond.any(dim=1).nonzero()[0])})")
-        bound = self.norm_over(blocks) + 0.5 * int((codes != 0).sum()) ** 0.5
-        if _norm(magnitude) > bound:
-            return f"its codes' norm {_norm(magnitude):.4g} is beyond the {bound:.4g} its claimed norms allow"
+                    f"block {blocks.start + int(over.nonzero()[0])})")
+        bound = self.norm_over(blocks) + 0.5 * int(torch.count_nonzero(codes)) ** 0.5
+        norm = _norm(codes)
+        if norm > bound:
+            return f"its codes' norm {norm:.4g} is beyond the {bound:.4g} its claimed norms allow"
         return ""
 
 
@@ -78,13 +79,13 @@ def sum_why_not(total: torch.Tensor, start: int, claims: list[Claims]) -> str:
     if total.numel() == 0 or not claims:
         return ""
     blocks = _blocks_of(total, start)
-    magnitude = blocked(total.abs().to(torch.int64))
-    if bool((magnitude > sum(c.max_code[blocks] for c in claims).unsqueeze(1)).any()):
+    if bool((_block_maxima(total) > sum(c.max_code[blocks] for c in claims)).any()):
         return "a sum beyond what its senders' claimed block maxima allow"
     rounding = 0.5 * total.numel() ** 0.5  # each sender's share, at most (a sum does not say who sent zeros)
     bound = sum(c.norm_over(blocks) + rounding for c in claims)
-    if _norm(magnitude) > bound:
-        return f"a sum of norm {_norm(magnitude):.4g}, beyond the {bound:.4g} its senders' claimed norms allow"
+    norm = _norm(total)
+    if norm > bound:
+        return f"a sum of norm {norm:.4g}, beyond the {bound:.4g} its senders' claimed norms allow"
     return ""
 
 
@@ -94,8 +95,22 @@ def _blocks_of(values: torch.Tensor, start: int) -> slice:
     return slice(start // BLOCK, start // BLOCK + n_blocks(values.numel()))
 
 
-def _norm(magnitude: torch.Tensor) -> float:
-    return float(magnitude.double().square().sum().sqrt())
+def _block_maxima(values: torch.Tensor) -> torch.Tensor:
+    """max |value| of each block, as int64 (to compare with claims), without a padded copy: whole blocks are a
+    view, and only a last short block is reduced on its own."""
+    whole = values.numel() // BLOCK * BLOCK
+    lo, hi = values[:whole].view(-1, BLOCK).aminmax(dim=1)
+    top = torch.maximum(hi.to(torch.int64), lo.to(torch.int64).neg())  # int64 first: −2^31 has no int32 abs
+    if whole == values.numel():
+        return top
+    tail = values[whole:].to(torch.int64).abs().max().reshape(1)
+    return torch.cat([top, tail])
+
+
+def _norm(values: torch.Tensor) -> float:
+    """The L2 norm of integer values, in float64 (their squares exceed what int32 and float32 hold exactly)."""
+    x = values.double()
+    return float(torch.dot(x, x).sqrt())
 
 
 def claims_in_codes(maxabs: torch.Tensor, clipped: torch.Tensor, norms: torch.Tensor, weight: float,

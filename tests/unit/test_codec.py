@@ -21,6 +21,22 @@ def test_packing_is_lossless_at_every_width(width):
     assert torch.equal(codec.unpack(data, width, n), values)
 
 
+@pytest.mark.parametrize("width", WIDTHS)
+def test_packed_bytes_are_one_little_endian_bitstream_whatever_the_packer(width):
+    """The wire format, pinned: value i (offset by 2^(width−1)) takes bits [i·width, (i+1)·width) of one
+    little-endian bitstream, zero-padded to a whole group. Peers of any version read each other's parts, and a
+    faster packer (or unpacker, which reads each group as an unaligned 8-byte word) cannot change a bit."""
+    g = torch.Generator().manual_seed(100 + width)
+    n = 1001
+    lo, hi = -(1 << (width - 1)), (1 << (width - 1)) - 1
+    values = torch.randint(lo, hi + 1, (n,), generator=g, dtype=torch.int32)
+    values[:4] = torch.tensor([lo, hi, 0, -1])
+    stream = sum((v - lo) << (i * width) for i, v in enumerate(values.tolist()))
+    expected = stream.to_bytes(codec.packed_bytes(n, width), "little")
+    assert codec.pack(values, width) == expected
+    assert torch.equal(codec.unpack(expected, width, n), values)
+
+
 def test_packing_refuses_what_does_not_fit_and_unpacking_checks_the_length():
     with pytest.raises(ValueError):
         codec.pack(torch.tensor([8]), 4)

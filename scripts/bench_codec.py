@@ -1,0 +1,121 @@
+"""One peer's codec work in one round, per compression, beside the time its bytes take on the link (issue 10).
+
+The all-reduce can only run at its link bound when the CPU keeps up: every peer quantizes and packs its whole
+pseudo-gradient, decodes, checks and sums the N senders' pieces of the part it reduces, packs that part's sum,
+then decodes, checks and dequantizes every piece of the sums. This runs exactly those calls
+(p2pdiloco.core.codec, p2pdiloco.core.claims), piece by piece as swarm/codes.py does, on one thread (the
+averager's codec worker is one thread), and prints per stage the seconds of one core, the bytes the peer sends,
+and the ratio of the codec's seconds to the link bound 2·(N−1)/N·S/B of those bytes: well under 1, and the
+codec can hide behind the transfer; near 1, a CPU peer's round is CPU-bound. The lossless stage is timed side by
+side with the alternative it replaced (zlib level 1 against runs only, `codec.deflate`).
+
+The pseudo-gradient is synthetic and heavy-tailed (randn · U⁴, as the codec tests use), so the deflated sizes
+are indicative; the default's 20-bit codes are stored raw, whatever the data.
+
+Usage: python scripts/bench_codec.py [--params 11000000] [--peers 4] [--rate-mbit 100]
+       [--compression none,int8,int4,int2] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+import zlib
+
+import torch
+
+from p2pdiloco.core import codec
+from p2pdiloco.core.claims import block_norms, claims_in_codes, sum_why_not
+from p2pdiloco.swarm.codes import PIECE
+
+
+def one_round(delta: torch.Tensor, bits: int, peers: int) -> tuple[dict, int]:
+    """Seconds per stage of one peer's codec work in one round, and the bytes it sends (its codes to the other
+    reducers, its part's sum to the other members). Every sender's pieces are this peer's (the work is the same)."""
+    n, fmt, seconds = delta.numel(), codec.DenseFormat(bits, peers), collections.Counter()
+    maxima = codec.block_maxabs(delta)
+    scales = codec.agreed_scales([maxima], bits)
+    claims = claims_in_codes(maxima, torch.zeros(maxima.numel(), dtype=torch.bool), block_norms(delta), 1.0,
+                             scales, codec.levels(bits))
+
+    def timed(stage, fn, *args):
+        start = time.perf_counter()
+        out = fn(*args)
+        seconds[stage] += time.perf_counter() - start
+        return out
+
+    pieces = [(a, min(a + PIECE, n)) for a in range(0, n, PIECE)]
+    part = pieces[: -(-len(pieces) // peers)]  # the pieces this peer reduces
+    wire, sums, sent = [], {}, 0
+    for a, b in pieces:
+        blocks = slice(a // codec.BLOCK, -(-b // codec.BLOCK))
+        codes = timed("quantize", codec.quantize, delta[a:b], scales[blocks], bits)
+        wire.append(timed("pack", fmt.encode, codes, None))
+        sent += len(wire[-1]) * (peers - 1) // peers  # the pieces of the other reducers' parts
+    for i, (a, b) in enumerate(part):
+        total = torch.zeros(b - a, dtype=torch.int64)
+        for _ in range(peers):
+            codes = timed("unpack", fmt.decode, wire[i], b - a)
+            timed("check", claims.why_not, codes, a)
+            timed("sum", total.add_, codes)
+        sums[i] = timed("pack sum", fmt.encode_sum, total)
+        sent += len(sums[i]) * (peers - 1)  # served to every other member
+    out = torch.empty(n)
+    for i, (a, b) in enumerate(pieces):  # the other parts' sums stand in as ours (a short last piece: made here)
+        data = sums[i % len(part)] if b - a == PIECE else fmt.encode_sum(torch.zeros(b - a, dtype=torch.int64))
+        total = timed("unpack sum", fmt.decode_sum, data, b - a)
+        timed("check sum", sum_why_not, total, a, [claims] * peers)
+        blocks = slice(a // codec.BLOCK, -(-b // codec.BLOCK))
+        timed("dequantize", codec.dequantize, total, scales[blocks], out[a:b])
+    return dict(seconds), sent
+
+
+def lossless_side_by_side(delta: torch.Tensor, bits: int) -> dict:
+    """Bytes kept and MB/s of the runs-only DEFLATE the codec uses against zlib's level 1, piece by piece."""
+    raw = [codec.pack(codec.quantize(delta[a:a + PIECE], codec.agreed_scales(
+        [codec.block_maxabs(delta[a:a + PIECE])], bits), bits), bits) for a in range(0, delta.numel(), PIECE)]
+    size = sum(map(len, raw))
+    out = {}
+    for name, deflate in (("runs (used)", lambda r: codec.deflate(r)[1:]), ("level 1", lambda r: zlib.compress(r, 1))):
+        start = time.perf_counter()
+        packed = sum(len(deflate(r)) for r in raw)
+        out[name] = {"kept": round(packed / size, 3), "MB/s": round(size / (time.perf_counter() - start) / 1e6, 1)}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=int, default=11_000_000, help="elements of the pseudo-gradient")
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--rate-mbit", type=float, default=100.0)
+    parser.add_argument("--compression", default="none,int8,int4,int2")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # the averager's codec worker is one thread
+    g = torch.Generator().manual_seed(0)
+    delta = torch.randn(args.params, generator=g) * torch.rand(args.params, generator=g) ** 4 * 1e-3
+    results = {}
+    print(f"{args.params / 1e6:.1f} M elements, {args.peers} peers, {args.rate_mbit:g} Mbit/s, one core")
+    for name in args.compression.split(","):
+        bits = codec.BITS[name]
+        seconds, sent = one_round(delta, bits, args.peers)
+        link = sent / (args.rate_mbit * 1e6 / 8)
+        total = sum(seconds.values())
+        stages = "  ".join(f"{k} {v:.3f}" for k, v in seconds.items())
+        print(f"{name:5s} codec {total:.2f} s/round  sent {sent / 1e6:.1f} MB  link bound {link:.2f} s  "
+              f"codec/link {total / link:.2f}\n      {stages}")
+        results[name] = {"codec_s": round(total, 3), "stages_s": {k: round(v, 3) for k, v in seconds.items()},
+                         "sent_bytes": sent, "link_bound_s": round(link, 3), "codec_over_link": round(total / link, 3)}
+        if bits <= codec.DEFLATE_MAX_WIDTH:
+            results[name]["lossless"] = lossless_side_by_side(delta[: 16 * PIECE], bits)
+            print("      lossless stage:", results[name]["lossless"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"params": args.params, "peers": args.peers, "rate_mbit": args.rate_mbit,
+                       "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
