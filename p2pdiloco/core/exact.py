@@ -53,6 +53,13 @@ def chunks(n: int, size: int = _CHUNK) -> Iterator[slice]:
         yield slice(start, min(n, start + size))
 
 
+def all_finite(*tensors: torch.Tensor) -> bool:
+    """No NaN or infinity in any of them, a chunk at a time: `torch.isfinite` of a whole model-sized vector makes a
+    bool copy of it (1 B/param) at a round's end, when the peer's memory peaks."""
+    return all(bool(torch.isfinite(flat[part]).all())
+               for t in tensors for flat in (t.reshape(-1),) for part in chunks(flat.numel()))
+
+
 def blockwise(n: int, blocks_per_chunk: int = _CHUNK // BLOCK):
     """(element slice, block slice) pairs covering n elements a few MB at a time: the float64 arithmetic below
     then needs a chunk's worth of temporaries, not several model-sized ones (a peer's peak memory)."""

@@ -13,7 +13,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from p2pdiloco.core.exact import digest
+from p2pdiloco.core.exact import all_finite, digest
 from p2pdiloco.core.outer import OuterOptimizer
 
 
@@ -135,7 +135,7 @@ def validate_state(metadata, tensors, n_params: int, min_version: int) -> Option
     if any(not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.shape != (n_params,)
            for t in tensors):
         return "tensors do not match this model"
-    if not all(bool(torch.isfinite(t).all()) for t in tensors):
+    if not all_finite(*tensors):
         return "tensors contain NaN or infinity"
     if digest(*tensors) != metadata.get("digest"):
         return "state does not match the donor's announced digest"

@@ -32,6 +32,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from p2pdiloco.core.exact import all_finite
 from p2pdiloco.core.outer import Segment, rda_combine
 from p2pdiloco.protocol.outcomes import (Adopted, Committed, Contribution, Left, RolledBack, RoundOutcome, Solo,
                                          StateTuple, newest_member)
@@ -307,7 +308,7 @@ class Round:
                                      list(self.rules.rda_segments))
             except (ValueError, IndexError, RuntimeError) as e:
                 return self._done(self._rolled_back_type, now, f"round discarded: malformed RDA norms ({e})")
-        if not bool(torch.isfinite(merged).all()):
+        if not all_finite(merged):
             return self._done(self._rolled_back_type, now, "round discarded: merged update is not finite")
         self.reduced = dataclasses.replace(r, merged=merged, reason="ok")
         wire = allreduce_wire_bytes(self.rules.buffer_elements, len(r.members))

@@ -75,3 +75,32 @@ def test_chunked_arithmetic_gives_the_bits_of_the_whole_model_sized_formula():
     feedback = codec.ErrorFeedback()
     feedback.record(delta, sent)
     assert torch.equal(feedback.residual, (delta.double() - sent.double()).float())
+
+
+def test_finiteness_is_checked_a_chunk_at_a_time_and_finds_any_nan_or_infinity():
+    """A round's merged update (and a downloaded state) is checked for NaN/∞ at a round's end, when a peer's memory
+    peaks: `torch.isfinite` of the whole vector made a bool copy of it (1 B/param). Chunked, the peak grows by a
+    chunk's worth, and a bad value anywhere, even in the last chunk or a second tensor, is still found."""
+    import pytest
+
+    from tests.unit.test_checkpoint import status_kb
+
+    n = 3 * exact._CHUNK + 5
+    x, y = torch.zeros(n), torch.zeros(7)
+    for where, bad in ((0, float("nan")), (n - 1, float("inf")), (exact._CHUNK, float("-inf"))):
+        x[where] = bad
+        assert not exact.all_finite(x) and not exact.all_finite(y, x)
+        x[where] = 0.0
+    assert exact.all_finite(x, y)
+    y[6] = float("nan")
+    assert not exact.all_finite(x, y)
+    try:
+        open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM, the peak resident memory, to now
+    except OSError:
+        pytest.skip("this kernel cannot reset a process's peak resident memory")
+    big = torch.zeros(16 * exact._CHUNK)  # 256 MB: its bool copy would be 64 MB
+    open("/proc/self/clear_refs", "w").write("5")
+    before = status_kb("VmRSS")
+    assert exact.all_finite(big)
+    grew = (status_kb("VmHWM") - before) * 1024
+    assert grew < big.numel() / 4, f"resident memory grew by {grew / 1e6:.1f} MB checking {big.numel() / 1e6:.0f} M values"
