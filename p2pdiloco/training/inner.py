@@ -7,6 +7,8 @@ stays on the device: the host reads it only when the metrics need it, not once p
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 from contextlib import nullcontext
 from typing import Callable, Iterator
@@ -205,12 +207,39 @@ def evaluate(model: nn.Module, batches: list, device: torch.device, params: torc
         if params is None:
             losses = [model(x.to(device), y.to(device)).item() for x, y in batches]
         else:
-            views = parameter_views(model, _moved(params, device, done))
-            losses = [torch.func.functional_call(model, views, (x.to(device), y.to(device))).item()
-                      for x, y in batches]
+            moved = _moved(params, device, done)
+            views = parameter_views(model, moved)
+            with _each_module_done(model, done) if moved is params else nullcontext():
+                losses = [torch.func.functional_call(model, views, (x.to(device), y.to(device))).item()
+                          for x, y in batches]
     finally:
         model.train(was_training)
     return sum(losses) / len(losses)
+
+
+@contextlib.contextmanager
+def _each_module_done(model: nn.Module, done: Callable[[slice], None]):
+    """While the forward pass reads a vector in place (Θ on the CPU), `done` is told each module's parameter
+    slices once that module has run: a parked Θ lets their pages go as the pass moves on, instead of coming
+    into memory whole for an evaluation (4 B/param, at the peak of a peer leaving: its final evaluation). A
+    tied tensor's pages come back when it is read again; done is only ever about pages, never values."""
+    where = {id(p): part for _, p, part in param_slices(model)}
+    hooks = []
+    for module in model.modules():
+        parts = [where[id(p)] for p in module.parameters(recurse=False) if id(p) in where]
+        if parts:
+            hooks.append(module.register_forward_hook(functools.partial(_let_go, done, parts)))
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _let_go(done: Callable[[slice], None], parts: list, *_) -> None:
+    """A forward hook: returns None, so the module's output stands."""
+    for part in parts:
+        done(part)
 
 
 def _moved(flat: torch.Tensor, device: torch.device, done: Callable[[slice], None]) -> torch.Tensor:

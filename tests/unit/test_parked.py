@@ -122,3 +122,28 @@ def test_a_folder_that_cannot_hold_the_state_keeps_it_in_memory_and_says_so(tmp_
     vectors = global_vectors(1000, tmp_path / "state")
     assert isinstance(vectors, Held) and torch.count_nonzero(vectors.momentum) == 0
     assert list((tmp_path / "state").iterdir()) == []
+
+
+def test_evaluating_a_parked_global_state_lets_each_modules_pages_go_once_it_ran(tmp_path):
+    """The validation of Θ reads it in place through views; on a parked state each module's slice is paged out
+    once the module has run, so at most a block's pages are in the process at once. Before, the whole of Θ
+    came in and stayed until the next pass (4 B/param: a `large` peer's peak, as it left after its final
+    evaluation). The loss is that of Θ held in memory, bit for bit."""
+    from p2pdiloco.training.inner import evaluate
+
+    held, _ = make_peer("memory", tmp_path, "base")
+    parked, vectors = make_peer("parked", tmp_path, "base")
+    vectors.page_out()
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(0, 256, (2, 32), generator=g), torch.randint(0, 256, (2, 32), generator=g))
+               for _ in range(2)]
+    most = [0]
+    parked.trainer.model.register_forward_hook(lambda *_: most.__setitem__(0, max(most[0], vectors.resident_bytes())))
+    for block in parked.trainer.model.modules():  # sampled after every module, before its pages go
+        block.register_forward_pre_hook(lambda *_: most.__setitem__(0, max(most[0], vectors.resident_bytes())))
+    theta_bytes = 4 * parked.state.params.numel()
+    loss = evaluate(parked.trainer.model, batches, torch.device("cpu"), params=parked.state.params,
+                    done=parked.state.page_out)
+    assert loss == evaluate(held.trainer.model, batches, torch.device("cpu"), params=held.state.params)
+    assert most[0] < theta_bytes / 4, f"{most[0] / MB:.0f} MB of Θ's {theta_bytes / MB:.0f} MB resident at once"
+    assert vectors.resident_bytes() < theta_bytes / 4
