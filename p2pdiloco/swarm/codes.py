@@ -119,6 +119,8 @@ class Piece:
     result: Optional[bytes] = None
     dropped: dict = field(default_factory=dict)  # sender → why its codes were left out of this piece's sum
     settling: bool = False  # its sum is being computed (off the event loop)
+    served: set = field(default_factory=set)  # the other members whose fetch stream was handed its sum
+    taken: bool = False  # our own round took its sum
 
 
 @dataclass
@@ -295,6 +297,23 @@ class Reduction:
         self.fetched.add(fetcher)
         self._drop_sums_if_done()
 
+    def piece_served(self, index: int, fetcher: str) -> None:
+        self.pieces[index].served.add(fetcher)
+        self._drop_piece_if_done(index)
+
+    def piece_taken(self, index: int) -> None:
+        self.pieces[index].taken = True
+        self._drop_piece_if_done(index)
+
+    def _drop_piece_if_done(self, index: int) -> None:
+        """A piece's sum goes once our own round took it and every other member was handed it: a reducer holds
+        only the sums still on their way, not its whole part's until the last fetcher has the last piece (1/N of
+        the model at the sum's width: 150 MB for a 100M model in an island of 2, at the averager's peak). Nobody
+        asks for a piece twice: a fetch that breaks fails its round (`_fetch`)."""
+        piece = self.pieces[index]
+        if piece.taken and self.spec is not None and piece.served >= set(self.spec[0]):
+            piece.result = None
+
     def _drop_sums_if_done(self) -> None:
         """Once our round is over and every other sender was served: nobody needs these sums any more (a member
         asking again gets an error, as for a reduction that failed)."""
@@ -406,7 +425,10 @@ class CodesExchange:
             piece = reduction.piece(index)
             await _until(piece.ready.wait(), deadline)
             reduction.raise_error()
+            if piece.result is None:  # every member had it: this is a second fetch
+                raise CodesError("this piece's sum was served to every member and dropped")
             yield serializer.dumps(dict(dropped=sorted(piece.dropped))), piece.result
+            reduction.piece_served(index, fetcher)
         reduction.served(fetcher)
 
     async def push_answer(self, requests: AsyncIterator[averaging_pb2.DownloadData],
@@ -553,6 +575,7 @@ class CodesExchange:
             out = frozenset(piece.dropped)
             sums.append(await off_loop(take, piece.result, start, end, out))
             left_out.append(out)
+            mine.piece_taken(index)
         return sums, left_out
 
 

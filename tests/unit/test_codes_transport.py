@@ -629,3 +629,38 @@ def test_a_reducer_whose_sum_came_late_is_reported_late_and_one_that_refused_is_
     said = {"slow": "its sums did not come in time", "says late": "not serving", "refuses": "not serving",
             "round ended first": "round ended before its part's sum was complete"}[reducer_b]
     assert "reducer b: " in str(failed.value) and said in str(failed.value), str(failed.value)
+
+
+def test_a_reducer_lets_each_pieces_sum_go_once_every_member_and_its_own_round_have_it():
+    """A reducer held every piece's sum of its part until the last member had the last piece: 1/N of the model
+    at the sum's width (150 MB for a 100M model in an island of 2) at the averager's peak. Now a piece's sum goes
+    as soon as our own round took it and every other member's fetch was handed it; a second fetch of it is
+    refused, not served a hole."""
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    n, fmt = 2 * PIECE, codec.DenseFormat(4, 2)
+    own, theirs = torch.ones(n, dtype=torch.int64), torch.full((n,), 2, dtype=torch.int64)
+    ex = CodesExchange(max_payload=1 << 22)
+    r = ex.reduction(b"g")
+    r.begin(["b"], mine(own), fmt)
+    for i, (a, b) in enumerate(piece_ranges(0, n)):
+        assert r.add("b", i, fmt.encode(theirs[a:b], None), max_pieces=2) == ""
+    asyncio.run(r.settle_soon())
+    request = averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(dict(group=b"g")))
+
+    async def fetch_while_our_round_takes_its_pieces():
+        served = ex.serve(request, 5.0, "b")
+        first = await served.__anext__()
+        await served.__anext__()  # piece 0 handed over; piece 1 yielded, not yet handed over
+        assert torch.equal(fmt.decode_sum(first[1], PIECE), own[:PIECE] + theirs[:PIECE])
+        assert r.pieces[0].result is not None  # our own round has not taken it yet
+        r.piece_taken(0)
+        r.piece_taken(1)
+        assert r.pieces[0].result is None and r.pieces[1].result is not None
+        with pytest.raises(StopAsyncIteration):
+            await served.__anext__()
+        assert r.pieces[1].result is None and r.fetched == {"b"}
+        with pytest.raises(CodesError, match="dropped"):
+            await ex.serve(request, 5.0, "b").__anext__()
+
+    asyncio.run(fetch_while_our_round_takes_its_pieces())
