@@ -54,8 +54,9 @@ def chunks(n: int, size: int = _CHUNK) -> Iterator[slice]:
 
 
 def all_finite(*tensors: torch.Tensor) -> bool:
-    """No NaN or infinity in any of them, a chunk at a time: `torch.isfinite` of a whole model-sized vector makes a
-    bool copy of it (1 B/param) at a round's end, when the peer's memory peaks."""
+    """No NaN or infinity in any of them, a chunk at a time: `torch.isfinite` of a whole model-sized vector makes
+    model-sized temporaries (|x| as floats and bool masks, ~5 B/param) at a round's end, when a peer's memory
+    peaks."""
     return all(bool(torch.isfinite(flat[part]).all())
                for t in tensors for flat in (t.reshape(-1),) for part in chunks(flat.numel()))
 

@@ -79,8 +79,9 @@ def test_chunked_arithmetic_gives_the_bits_of_the_whole_model_sized_formula():
 
 def test_finiteness_is_checked_a_chunk_at_a_time_and_finds_any_nan_or_infinity():
     """A round's merged update (and a downloaded state) is checked for NaN/∞ at a round's end, when a peer's memory
-    peaks: `torch.isfinite` of the whole vector made a bool copy of it (1 B/param). Chunked, the peak grows by a
-    chunk's worth, and a bad value anywhere, even in the last chunk or a second tensor, is still found."""
+    peaks: `torch.isfinite` of the whole vector made model-sized temporaries (|x| as floats and bool masks, ~5
+    B/param). Chunked, the peak grows by a chunk's worth, and a bad value anywhere, even in the last chunk or a
+    second tensor, is still found."""
     import pytest
 
     from tests.unit.test_checkpoint import status_kb
@@ -98,9 +99,9 @@ def test_finiteness_is_checked_a_chunk_at_a_time_and_finds_any_nan_or_infinity()
         open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM, the peak resident memory, to now
     except OSError:
         pytest.skip("this kernel cannot reset a process's peak resident memory")
-    big = torch.zeros(16 * exact._CHUNK)  # 256 MB: its bool copy would be 64 MB
+    big = torch.zeros(16 * exact._CHUNK)  # 268 MB: |big| alone would be as much again
     open("/proc/self/clear_refs", "w").write("5")
     before = status_kb("VmRSS")
     assert exact.all_finite(big)
     grew = (status_kb("VmHWM") - before) * 1024
-    assert grew < big.numel() / 4, f"resident memory grew by {grew / 1e6:.1f} MB checking {big.numel() / 1e6:.0f} M values"
+    assert grew < big.numel(), f"resident memory grew by {grew / 1e6:.1f} MB checking {big.numel() / 1e6:.0f} M values"
