@@ -280,8 +280,8 @@ class Reduction:
     def release(self) -> None:
         """Our round is over. The sums stay served until every sender fetched them: one may not have yet (it
         started later, or its fetch was slow to open), and dropping them here would roll that member back while
-        we commit, a split. The contributions are freed now; the sums (1/N of the model at their packed width,
-        150 MB for a 100M model in an island of 2) once everyone has them (`served`)."""
+        we commit, a split. The contributions are freed now; each piece's sum once every member was handed it and
+        our own round took it (`_drop_piece_if_done`), and any left once everyone has every piece (`served`)."""
         self.released = True
         for task in self.summing:
             task.cancel()
