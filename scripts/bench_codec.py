@@ -35,10 +35,10 @@ def one_round(delta: torch.Tensor, bits: int, peers: int) -> tuple[dict, int]:
     """Seconds per stage of one peer's codec work in one round, and the bytes it sends (its codes to the other
     reducers, its part's sum to the other members). Every sender's pieces are this peer's (the work is the same)."""
     n, fmt, seconds = delta.numel(), codec.DenseFormat(bits, peers), collections.Counter()
-    maxima = codec.block_maxabs(delta)
-    scales = codec.agreed_scales([maxima], bits)
-    claims = claims_in_codes(maxima, torch.zeros(maxima.numel(), dtype=torch.bool), block_norms(delta), 1.0,
-                             scales, codec.levels(bits))
+    statistic = fmt.block_statistic(delta)  # the block maximum; int2's mean |value| (as the averager agrees it)
+    scales = codec.agreed_scales([statistic], bits)
+    claims = claims_in_codes(statistic, torch.zeros(statistic.numel(), dtype=torch.bool), block_norms(delta), 1.0,
+                             scales, codec.levels(bits), maxima=codec.levels(bits) > 1)
 
     def timed(stage, fn, *args):
         start = time.perf_counter()
@@ -74,8 +74,9 @@ def one_round(delta: torch.Tensor, bits: int, peers: int) -> tuple[dict, int]:
 
 def lossless_side_by_side(delta: torch.Tensor, bits: int) -> dict:
     """Bytes kept and MB/s of the runs-only DEFLATE the codec uses against zlib's level 1, piece by piece."""
+    fmt = codec.DenseFormat(bits, 1)
     raw = [codec.pack(codec.quantize(delta[a:a + PIECE], codec.agreed_scales(
-        [codec.block_maxabs(delta[a:a + PIECE])], bits), bits), bits) for a in range(0, delta.numel(), PIECE)]
+        [fmt.block_statistic(delta[a:a + PIECE])], bits), bits), bits) for a in range(0, delta.numel(), PIECE)]
     size = sum(map(len, raw))
     out = {}
     for name, deflate in (("runs (used)", lambda r: codec.deflate(r)[1:]), ("level 1", lambda r: zlib.compress(r, 1))):

@@ -217,8 +217,8 @@ RAW, DEFLATED = 0, 1  # the first byte of a wire payload
 # DEFLATE with runs as its only matches (zlib's Z_RLE) reads 55-200 MB/s of packed values on one core here, and
 # takes more off narrow codes than its fastest general level (which read 25-150 MB/s): packed codes repeat as
 # runs of zeros and as a skewed distribution of byte values, not as longer matches. On heavy-tailed test data it
-# left 46 % of int4 codes (level 1: 56 %), 70 % of int8's (77 %) and 7 % of int2's (11 %), the same stream
-# format: any inflater reads it. Off 20-bit codes and their 24-bit sums DEFLATE took ~4 % (a real Δ of the base
+# left 35-46 % of int4 codes (level 1: 45-56 %), 56-70 % of int8's (66-77 %) and 67 % of int2's on their
+# mean-|value| scales (73 %; scripts/bench_codec.py), the same stream format: any inflater reads it. Off 20-bit codes and their 24-bit sums DEFLATE took ~4 % (a real Δ of the base
 # model), for ~1 s of a core per peer and round: CPU that a CPU peer takes from its training, and on a 2-core
 # testbed of 4 peers it made the all-reduce CPU-bound. Wider values than 16 bits go as they are.
 DEFLATE_MAX_WIDTH = 16

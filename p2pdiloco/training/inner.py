@@ -7,10 +7,9 @@ stays on the device: the host reads it only when the metrics need it, not once p
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Callable, Iterator
 
 import torch
@@ -217,7 +216,7 @@ def evaluate(model: nn.Module, batches: list, device: torch.device, params: torc
     return sum(losses) / len(losses)
 
 
-@contextlib.contextmanager
+@contextmanager
 def _each_module_done(model: nn.Module, done: Callable[[slice], None]):
     """While the forward pass reads a vector in place (Θ on the CPU), `done` is told each module's parameter
     slices once that module has run: a parked Θ lets their pages go as the pass moves on, instead of coming
