@@ -214,8 +214,8 @@ class ErrorFeedback:
 RAW, DEFLATED = 0, 1  # the first byte of a wire payload
 
 
-# DEFLATE with runs as its only matches (zlib's Z_RLE) reads 55-200 MB/s of packed values on one core here, and
-# takes more off narrow codes than its fastest general level (which read 25-150 MB/s): packed codes repeat as
+# DEFLATE with runs as its only matches (zlib's Z_RLE) reads 52-76 MB/s of packed codes on one core here, and
+# takes more off narrow codes than its fastest general level (which read 28-59 MB/s): packed codes repeat as
 # runs of zeros and as a skewed distribution of byte values, not as longer matches. On heavy-tailed test data it
 # left 35-46 % of int4 codes (level 1: 45-56 %), 56-70 % of int8's (66-77 %) and 67 % of int2's on their
 # mean-|value| scales (73 %; scripts/bench_codec.py), the same stream format: any inflater reads it. Off 20-bit codes and their 24-bit sums DEFLATE took ~4 % (a real Δ of the base
