@@ -140,6 +140,7 @@ def summarize(log_dir: Path, args, wall: float, codes: list) -> dict:
                 bytes_per_round_both_ways=per_round,
                 bytes_per_token=per_round / statistics.median(tokens) if tokens else None,
                 sync_seconds=statistics.median([r.sync_seconds for r in rounds]) if rounds else None,
+                codec_cpu_seconds=median_or_none([r.codec_cpu_seconds for r in rounds]),
                 allreduce_over_link_bound=link_bound_ratio(full_rounds(rounds, args.peers), args),
                 full_round_bytes_sent=median_or_none([r.bytes_sent for r in full_rounds(rounds, args.peers)]),
                 utilization=statistics.mean(s.utilization for s in summaries) if summaries else None,
@@ -179,7 +180,8 @@ def combine(runs: list[dict], rounds: int) -> dict:
     version `rounds` (a run whose last round rolled back stopped short of it and is left out of the loss)."""
     out = {}
     for key in ("bytes_per_round_sent", "bytes_per_round_both_ways", "bytes_per_token", "sync_seconds",
-                "allreduce_over_link_bound", "full_round_bytes_sent", "utilization", "wall_seconds", "step_seconds",
+                "codec_cpu_seconds", "allreduce_over_link_bound", "full_round_bytes_sent", "utilization", "wall_seconds",
+                "step_seconds",
                 "bytes_per_step_both_ways"):
         values = [r[key] for r in runs if r.get(key) is not None]
         if values:
@@ -293,8 +295,8 @@ def report(results: dict, args, seeds: list[int]) -> None:
 
 def print_table(results: dict, args, seeds: list[int]) -> None:
     keys = ["step_seconds", "bytes_per_step_both_ways", "merged_rounds", "bytes_per_round_sent",
-            "bytes_per_round_both_ways", "bytes_per_token", "sync_seconds", "allreduce_over_link_bound",
-            "tcp_over_link_bound",
+            "bytes_per_round_both_ways", "bytes_per_token", "sync_seconds", "codec_cpu_seconds",
+            "allreduce_over_link_bound", "tcp_over_link_bound",
             "utilization", "wall_seconds", "seeds_at_last_version", "final_val", "final_val_spread",
             "val_vs_fp32_pct", "val_vs_fp32_pct_range"]
     print(f"\n{args.peers} peers, {args.rate_mbit} Mbit/s, {args.delay_ms} ms one way, H={args.H}, "

@@ -7,9 +7,9 @@ then decodes, checks and dequantizes every piece of the sums. This runs exactly 
 averager's codec worker is one thread), and prints per stage the seconds of one core, the bytes the peer sends,
 and the ratio of the codec's seconds to the link bound 2·(N−1)/N·S/B of those bytes: well under 1, and the
 codec can hide behind the transfer; near 1, a CPU peer's round is CPU-bound. The lossless stage is timed side by
-side with the alternative it replaced (zlib level 1 against runs only, `codec.deflate`).
+side with the alternatives it replaced (Zstandard, `codec.compress`, against DEFLATE of runs and zlib level 1).
 
-The pseudo-gradient is synthetic and heavy-tailed (randn · U⁴, as the codec tests use), so the deflated sizes
+The pseudo-gradient is synthetic and heavy-tailed (randn · U⁴, as the codec tests use), so the compressed sizes
 are indicative; the default's 20-bit codes are stored raw, whatever the data.
 
 Usage: python scripts/bench_codec.py [--params 11000000] [--peers 4] [--rate-mbit 100]
@@ -31,14 +31,18 @@ from p2pdiloco.core.claims import block_norms, claims_in_codes, sum_why_not
 from p2pdiloco.swarm.codes import PIECE
 
 
-def one_round(delta: torch.Tensor, bits: int, peers: int) -> tuple[dict, int]:
+def one_round(deltas: list[torch.Tensor], bits: int) -> tuple[dict, int]:
     """Seconds per stage of one peer's codec work in one round, and the bytes it sends (its codes to the other
-    reducers, its part's sum to the other members). Every sender's pieces are this peer's (the work is the same)."""
+    reducers, its part's sum to the other members). `deltas[0]` is this peer's Δ, the others the other senders'
+    (their codes of our part are made untimed: their own peers make them); the sums of the other parts stand in
+    as ours to decode (the work is the same)."""
+    delta, peers = deltas[0], len(deltas)
     n, fmt, seconds = delta.numel(), codec.DenseFormat(bits, peers), collections.Counter()
-    statistic = fmt.block_statistic(delta)  # the block maximum; int2's mean |value| (as the averager agrees it)
-    scales = codec.agreed_scales([statistic], bits)
-    claims = claims_in_codes(statistic, torch.zeros(statistic.numel(), dtype=torch.bool), block_norms(delta), 1.0,
-                             scales, codec.levels(bits), maxima=codec.levels(bits) > 1)
+    statistics = [fmt.block_statistic(d) for d in deltas]  # the block maximum; int2's mean |value| (as the averager)
+    scales = codec.agreed_scales(statistics, bits)
+    no_clipping = torch.zeros(statistics[0].numel(), dtype=torch.bool)
+    claims = [claims_in_codes(stat, no_clipping, block_norms(d), 1.0, scales, codec.levels(bits),
+                              maxima=codec.levels(bits) > 1) for stat, d in zip(statistics, deltas)]
 
     def timed(stage, fn, *args):
         start = time.perf_counter()
@@ -46,19 +50,23 @@ def one_round(delta: torch.Tensor, bits: int, peers: int) -> tuple[dict, int]:
         seconds[stage] += time.perf_counter() - start
         return out
 
+    def blocks(a, b):
+        return slice(a // codec.BLOCK, -(-b // codec.BLOCK))
+
     pieces = [(a, min(a + PIECE, n)) for a in range(0, n, PIECE)]
     part = pieces[: -(-len(pieces) // peers)]  # the pieces this peer reduces
     wire, sums, sent = [], {}, 0
     for a, b in pieces:
-        blocks = slice(a // codec.BLOCK, -(-b // codec.BLOCK))
-        codes = timed("quantize", codec.quantize, delta[a:b], scales[blocks], bits)
+        codes = timed("quantize", codec.quantize, delta[a:b], scales[blocks(a, b)], bits)
         wire.append(timed("pack", fmt.encode, codes, None))
         sent += len(wire[-1]) * (peers - 1) // peers  # the pieces of the other reducers' parts
     for i, (a, b) in enumerate(part):
+        received = [wire[i]] + [fmt.encode(codec.quantize(d[a:b], scales[blocks(a, b)], bits), None)
+                                for d in deltas[1:]]
         total = torch.zeros(b - a, dtype=torch.int64)
-        for _ in range(peers):
-            codes = timed("unpack", fmt.decode, wire[i], b - a)
-            timed("check", claims.why_not, codes, a)
+        for sender, data in enumerate(received):
+            codes = timed("unpack", fmt.decode, data, b - a)
+            timed("check", claims[sender].why_not, codes, a)
             timed("sum", total.add_, codes)
         sums[i] = timed("pack sum", fmt.encode_sum, total)
         sent += len(sums[i]) * (peers - 1)  # served to every other member
@@ -66,23 +74,32 @@ def one_round(delta: torch.Tensor, bits: int, peers: int) -> tuple[dict, int]:
     for i, (a, b) in enumerate(pieces):  # the other parts' sums stand in as ours (a short last piece: made here)
         data = sums[i % len(part)] if b - a == PIECE else fmt.encode_sum(torch.zeros(b - a, dtype=torch.int64))
         total = timed("unpack sum", fmt.decode_sum, data, b - a)
-        timed("check sum", sum_why_not, total, a, [claims] * peers)
-        blocks = slice(a // codec.BLOCK, -(-b // codec.BLOCK))
-        timed("dequantize", codec.dequantize, total, scales[blocks], out[a:b])
+        timed("check sum", sum_why_not, total, a, claims)
+        timed("dequantize", codec.dequantize, total, scales[blocks(a, b)], out[a:b])
     return dict(seconds), sent
 
 
 def lossless_side_by_side(delta: torch.Tensor, bits: int) -> dict:
-    """Bytes kept and MB/s of the runs-only DEFLATE the codec uses against zlib's level 1, piece by piece."""
+    """Bytes kept and MB/s of the Zstandard stage the codec uses against the DEFLATE of runs (zlib's Z_RLE) it
+    replaced and zlib's level 1, piece by piece, compressing and expanding."""
     fmt = codec.DenseFormat(bits, 1)
     raw = [codec.pack(codec.quantize(delta[a:a + PIECE], codec.agreed_scales(
         [fmt.block_statistic(delta[a:a + PIECE])], bits), bits), bits) for a in range(0, delta.numel(), PIECE)]
     size = sum(map(len, raw))
+    rle = (lambda r: (lambda c: c.compress(r) + c.flush())(zlib.compressobj(1, zlib.DEFLATED, zlib.MAX_WBITS, 9,
+                                                                           zlib.Z_RLE)))
     out = {}
-    for name, deflate in (("runs (used)", lambda r: codec.deflate(r)[1:]), ("level 1", lambda r: zlib.compress(r, 1))):
+    for name, squeeze, unsqueeze in (
+            ("zstd 1 (used)", lambda r: codec.compress(r), lambda z, r: codec.expand(z, len(r))),
+            ("deflate runs (before)", rle, lambda z, r: zlib.decompress(z)),
+            ("deflate level 1", lambda r: zlib.compress(r, 1), lambda z, r: zlib.decompress(z))):
         start = time.perf_counter()
-        packed = sum(len(deflate(r)) for r in raw)
-        out[name] = {"kept": round(packed / size, 3), "MB/s": round(size / (time.perf_counter() - start) / 1e6, 1)}
+        packed = [squeeze(r) for r in raw]
+        middle = time.perf_counter()
+        assert all(unsqueeze(z, r) == r for z, r in zip(packed, raw))
+        end = time.perf_counter()
+        out[name] = {"kept": round(sum(map(len, packed)) / size, 3), "MB/s in": round(size / (middle - start) / 1e6),
+                     "MB/s out": round(size / (end - middle) / 1e6)}
     return out
 
 
@@ -96,12 +113,14 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)  # the averager's codec worker is one thread
     g = torch.Generator().manual_seed(0)
-    delta = torch.randn(args.params, generator=g) * torch.rand(args.params, generator=g) ** 4 * 1e-3
+    deltas = [torch.randn(args.params, generator=g) * torch.rand(args.params, generator=g) ** 4 * 1e-3
+              for _ in range(args.peers)]  # every sender's own: their sums are what a reducer really packs
+    delta = deltas[0]
     results = {}
     print(f"{args.params / 1e6:.1f} M elements, {args.peers} peers, {args.rate_mbit:g} Mbit/s, one core")
     for name in args.compression.split(","):
         bits = codec.BITS[name]
-        seconds, sent = one_round(delta, bits, args.peers)
+        seconds, sent = one_round(deltas, bits)
         link = sent / (args.rate_mbit * 1e6 / 8)
         total = sum(seconds.values())
         stages = "  ".join(f"{k} {v:.3f}" for k, v in seconds.items())
@@ -109,7 +128,7 @@ def main() -> None:
               f"codec/link {total / link:.2f}\n      {stages}")
         results[name] = {"codec_s": round(total, 3), "stages_s": {k: round(v, 3) for k, v in seconds.items()},
                          "sent_bytes": sent, "link_bound_s": round(link, 3), "codec_over_link": round(total / link, 3)}
-        if bits <= codec.DEFLATE_MAX_WIDTH:
+        if bits <= codec.COMPRESS_MAX_WIDTH:
             results[name]["lossless"] = lossless_side_by_side(delta[: 16 * PIECE], bits)
             print("      lossless stage:", results[name]["lossless"])
     if args.json:

@@ -5,9 +5,9 @@ scales the whole group agrees on (the largest gathered block maximum maps to L),
 add up as plain integers. Codes travel packed to b bits; a sum of N codes needs `sum_width(b, N)` bits and travels
 packed to that width. Every member decodes the same integer sum, so members stay bitwise equal whatever the
 codec; what quantization dropped is kept by the sender (`ErrorFeedback`) and added to its next contribution.
-Packed parts of 16 bits or fewer then go through a lossless entropy stage (`deflate`): codes crowd around zero
-(int4 codes of real pseudo-gradients carry ~2.7 bits of information in 4), so DEFLATE takes ~30 % off without
-changing a bit; wider ones (the default's 20-bit codes) go as they are (`lossless`).
+Packed parts of 16 bits or fewer then go through a lossless entropy stage (`compress`, Zstandard): codes crowd
+around zero (int4 codes of real pseudo-gradients carry ~2.7 bits of information in 4), so it takes ~30 % off
+without changing a bit; wider ones (the default's 20-bit codes) go as they are (`lossless`).
 
 Pure tensor code: no network, no clock. The transport that moves packed parts is separate, and so is how much
 of the model one round carries (fragments), so both can change without touching this module.
@@ -15,13 +15,14 @@ of the model one round carries (fragments), so both can change without touching 
 
 from __future__ import annotations
 
+import functools
 import math
-import zlib
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
 import torch
+import zstandard
 
 from p2pdiloco.core import exact
 # dequantize and n_blocks are this module's API too: every wire format shares core.exact's arithmetic
@@ -52,8 +53,13 @@ def quantize(x: torch.Tensor, scales: torch.Tensor, bits: int, weight: float = 1
 
 
 def sum_width(bits: int, group_size: int) -> int:
-    """Bits that hold any sum of `group_size` codes, rounded up to a width `pack` handles."""
-    return packable_width(math.ceil(math.log2(2 * group_size * levels(bits) + 1)))
+    """Bits a sum of `group_size` codes travels at: what holds any such sum, rounded up to a width that divides a
+    byte (1, 2, 4, 8), or above 8 to one `pack` handles. A value that straddles bytes hides its distribution from
+    the lossless stage, a coder of byte values: int4 sums of 2-8 members kept 0.45-0.76 bytes a value at 5-7 bits
+    and 0.28-0.40 as bytes, int2 sums of 2 or 3 0.31-0.34 at 3 bits and 0.23-0.27 at 4 (heavy-tailed tests), and
+    such widths pack and unpack several times faster."""
+    need = math.ceil(math.log2(2 * group_size * levels(bits) + 1))
+    return next(w for w in (1, 2, 4, 8) if w >= need) if need <= 8 else packable_width(need)
 
 
 def packable_width(width: int) -> int:
@@ -84,25 +90,32 @@ def pack(values: torch.Tensor, width: int) -> bytes:
                     for i in range(0, max(values.numel(), 1), step))
 
 
+def _word(nbytes: int) -> np.dtype:
+    """The narrowest little-endian unsigned integer that holds a group of `nbytes` bytes: int4 and int8 codes
+    are packed and unpacked as bytes, not as 8-byte words (the work is memory traffic: 8× less of it)."""
+    return np.dtype("<u1" if nbytes == 1 else "<u2" if nbytes == 2 else "<u4" if nbytes <= 4 else "<u8")
+
+
 def _pack_slice(values: torch.Tensor, width: int, per: int, nbytes: int) -> bytes:
-    """A group's values OR-ed into one uint64 at their bit offsets, then written out a byte plane at a time:
-    each step is one numpy pass with a fixed stride (5× faster than cutting the groups' 8-byte words down to
-    `nbytes`, whose per-row copies dominated a round's codec work)."""
+    """A group's values OR-ed into one word at their bit offsets (`_word`), then its low `nbytes` bytes written
+    out: each step is one numpy pass, with no per-row copies."""
     v = (values if values.dtype in (torch.int32, torch.int64) else values.to(torch.int64)).numpy()
     offset = 1 << (width - 1)
     if v.size and (int(v.min()) < -offset or int(v.max()) >= offset):
         raise ValueError(f"a value does not fit in {width} bits")
-    u = np.zeros(-(-v.size // per) * per, dtype=np.uint64)  # the padding stays 0, as it always has
+    word = _word(nbytes)
+    u = np.zeros(-(-v.size // per) * per, dtype=word)  # the padding stays 0, as it always has
     u[:v.size] = v  # a negative wraps, and adding the offset wraps it back
-    u[:v.size] += np.uint64(offset)
+    u[:v.size] += word.type(offset)
     u = u.reshape(-1, per)
     words = u[:, 0].copy()
-    shifted = np.empty_like(words)
     for k in range(1, per):
-        words |= np.left_shift(u[:, k], np.uint64(k * width), out=shifted)
-    out = np.empty((words.size, nbytes), dtype=np.uint8)
-    for j in range(nbytes):
-        out[:, j] = np.right_shift(words, np.uint64(8 * j), out=shifted)  # its low byte: setitem truncates
+        words |= np.left_shift(u[:, k], word.type(k * width))
+    if nbytes == word.itemsize:
+        return words.tobytes()
+    out, shifted = np.empty((words.size, nbytes), dtype=np.uint8), np.empty_like(words)
+    for j in range(nbytes):  # a byte plane at a time: one pass with a fixed stride (per-row copies were 5× slower)
+        out[:, j] = np.right_shift(words, word.type(8 * j), out=shifted)  # its low byte: setitem truncates
     return out.tobytes()
 
 
@@ -113,6 +126,8 @@ def unpack(data: bytes, width: int, n: int) -> torch.Tensor:
     groups = -(-n // per)
     if len(data) != groups * nbytes:
         raise ValueError(f"expected {groups * nbytes} bytes for {n} values of {width} bits, got {len(data)}")
+    if nbytes == 1:  # a byte holds whole values: all of a byte's looked up at once (2-3× faster than shifting)
+        return torch.from_numpy(_byte_values(width)[np.frombuffer(data, dtype=np.uint8)].view(np.int32))[:n]
     out = torch.empty(groups * per, dtype=torch.int32)
     step = max(1, PACK_SLICE // per)  # groups per slice
     for g in range(0, groups, step):
@@ -120,20 +135,32 @@ def unpack(data: bytes, width: int, n: int) -> torch.Tensor:
     return out[:n]
 
 
+@functools.lru_cache(maxsize=None)
+def _byte_values(width: int) -> np.ndarray:
+    """Byte b's 8 // width values (int32) as element b, one element of their joint size: one byte's values are
+    then read by plain indexing, numpy's fastest gather."""
+    per, offset = 8 // width, 1 << (width - 1)
+    b = np.arange(256, dtype=np.int32)[:, None]
+    values = ((b >> (np.arange(per, dtype=np.int32) * width)) & ((1 << width) - 1)) - offset
+    return np.ascontiguousarray(values).view(np.dtype(f"V{4 * per}")).ravel()
+
+
 def _unpack_slice(chunk: bytes, width: int, nbytes: int, out: np.ndarray) -> None:
-    """Each group read as one little-endian uint64 at its byte offset (an unaligned view with a stride of
-    `nbytes`; 8 zero bytes after the data keep the last read inside the buffer), its values shifted and masked
+    """Each group read as one little-endian word (`_word`) at its byte offset (an unaligned view with a stride
+    of `nbytes`; zero bytes after the data keep the last read inside the buffer), its values shifted and masked
     straight into `out`. Bits past a group's end belong to the next group and are never extracted: value k
     takes bits [k·width, (k+1)·width), below per·width. In int32, a 32-bit value wraps and taking the offset
     off wraps it back."""
+    word = _word(nbytes)
     groups = len(chunk) // nbytes
-    padded = np.zeros(len(chunk) + 8, dtype=np.uint8)
+    padded = np.zeros(len(chunk) + word.itemsize, dtype=np.uint8)
     padded[:len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
-    words = np.ndarray((groups,), dtype="<u8", buffer=padded, strides=(nbytes,))
-    values, shifted = out.reshape(groups, -1), np.empty(groups, dtype=np.uint64)
+    words = np.ndarray((groups,), dtype=word, buffer=padded, strides=(nbytes,))
+    values, shifted = out.reshape(groups, -1), np.empty(groups, dtype=word)
+    mask = word.type((1 << width) - 1)
     for k in range(values.shape[1]):
-        np.right_shift(words, np.uint64(k * width), out=shifted)
-        values[:, k] = np.bitwise_and(shifted, np.uint64((1 << width) - 1), out=shifted)
+        np.right_shift(words, word.type(k * width), out=shifted)
+        values[:, k] = np.bitwise_and(shifted, mask, out=shifted)
     out -= np.int32(1 << (width - 1)) if width < 32 else np.int32(-(1 << 31))
 
 
@@ -211,49 +238,53 @@ class ErrorFeedback:
 
 
 # ---- the lossless stage: every packed part goes on the wire through it ----------------------------------------
-RAW, DEFLATED = 0, 1  # the first byte of a wire payload
+RAW, ZSTD = 0, 2  # the first byte of a wire payload (1 was DEFLATE, which peers before 2026-11-27 sent: refused)
 
-
-# DEFLATE with runs as its only matches (zlib's Z_RLE) reads 52-76 MB/s of packed codes on one core here, and
-# takes more off narrow codes than its fastest general level (which read 28-59 MB/s): packed codes repeat as
-# runs of zeros and as a skewed distribution of byte values, not as longer matches. On heavy-tailed test data it
-# left 35-46 % of int4 codes (level 1: 45-56 %), 56-70 % of int8's (66-77 %) and 67 % of int2's on their
-# mean-|value| scales (73 %; scripts/bench_codec.py), the same stream format: any inflater reads it. Off 20-bit codes and their 24-bit sums DEFLATE took ~4 % (a real Δ of the base
-# model), for ~1 s of a core per peer and round: CPU that a CPU peer takes from its training, and on a 2-core
-# testbed of 4 peers it made the all-reduce CPU-bound. Wider values than 16 bits go as they are.
-DEFLATE_MAX_WIDTH = 16
+# Zstandard, tuned to be a fast coder of byte values: packed codes are skewed byte values with few repeats longer
+# than a few bytes, so matches only cost bits; asking for matches of 7 bytes or more from a tiny table leaves
+# nearly every byte to its Huffman literals. Against the DEFLATE of runs (zlib's Z_RLE) it replaced, on pieces of
+# heavy-tailed test codes on one core here (scripts/bench_codec.py): the same size (int4 35 % kept, int8 56 %,
+# int2 67 %) at 2.5-8× the speed each way (int4 ~180 MB/s in against 60-75), where level 1 kept int4 at 39 %. On a
+# 2-core testbed of 4 peers DEFLATE made an int4 round CPU-bound (docs/bandwidth.md). Wider values than 16 bits go
+# as they are: 20-bit codes and their 24-bit sums look nearly random to a coder of bytes.
+COMPRESS_MAX_WIDTH = 16
+ZSTD_PARAMS = zstandard.ZstdCompressionParameters.from_level(1, min_match=7, hash_log=6, search_log=1,
+                                                            write_content_size=True)
+ZSTD_MAX_WINDOW = 1 << 23  # a frame may not ask for more history than this (a part is at most a few MB)
 
 
 def lossless(raw: bytes, width: int) -> bytes:
-    """The wire form of values packed at `width` bits: deflated where that pays (above), else stored."""
-    return deflate(raw) if width <= DEFLATE_MAX_WIDTH else bytes([RAW]) + raw
+    """The wire form of values packed at `width` bits: compressed where that pays (above), else stored."""
+    return compress(raw) if width <= COMPRESS_MAX_WIDTH else bytes([RAW]) + raw
 
 
-def deflate(raw: bytes) -> bytes:
-    """DEFLATE of runs (above), or the bytes as they are when that is not smaller (random-looking data)."""
-    compressor = zlib.compressobj(1, zlib.DEFLATED, zlib.MAX_WBITS, 9, zlib.Z_RLE)
-    packed = compressor.compress(raw) + compressor.flush()
-    return bytes([DEFLATED]) + packed if len(packed) < len(raw) else bytes([RAW]) + raw
+def compress(raw: bytes) -> bytes:
+    """Zstandard (above), or the bytes as they are when that is not smaller (random-looking data)."""
+    packed = zstandard.ZstdCompressor(compression_params=ZSTD_PARAMS).compress(raw)
+    return bytes([ZSTD]) + packed if len(packed) < len(raw) else bytes([RAW]) + raw
 
 
-def inflate(data: bytes, max_raw: int) -> bytes:
-    """The inverse of `deflate`, never producing more than `max_raw` bytes (a compressed bomb or an overlong
-    part is refused before it is expanded); raises ValueError on anything else."""
-    if not data or data[0] not in (RAW, DEFLATED):
+def expand(data: bytes, max_raw: int) -> bytes:
+    """The inverse of `compress`, never producing more than `max_raw` bytes: a frame must state its size, and one
+    that states more (a compression bomb, an overlong part) is refused before anything is expanded; anything else
+    raises ValueError."""
+    if not data or data[0] not in (RAW, ZSTD):
         raise ValueError("a part without a known encoding tag")
     if data[0] == RAW:
         if len(data) - 1 > max_raw:
             raise ValueError(f"a part longer than the {max_raw} bytes it may take")
         return data[1:]
-    if max_raw <= 0:  # zlib reads a max_length of 0 as "no limit"
-        raise ValueError("a compressed part where none may be sent")
-    inflater = zlib.decompressobj()
     try:
-        raw = inflater.decompress(data[1:], max_raw)
-    except zlib.error as e:
-        raise ValueError(f"a part that does not inflate: {e}") from None
-    if inflater.unconsumed_tail or not inflater.eof or inflater.unused_data:
-        raise ValueError(f"a part that inflates beyond the {max_raw} bytes it may take, or is truncated")
+        size = zstandard.frame_content_size(data[1:])
+        if size < 0 or size > max_raw:
+            raise ValueError(f"a compressed part that does not state a size within the {max_raw} bytes it may "
+                             f"take ({size})")
+        raw = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW).decompress(
+            data[1:], max_output_size=max_raw, allow_extra_data=False)
+    except zstandard.ZstdError as e:
+        raise ValueError(f"a part that does not expand: {e}") from None
+    if len(raw) != size:
+        raise ValueError(f"a part that expands to {len(raw)} bytes where its frame states {size}")
     return raw
 
 
@@ -294,7 +325,7 @@ class DenseFormat:
         return lossless(pack(codes, self.bits), self.bits)
 
     def decode(self, data: bytes, length: int) -> torch.Tensor:
-        codes = unpack(inflate(data, packed_bytes(length, self.bits)), self.bits, length)
+        codes = unpack(expand(data, packed_bytes(length, self.bits)), self.bits, length)
         self._check_range(codes)
         return codes
 
@@ -304,7 +335,7 @@ class DenseFormat:
 
     def decode_sum(self, data: bytes, length: int) -> torch.Tensor:
         width = sum_width(self.bits, self.group_size)
-        data = inflate(data, packed_bytes(length, width))
+        data = expand(data, packed_bytes(length, width))
         if len(data) != packed_bytes(length, width):
             raise ValueError(f"a sum of {length} values takes {packed_bytes(length, width)} bytes, got {len(data)}")
         return unpack(data, width, length)
@@ -340,13 +371,13 @@ class TopKFormat(DenseFormat):
             values.append(codes[a:b][local])
         flat_idx, flat_val = torch.cat(indices or [torch.zeros(0, dtype=torch.int64)]), \
             torch.cat(values or [torch.zeros(0, dtype=torch.int64)])
-        return deflate(pack(flat_idx - (1 << (INDEX_WIDTH - 1)), INDEX_WIDTH) + pack(flat_val, self.bits))
+        return compress(pack(flat_idx - (1 << (INDEX_WIDTH - 1)), INDEX_WIDTH) + pack(flat_val, self.bits))
 
     def decode(self, data: bytes, length: int) -> torch.Tensor:
         spans = block_spans(0, length)
         total_k = sum(self.k(b - a) for a, b in spans)
         index_bytes = packed_bytes(total_k, INDEX_WIDTH)
-        data = inflate(data, index_bytes + packed_bytes(total_k, self.bits))
+        data = expand(data, index_bytes + packed_bytes(total_k, self.bits))
         if len(data) != index_bytes + packed_bytes(total_k, self.bits):
             raise ValueError(f"a top-k part of {length} values takes {index_bytes + packed_bytes(total_k, self.bits)}"
                              f" bytes, got {len(data)}")
@@ -371,7 +402,7 @@ class TopKFormat(DenseFormat):
             indices.append(local)
             values.append(total[a:b][local])
         n = sum(counts)
-        return deflate(pack(torch.tensor(counts, dtype=torch.int64) - (1 << (COUNT_WIDTH - 1)), COUNT_WIDTH)
+        return compress(pack(torch.tensor(counts, dtype=torch.int64) - (1 << (COUNT_WIDTH - 1)), COUNT_WIDTH)
                        + pack(torch.cat(indices) - (1 << (INDEX_WIDTH - 1)) if n else torch.zeros(0), INDEX_WIDTH)
                        + pack(torch.cat(values) if n else torch.zeros(0), sum_width(self.bits, self.group_size)))
 
@@ -379,7 +410,7 @@ class TopKFormat(DenseFormat):
         spans = block_spans(0, length)
         count_bytes = packed_bytes(len(spans), COUNT_WIDTH)
         width = sum_width(self.bits, self.group_size)  # at most every element, each with an index and a sum
-        data = inflate(data, count_bytes + packed_bytes(length, INDEX_WIDTH) + packed_bytes(length, width))
+        data = expand(data, count_bytes + packed_bytes(length, INDEX_WIDTH) + packed_bytes(length, width))
         if len(data) < count_bytes:
             raise ValueError("sparse sum too short for its counts")
         counts = (unpack(data[:count_bytes], COUNT_WIDTH, len(spans)) + (1 << (COUNT_WIDTH - 1))).tolist()

@@ -39,7 +39,7 @@ from p2pdiloco.protocol.island import Bounds, PenaltyBox, Stragglers, plan_islan
 from p2pdiloco.protocol.remote import Expect, parse_island
 from p2pdiloco.protocol.round import IslandReduced
 from p2pdiloco.runtime.faults import NO_FAULTS, FaultPlan
-from p2pdiloco.swarm.codes import Codes, CodesExchange, faults_and_late, piece_ranges
+from p2pdiloco.swarm.codes import Codes, CodesExchange, codec_cpu_seconds, faults_and_late, piece_ranges
 from p2pdiloco.swarm.auth import MemberPasses
 from p2pdiloco.swarm.statefetch import PartServer, parse_part_request, request_pass
 from p2pdiloco.protocol.timing import allreduce_wire_bytes
@@ -169,6 +169,7 @@ class ExactAverager(DecentralizedAverager):
         weights = {str(group_info.peer_ids[i]): plan.weights[i] for i in included}
         ours = Codes(self.n_elements, functools.partial(_encode_piece, vector, plan.weights[my_index], scales,
                                                         self.bits, fmt))
+        cpu = codec_cpu_seconds()
         try:
             exchanged = await self._codes.run(
                 group_info.group_id, peers, reducers, self.peer_id, ours, fmt,
@@ -178,12 +179,13 @@ class ExactAverager(DecentralizedAverager):
             logger.warning(f"round in group {group_info.group_id.hex()[:8]} failed: {e!r}")
             failed = self._reduced(island, plan, group_info, False, f"all-reduce failed: {e}", started)
             blamed = self._blame(getattr(e, "culprits", ()), getattr(e, "dropped", {}), getattr(e, "late", ()))
-            return dataclasses.replace(failed, blamed=blamed)
+            return dataclasses.replace(failed, blamed=blamed, codec_cpu_seconds=codec_cpu_seconds() - cpu)
         dropped = exchanged.dropped
         reduced = self._reduced(island, plan, group_info, True, "ok", started)
         if dropped:
             logger.warning(f"group {group_info.group_id.hex()[:8]}: left out of the part we reduce: {dropped}")
-        return dataclasses.replace(reduced, codec_scales=scales, blamed=self._blame((), dropped), excluded={
+        return dataclasses.replace(reduced, codec_scales=scales, blamed=self._blame((), dropped),
+                                   codec_cpu_seconds=codec_cpu_seconds() - cpu, excluded={
             **reduced.excluded, **{peer: f"left out of our part: {why}" for peer, why in dropped.items()}})
 
     def wire_format(self, group_size: int):

@@ -67,8 +67,25 @@ serializer = MSGPackSerializer
 _CODEC = ThreadPoolExecutor(max_workers=1, thread_name_prefix="codes")
 
 
+_cpu_seconds = [0.0]  # of the codec thread, all rounds together (one thread: no lock needed)
+
+
+def codec_cpu_seconds() -> float:
+    """CPU seconds the codec thread has worked so far: a round's share is the difference across it. Near the
+    round's own seconds, the round waited on a core, not on the link (a CPU peer without a spare one)."""
+    return _cpu_seconds[0]
+
+
+def _counted(fn, *args):
+    start = time.thread_time()
+    try:
+        return fn(*args)
+    finally:
+        _cpu_seconds[0] += time.thread_time() - start
+
+
 async def off_loop(fn, *args):
-    return await asyncio.get_running_loop().run_in_executor(_CODEC, fn, *args)
+    return await asyncio.get_running_loop().run_in_executor(_CODEC, _counted, fn, *args)
 
 
 class CodesError(RuntimeError):

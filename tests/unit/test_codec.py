@@ -1,7 +1,10 @@
 """Compressed codes: round trips within their bound, lossless packing, exact integer sums, error feedback."""
 
+import math
+
 import pytest
 import torch
+import zstandard
 
 from p2pdiloco.core import codec
 from p2pdiloco.core.exact import BLOCK
@@ -68,19 +71,19 @@ def test_the_lossless_stage_shrinks_codes_that_crowd_around_zero_and_never_grows
     x = torch.randn(4 * BLOCK, generator=g) * torch.rand(4 * BLOCK, generator=g) ** 4  # heavy tails, like Δ
     scales = codec.agreed_scales([codec.block_maxabs(x)], 4)
     raw = codec.pack(codec.quantize(x, scales, 4), 4)
-    wire = codec.deflate(raw)
-    assert len(wire) < 0.8 * len(raw) and codec.inflate(wire, len(raw)) == raw
+    wire = codec.compress(raw)
+    assert len(wire) < 0.8 * len(raw) and codec.expand(wire, len(raw)) == raw
     assert codec.DenseFormat(4, 1).encode(codec.quantize(x, scales, 4), None) == wire  # the formats use it
     noise = torch.randint(0, 256, (4096,), generator=g, dtype=torch.uint8).numpy().tobytes()
-    assert codec.deflate(noise) == bytes([codec.RAW]) + noise  # one tag byte is all it costs
+    assert codec.compress(noise) == bytes([codec.RAW]) + noise  # one tag byte is all it costs
 
 
-def test_wide_codes_and_sums_go_as_they_are_narrow_ones_are_deflated():
-    """DEFLATE took ~4 % off 20-bit codes and their 24-bit sums for ~1 s of CPU per round (codec.DEFLATE_MAX_WIDTH):
-    the default's parts are stored, int8/int4/int2's deflated. Either decodes to the same values."""
+def test_wide_codes_and_sums_go_as_they_are_narrow_ones_are_compressed():
+    """A byte coder takes little off 20-bit codes and their 24-bit sums (codec.COMPRESS_MAX_WIDTH): the default's
+    parts are stored, int8/int4/int2's compressed. Either decodes to the same values."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2 * BLOCK, generator=g) * torch.rand(2 * BLOCK, generator=g) ** 4
-    for bits, tag in ((codec.BITS["none"], codec.RAW), (8, codec.DEFLATED), (4, codec.DEFLATED)):
+    for bits, tag in ((codec.BITS["none"], codec.RAW), (8, codec.ZSTD), (4, codec.ZSTD), (2, codec.ZSTD)):
         fmt = codec.DenseFormat(bits, 4)
         codes = codec.quantize(x, codec.agreed_scales([codec.block_maxabs(x)], bits), bits)
         wire, total = fmt.encode(codes, None), codes.to(torch.int64) * 4
@@ -88,17 +91,51 @@ def test_wide_codes_and_sums_go_as_they_are_narrow_ones_are_deflated():
         assert (wire[0], wire_sum[0]) == (tag, tag), bits
         assert torch.equal(fmt.decode(wire, x.numel()), codes.to(torch.int64))
         assert torch.equal(fmt.decode_sum(wire_sum, x.numel()), total)
-        assert torch.equal(fmt.decode(codec.deflate(codec.pack(codes, bits)), x.numel()), codes.to(torch.int64))
+        assert torch.equal(fmt.decode(codec.compress(codec.pack(codes, bits)), x.numel()), codes.to(torch.int64))
 
 
-def test_inflating_is_bounded_by_what_the_part_may_take():
-    bomb = codec.deflate(b"\x00" * (64 << 20))  # 64 MB of zeros in ~290 KB
+@pytest.mark.parametrize("bits, members", [(4, 2), (4, 3), (4, 4), (4, 8), (2, 2), (2, 3), (2, 8), (8, 4)])
+def test_sums_travel_at_a_width_that_divides_a_byte_and_compress_smaller_than_packed_tight(bits, members):
+    """A sum of 5 to 7 bits travels as a byte, one of 3 bits as 4: the lossless stage codes byte values, so a
+    value that straddles bytes compresses worse than one padded to a byte's divisor. Wider sums are packed tight."""
+    g = torch.Generator().manual_seed(members)
+    x = [torch.randn(4 * BLOCK, generator=g) * torch.rand(4 * BLOCK, generator=g) ** 4 for _ in range(members)]
+    scales = codec.agreed_scales([codec.block_maxabs(d) for d in x], bits)
+    total = sum(codec.quantize(d, scales, bits).to(torch.int64) for d in x)
+    need = math.ceil(math.log2(2 * members * codec.levels(bits) + 1))
+    width = codec.sum_width(bits, members)
+    assert width >= need and (8 % width == 0 if need <= 8 else width == codec.packable_width(need))
+    fmt = codec.DenseFormat(bits, members)
+    wire = fmt.encode_sum(total)
+    assert torch.equal(fmt.decode_sum(wire, total.numel()), total)
+    if width != need:
+        assert len(wire) < len(codec.compress(codec.pack(total, codec.packable_width(need))))
+
+
+def test_expanding_is_bounded_by_what_the_part_may_take():
+    bomb = codec.compress(b"\x00" * (64 << 20))  # 64 MB of zeros in a few KB
     assert len(bomb) < (64 << 20) // 100
-    for bad, limit in ((bomb, 1 << 20), (bomb[:-10], 64 << 20), (b"", 10), (b"\x05abc", 10),
-                       (bytes([codec.RAW]) + b"x" * 11, 10), (codec.deflate(b"\x00" * 100), 0),
-                       (bytes([codec.DEFLATED]) + b"not deflate at all", 100)):
+    unsized = bytes([codec.ZSTD]) + zstandard.ZstdCompressor(write_content_size=False).compress(b"\x00" * 1000)
+    for bad, limit in ((bomb, 1 << 20), (bomb[:-10], 64 << 20), (b"", 10), (b"\x05abc", 10), (unsized, 1 << 20),
+                       (bytes([codec.RAW]) + b"x" * 11, 10), (codec.compress(b"\x00" * 100), 0),
+                       (codec.compress(b"\x00" * 100) + b"trailing", 100),
+                       (bytes([codec.ZSTD]) + b"not zstd at all", 100), (bytes([1]) + b"retired DEFLATE tag", 100)):
         with pytest.raises(ValueError):
-            codec.inflate(bad, limit)
+            codec.expand(bad, limit)
+
+
+def test_a_frame_that_understates_its_size_is_refused_not_expanded_beyond_it():
+    """The size a frame states is what the limit is checked against; a frame that then holds more is an error,
+    never more than `max_raw` bytes of output."""
+    frame = bytearray(zstandard.ZstdCompressor(write_content_size=True).compress(bytes(range(256)) * 400))
+    descriptor = frame[4]
+    assert descriptor >> 6 == 2  # a 4-byte content size, after the window byte (if any) and the dictionary id
+    at = 5 + (0 if descriptor & 0x20 else 1) + (0, 1, 2, 4)[descriptor & 3]
+    frame[at:at + 4] = (1000).to_bytes(4, "little")  # it holds 102 400 bytes and says 1000
+    lying = bytes([codec.ZSTD]) + bytes(frame)
+    assert zstandard.frame_content_size(lying[1:]) == 1000
+    with pytest.raises(ValueError):
+        codec.expand(lying, 5000)
 
 
 @pytest.mark.parametrize("name", ["int8", "int4", "int2"])

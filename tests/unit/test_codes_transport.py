@@ -8,8 +8,8 @@ import torch
 from hivemind.proto import averaging_pb2, runtime_pb2
 
 from p2pdiloco.core import codec
-from p2pdiloco.swarm.codes import (LATE, PIECE, Codes, CodesError, CodesExchange, Reduction, faults_and_late,
-                                   part_ranges, piece_ranges, serializer)
+from p2pdiloco.swarm.codes import (LATE, PIECE, Codes, CodesError, CodesExchange, Reduction, codec_cpu_seconds,
+                                   faults_and_late, off_loop, part_ranges, piece_ranges, serializer)
 
 
 def test_parts_cover_every_element_once_at_block_boundaries():
@@ -49,7 +49,7 @@ def test_a_complete_reduction_is_the_exact_sum_packed_at_its_width():
     r = reduction(parts[0], {f"p{i}": fmt.encode(parts[i], None) for i in range(1, 4)})
     assert r.ready and not r.error
     assert torch.equal(fmt.decode_sum(r.pieces[0].result, 1001), sum(parts))
-    assert len(codec.inflate(r.pieces[0].result, 1 << 20)) == codec.packed_bytes(1001, codec.sum_width(4, 4))
+    assert len(codec.expand(r.pieces[0].result, 1 << 20)) == codec.packed_bytes(1001, codec.sum_width(4, 4))
 
 
 def test_a_reduction_waits_for_every_member_and_never_serves_a_partial_sum():
@@ -66,9 +66,9 @@ def test_a_reduction_waits_for_every_member_and_never_serves_a_partial_sum():
 
 
 @pytest.mark.parametrize("payload, why", [
-    (codec.deflate(codec.pack(torch.full((10,), -8), 4)), "beyond ±7"),  # fits 4 bits, not a valid int4 code
+    (codec.compress(codec.pack(torch.full((10,), -8), 4)), "beyond ±7"),  # fits 4 bits, not a valid int4 code
     (bytes([codec.RAW]) + b"\x00" * 3, "malformed part"),  # wrong length
-    (codec.deflate(b"\x00" * 5000), "malformed part"),  # inflates beyond the part's length: refused, not expanded
+    (codec.compress(b"\x00" * 5000), "malformed part"),  # expands beyond the part's length: refused, not expanded
     (b"\x07" + b"\x00" * 5, "malformed part"),  # an unknown encoding
 ])
 def test_a_contribution_out_of_range_or_of_the_wrong_size_is_left_out_and_the_others_still_sum(payload, why):
@@ -129,8 +129,8 @@ def test_a_hostile_top_k_part_is_refused():
     dense = codec.DenseFormat(2, 3).encode(codes, selected)  # a dense update where top-k is due
     good = fmt.encode(codes, selected)
     index_bytes = codec.packed_bytes(int(selected.sum()), codec.INDEX_WIDTH)
-    raw = codec.inflate(good, 1 << 20)
-    reversed_indices = codec.deflate(bytes(reversed(raw[:index_bytes])) + raw[index_bytes:])
+    raw = codec.expand(good, 1 << 20)
+    reversed_indices = codec.compress(bytes(reversed(raw[:index_bytes])) + raw[index_bytes:])
     for bad in (dense, good[:-1], reversed_indices):
         with pytest.raises(ValueError):
             fmt.decode(bad, n)
@@ -664,3 +664,22 @@ def test_a_reducer_lets_each_pieces_sum_go_once_every_member_and_its_own_round_h
             await ex.serve(request, 5.0, "b").__anext__()
 
     asyncio.run(fetch_while_our_round_takes_its_pieces())
+
+
+def test_the_codec_threads_cpu_is_counted_and_its_waits_are_not():
+    """A round records the codec thread's CPU (codec_cpu_seconds in its record): near the round's seconds, the
+    round waited on a core. CPU time, not wall time: work counts, a wait in the thread does not."""
+    import time
+
+    def busy(seconds):
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    before = codec_cpu_seconds()
+    asyncio.run(off_loop(busy, 0.2))
+    worked = codec_cpu_seconds() - before
+    assert 0.19 <= worked < 0.5
+    before = codec_cpu_seconds()
+    asyncio.run(off_loop(time.sleep, 0.3))
+    assert codec_cpu_seconds() - before < 0.05

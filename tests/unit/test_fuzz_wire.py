@@ -36,7 +36,7 @@ def mutations(rng: random.Random, good: bytes):
     elif choice == 4:
         data = bytearray(bytes(rng.randrange(256) for _ in range(rng.randint(0, 200))))
     else:
-        data = bytearray([rng.choice([codec.RAW, codec.DEFLATED, 7])]) + data[1:]
+        data = bytearray([rng.choice([codec.RAW, codec.ZSTD, 1, 7])]) + data[1:]
     return bytes(data)
 
 
@@ -63,14 +63,14 @@ def test_codec_parts_and_sums_raise_only_value_errors(n):
                 assert out.shape == (n,) and out.dtype == torch.int32  # whatever parses has the part's shape
 
 
-def test_inflate_never_expands_beyond_its_bound():
+def test_expanding_never_goes_beyond_its_bound():
     rng = random.Random(1)
-    bomb = codec.deflate(b"\0" * (1 << 22))
+    bomb = codec.compress(b"\0" * (1 << 22))
     with pytest.raises(ValueError):
-        codec.inflate(bomb, 1 << 10)
+        codec.expand(bomb, 1 << 10)
     for _ in range(ROUNDS):
         try:
-            assert len(codec.inflate(mutations(rng, bomb), 1 << 12)) <= 1 << 12
+            assert len(codec.expand(mutations(rng, bomb), 1 << 12)) <= 1 << 12
         except ValueError:
             pass
 
