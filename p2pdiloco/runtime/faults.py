@@ -4,8 +4,9 @@ launcher's environment sets it as P2PDILOCO_FAULT_PLAN), so normal runs carry th
 
 Format: comma-separated `action@version`, optionally `action@version:PEER_ID:PEER_ID...` to aim the fault at
 the requests of those peers only:
-- `die_in_allreduce@2`: SIGKILL this whole peer (main process and averager) shortly after the all-reduce of
-  the round at global version 2 has started sending;
+- `die_in_allreduce@2`: SIGKILL this whole peer (main process and averager) shortly after the first all-reduce
+  it joins with a contribution from global version 2 or later has started sending (or later: a peer that starts
+  behind the others may first contribute from an older version, and would then never meet version 2);
 - `die_while_sharing@3`: SIGKILL this peer while a request for a part of its state at version ≥ 3 is in
   flight; aimed at peers, it serves their first such part, then dies on their second (a donor dies
   mid-transfer, after the joiner got some parts from it);
@@ -54,8 +55,9 @@ class FaultPlan:
             faults.append(Fault(action, int(version), frozenset(t for t in targets if t)))
         return cls(tuple(faults))
 
-    def planned(self, action: str, version: int) -> bool:
-        return any(f.action == action and f.version == version for f in self.faults)
+    def due(self, action: str, version: int) -> bool:
+        """`action` is planned at `version` or before."""
+        return any(f.action == action and f.version <= version for f in self.faults)
 
     def version_of(self, action: str) -> int | None:
         """The version given for `action` in the plan, or None."""

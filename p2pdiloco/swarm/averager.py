@@ -160,7 +160,7 @@ class ExactAverager(DecentralizedAverager):
         if running is not None and not running.done():
             running.set_result(None)
         own = island.members[my_index]
-        if own is not None and self.fault_plan.planned("die_in_allreduce", own.version):
+        if own is not None and self.fault_plan.due("die_in_allreduce", own.version):
             asyncio.get_running_loop().call_later(0.05, _die)
         peers = [group_info.peer_ids[i] for i in included]
         reducers = [group_info.peer_ids[i] for i in plan.reducers]

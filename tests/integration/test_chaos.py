@@ -37,7 +37,9 @@ def test_chaos_never_stops_training_never_mixes_a_round_and_forks_heal(tmp_path)
     assert not swarmreport.unresolved_forks(rounds, within_rounds=2), report
     quiet_from = chaos.start + PLAN.seconds - PLAN.quiet_tail
     for life in lives:
-        tail = [r for r in life.of_kind("round") if r.time >= quiet_from]
+        # a round cut short by the run's end says nothing of agreement (a peer restarted just before the quiet
+        # tail may have had no other round in it: its only record was "leaving: the round was cancelled")
+        tail = [r for r in life.of_kind("round") if r.time >= quiet_from and not r.reason.startswith("leaving")]
         if life.ended >= chaos.end - 1e-6 and tail:
             assert any(r.fork_distance == 0.0 for r in tail), (life.slot, tail)
     # most of the inner-step time peers computed reached the global model: kills cost only the work since the
