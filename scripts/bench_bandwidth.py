@@ -180,9 +180,8 @@ def combine(runs: list[dict], rounds: int) -> dict:
     version `rounds` (a run whose last round rolled back stopped short of it and is left out of the loss)."""
     out = {}
     for key in ("bytes_per_round_sent", "bytes_per_round_both_ways", "bytes_per_token", "sync_seconds",
-                "codec_cpu_seconds", "allreduce_over_link_bound", "full_round_bytes_sent", "utilization", "wall_seconds",
-                "step_seconds",
-                "bytes_per_step_both_ways"):
+                "codec_cpu_seconds", "allreduce_over_link_bound", "full_round_bytes_sent", "utilization",
+                "wall_seconds", "step_seconds", "bytes_per_step_both_ways"):
         values = [r[key] for r in runs if r.get(key) is not None]
         if values:
             out[key] = statistics.median(values)

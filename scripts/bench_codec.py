@@ -79,6 +79,12 @@ def one_round(deltas: list[torch.Tensor], bits: int) -> tuple[dict, int]:
     return dict(seconds), sent
 
 
+def _deflate_runs(raw: bytes) -> bytes:
+    """The lossless stage before Zstandard: DEFLATE with runs as its only matches (zlib's Z_RLE)."""
+    compressor = zlib.compressobj(1, zlib.DEFLATED, zlib.MAX_WBITS, 9, zlib.Z_RLE)
+    return compressor.compress(raw) + compressor.flush()
+
+
 def lossless_side_by_side(delta: torch.Tensor, bits: int) -> dict:
     """Bytes kept and MB/s of the Zstandard stage the codec uses against the DEFLATE of runs (zlib's Z_RLE) it
     replaced and zlib's level 1, piece by piece, compressing and expanding."""
@@ -86,12 +92,10 @@ def lossless_side_by_side(delta: torch.Tensor, bits: int) -> dict:
     raw = [codec.pack(codec.quantize(delta[a:a + PIECE], codec.agreed_scales(
         [fmt.block_statistic(delta[a:a + PIECE])], bits), bits), bits) for a in range(0, delta.numel(), PIECE)]
     size = sum(map(len, raw))
-    rle = (lambda r: (lambda c: c.compress(r) + c.flush())(zlib.compressobj(1, zlib.DEFLATED, zlib.MAX_WBITS, 9,
-                                                                           zlib.Z_RLE)))
     out = {}
     for name, squeeze, unsqueeze in (
-            ("zstd 1 (used)", lambda r: codec.compress(r), lambda z, r: codec.expand(z, len(r))),
-            ("deflate runs (before)", rle, lambda z, r: zlib.decompress(z)),
+            ("zstd, tuned (used)", lambda r: codec.compress(r), lambda z, r: codec.expand(z, len(r))),
+            ("deflate runs (before)", _deflate_runs, lambda z, r: zlib.decompress(z)),
             ("deflate level 1", lambda r: zlib.compress(r, 1), lambda z, r: zlib.decompress(z))):
         start = time.perf_counter()
         packed = [squeeze(r) for r in raw]

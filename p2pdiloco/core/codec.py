@@ -238,15 +238,16 @@ class ErrorFeedback:
 
 
 # ---- the lossless stage: every packed part goes on the wire through it ----------------------------------------
-RAW, ZSTD = 0, 2  # the first byte of a wire payload (1 was DEFLATE, which peers before 2026-11-27 sent: refused)
+RAW, ZSTD = 0, 2  # the first byte of a wire payload (1 was DEFLATE, which peers sent until 2026-11-26: refused)
 
 # Zstandard, tuned to be a fast coder of byte values: packed codes are skewed byte values with few repeats longer
 # than a few bytes, so matches only cost bits; asking for matches of 7 bytes or more from a tiny table leaves
 # nearly every byte to its Huffman literals. Against the DEFLATE of runs (zlib's Z_RLE) it replaced, on pieces of
 # heavy-tailed test codes on one core here (scripts/bench_codec.py): the same size (int4 35 % kept, int8 56 %,
-# int2 67 %) at 2.5-8× the speed each way (int4 ~180 MB/s in against 60-75), where level 1 kept int4 at 39 %. On a
+# int2 67 %) at 3-9× the speed each way (int4 170-260 MB/s in against 62-77), where level 1 kept int4 at 39 %. On a
 # 2-core testbed of 4 peers DEFLATE made an int4 round CPU-bound (docs/bandwidth.md). Wider values than 16 bits go
-# as they are: 20-bit codes and their 24-bit sums look nearly random to a coder of bytes.
+# as they are: Zstandard took 8 % off synthetic 20-bit codes (at ~440 MB/s), DEFLATE ~4 % off a real Δ's, a
+# gain not yet measured against its CPU on the testbed.
 COMPRESS_MAX_WIDTH = 16
 ZSTD_PARAMS = zstandard.ZstdCompressionParameters.from_level(1, min_match=7, hash_log=6, search_log=1,
                                                             write_content_size=True)

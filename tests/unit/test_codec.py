@@ -115,6 +115,8 @@ def test_sums_travel_at_a_width_that_divides_a_byte_and_compress_smaller_than_pa
 def test_expanding_is_bounded_by_what_the_part_may_take():
     bomb = codec.compress(b"\x00" * (64 << 20))  # 64 MB of zeros in a few KB
     assert len(bomb) < (64 << 20) // 100
+    with pytest.raises(ValueError, match="state a size within"):  # refused on what it states, unexpanded
+        codec.expand(bomb, 1 << 20)
     unsized = bytes([codec.ZSTD]) + zstandard.ZstdCompressor(write_content_size=False).compress(b"\x00" * 1000)
     for bad, limit in ((bomb, 1 << 20), (bomb[:-10], 64 << 20), (b"", 10), (b"\x05abc", 10), (unsized, 1 << 20),
                        (bytes([codec.RAW]) + b"x" * 11, 10), (codec.compress(b"\x00" * 100), 0),

@@ -2,6 +2,7 @@
 
 import asyncio
 import functools
+import time
 
 import pytest
 import torch
@@ -669,8 +670,6 @@ def test_a_reducer_lets_each_pieces_sum_go_once_every_member_and_its_own_round_h
 def test_the_codec_threads_cpu_is_counted_and_its_waits_are_not():
     """A round records the codec thread's CPU (codec_cpu_seconds in its record): near the round's seconds, the
     round waited on a core. CPU time, not wall time: work counts, a wait in the thread does not."""
-    import time
-
     def busy(seconds):
         end = time.thread_time() + seconds
         while time.thread_time() < end:
