@@ -132,13 +132,17 @@ class Peer:
         if self.model is None:
             cfg = self.cfg
             self.model = build_model(model_config(cfg.model), cfg.seed).to(self.device)
-            # the file goes away with us; the run's folder, as an unnamed peer's own is not known yet
-            folder = cfg.checkpoint_dir / cfg.swarm.run_id if cfg.global_state_on_disk else None
-            self.global_vectors = vectors = global_vectors(self.n_params, folder)
+            self.global_vectors = vectors = global_vectors(self.n_params, self._parking_folder())
             theta = flat_params(self.model, out=vectors.theta)  # no staging copy beside it, from a GPU either
             self.state = GlobalState(theta, cfg.outer.lr, cfg.outer.momentum, storage=(theta, vectors.momentum),
                                      page_out=vectors.page_out)
             self._park()
+
+    def _parking_folder(self) -> Optional[Path]:
+        """Where Θ, the momentum and the averaging buffer wait in files (`--global-state-on-disk`; None: memory).
+        The files go away with us; the run's folder, as an unnamed peer's own is not known yet."""
+        cfg = self.cfg
+        return cfg.checkpoint_dir / cfg.swarm.run_id if cfg.global_state_on_disk else None
 
     def _park(self) -> None:
         """Θ and the momentum are cold until a round starts or ends, an evaluation, a checkpoint or a joiner
@@ -228,7 +232,7 @@ class Peer:
         overlap = cfg.swarm.overlap_steps or cfg.inner.steps  # the next contribution is due H steps later
         self.merger = SwarmMerger(self.dht, cfg.swarm, cfg.outer, self.n_params, self.segments, None,
                                   self._share_state, self.stop, self.clock, overlap,
-                                  FaultPlan.parse(cfg.swarm.fault_plan))
+                                  FaultPlan.parse(cfg.swarm.fault_plan), buffer_folder=self._parking_folder())
         self._helpers_forked()
         self.heartbeat = self.merger.heartbeat = Heartbeat(
             self.dht, cfg.swarm.run_id, PeerRecord(peer=self.peer_id, name=self.name, version=self.state.version,

@@ -191,11 +191,13 @@ class ErrorFeedback:
         self.compensate_(out)
         return out
 
-    def compensate_(self, delta: torch.Tensor) -> None:
-        """`compensate` in place, a chunk at a time (elementwise: the bits of the whole-vector sum)."""
+    def compensate_(self, delta: torch.Tensor, part: slice = slice(0, None)) -> None:
+        """`compensate` in place, a chunk at a time (elementwise: the bits of the whole-vector sum). `part`: which
+        elements of the whole contribution `delta` holds (a pass over it a chunk at a time)."""
         if self.residual is not None:
-            for part, _ in blockwise(delta.numel()):
-                delta[part] += self._carried(self.residual[part])
+            residual = self.residual[part]
+            for chunk, _ in blockwise(delta.numel()):
+                delta[chunk] += self._carried(residual[chunk])
 
     def _carried(self, residual: torch.Tensor) -> torch.Tensor:
         return residual if self.decay == 1.0 else residual * self.decay  # elementwise: a chunk's bits are the whole's

@@ -53,12 +53,18 @@ def chunks(n: int, size: int = _CHUNK) -> Iterator[slice]:
         yield slice(start, min(n, start + size))
 
 
-def all_finite(*tensors: torch.Tensor) -> bool:
+def all_finite(*tensors: torch.Tensor, done: Callable[[slice], None] = lambda part: None) -> bool:
     """No NaN or infinity in any of them, a chunk at a time: `torch.isfinite` of a whole model-sized vector makes
     model-sized temporaries (|x| as floats and bool masks, ~5 B/param) at a round's end, when a peer's memory
-    peaks."""
-    return all(bool(torch.isfinite(flat[part]).all())
-               for t in tensors for flat in (t.reshape(-1),) for part in chunks(flat.numel()))
+    peaks. `done` is told each chunk's elements once checked (a file-backed vector lets their pages go)."""
+    for t in tensors:
+        flat = t.reshape(-1)
+        for part in chunks(flat.numel()):
+            finite = bool(torch.isfinite(flat[part]).all())
+            done(part)
+            if not finite:
+                return False
+    return True
 
 
 def blockwise(n: int, blocks_per_chunk: int = _CHUNK // BLOCK):

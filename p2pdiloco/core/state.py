@@ -72,9 +72,11 @@ class GlobalState:
     def key(self) -> tuple[int, str]:
         return lineage_key(self.version, self.digest)
 
-    def apply(self, merged: torch.Tensor, members: list[str]) -> None:
+    def apply(self, merged: torch.Tensor, members: list[str],
+              release: Callable[[slice], None] = lambda part: None) -> None:
+        """Θ ← outer step of Θ by `merged`, a chunk at a time; `release` is told each chunk of `merged` once read."""
         with self.lock:
-            self.outer.step(merged, done=self.page_out)
+            self.outer.step(merged, done=lambda part: (self.page_out(part), release(part)))
             self.version += 1
             self.last_members = members
             self._digest = None

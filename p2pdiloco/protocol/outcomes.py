@@ -5,7 +5,7 @@ deadline, the weights, the reason), so metrics log the outcome as it is and neve
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Optional, Protocol
+from typing import Callable, ClassVar, Optional, Protocol
 
 import torch
 
@@ -21,6 +21,13 @@ class Parts(Protocol):
     def __getitem__(self, part: slice) -> torch.Tensor: ...
 
     def numel(self) -> int: ...
+
+
+def nothing_to_release(part: slice) -> None:
+    """`merged` is an ordinary tensor: no pages of it to let go."""
+
+
+Release = Callable[[slice], None]  # elements `part` of `merged` were read: their pages can go (a file-backed buffer)
 
 
 def copy_parts(source: Parts, out: torch.Tensor) -> None:
@@ -91,6 +98,7 @@ class RoundOutcome:
 
     reason: str = ""
     merged: Optional[torch.Tensor] = None
+    release: Release = field(default=nothing_to_release, repr=False, compare=False)  # a pass over `merged` calls it
     members: list[Member] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)  # each member's merge weight (sums to 1)
     excluded: dict[str, str] = field(default_factory=dict)  # member peer id → why it was not merged

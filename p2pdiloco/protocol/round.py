@@ -35,7 +35,7 @@ import torch
 from p2pdiloco.core.exact import all_finite
 from p2pdiloco.core.outer import Segment, rda_combine
 from p2pdiloco.protocol.outcomes import (Adopted, Committed, Contribution, Left, RolledBack, RoundOutcome, Solo,
-                                         StateTuple, newest_member)
+                                         Release, StateTuple, newest_member, nothing_to_release)
 from p2pdiloco.protocol.remote import Member, PeerRecord
 from p2pdiloco.protocol.timing import GracePolicy, RoundClock, allreduce_wire_bytes
 
@@ -131,6 +131,7 @@ class IslandReduced:
     codec_cpu_seconds: float = 0.0  # the codec thread's CPU in this round (swarm.codes.codec_cpu_seconds)
     deadline: float = 0.0
     merged: Optional[torch.Tensor] = None
+    release: Release = field(default=nothing_to_release, repr=False, compare=False)  # a pass over `merged` calls it
     excluded: dict = field(default_factory=dict)  # peer (or index) → why its record was rejected
     codec_scales: Optional[torch.Tensor] = None  # the block scales the group agreed on (error feedback)
     bounded: dict = field(default_factory=dict)  # peer → what of its claims was capped (p2pdiloco.protocol.island)
@@ -309,7 +310,7 @@ class Round:
                                      list(self.rules.rda_segments))
             except (ValueError, IndexError, RuntimeError) as e:
                 return self._done(self._rolled_back_type, now, f"round discarded: malformed RDA norms ({e})")
-        if not all_finite(merged):
+        if not all_finite(merged, done=r.release):
             return self._done(self._rolled_back_type, now, "round discarded: merged update is not finite")
         self.reduced = dataclasses.replace(r, merged=merged, reason="ok")
         wire = allreduce_wire_bytes(self.rules.buffer_elements, len(r.members))
@@ -336,7 +337,7 @@ class Round:
         fields = self._common(now)
         r = self.reduced
         if r is not None and kind is Committed:
-            fields.update(merged=r.merged, members=list(r.members), weights=list(r.weights), group_id=r.group_id,
+            fields.update(merged=r.merged, release=r.release, members=list(r.members), weights=list(r.weights), group_id=r.group_id,
                           sync_seconds=r.sync_seconds, deadline_seconds=r.deadline, excluded=dict(r.excluded),
                           codec_cpu_seconds=r.codec_cpu_seconds,
                           bounded=dict(r.bounded), allreduce_bytes_model=allreduce_wire_bytes(self.rules.buffer_elements, len(r.members)))

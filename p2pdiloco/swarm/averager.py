@@ -23,6 +23,7 @@ import signal
 import time
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import AsyncIterator, Callable, Optional, Sequence
 
 import torch
@@ -39,6 +40,7 @@ from p2pdiloco.protocol.island import Bounds, PenaltyBox, Stragglers, plan_islan
 from p2pdiloco.protocol.remote import Expect, parse_island
 from p2pdiloco.protocol.round import IslandReduced
 from p2pdiloco.runtime.faults import NO_FAULTS, FaultPlan
+from p2pdiloco.runtime.paging import FileVectors
 from p2pdiloco.swarm.codes import Codes, CodesExchange, codec_cpu_seconds, faults_and_late, piece_ranges
 from p2pdiloco.swarm.auth import MemberPasses
 from p2pdiloco.swarm.statefetch import PartServer, parse_part_request, request_pass
@@ -96,7 +98,7 @@ class ExactAverager(DecentralizedAverager):
     def __init__(self, n_elements: int, max_group: int, state_provider: StateProvider, weighting: str,
                  allreduce_cap: float, expect: Expect, fault_plan: FaultPlan = NO_FAULTS,
                  bits: int = codec.BITS["none"], topk: Optional[float] = None, bounds: Bounds = Bounds(), robust: bool = False,
-                 passes: Optional[MemberPasses] = None, **kwargs):
+                 passes: Optional[MemberPasses] = None, buffer_folder: Optional[Path] = None, **kwargs):
         self.n_elements, self.max_group, self.weighting, self.bounds = n_elements, max_group, weighting, bounds
         self.allreduce_cap, self.expect, self.fault_plan = allreduce_cap, expect, fault_plan
         self.bits = bits  # codes' width on the wire (swarm.codes)
@@ -110,17 +112,24 @@ class ExactAverager(DecentralizedAverager):
         self._passes = passes  # a swarm with a key: who may join our group, be merged, fetch our state
         self._refused = PenaltyBox(seconds=REFUSE_SECONDS)  # members we turn away at matchmaking, for a while
         self._stragglers = Stragglers()  # members whose part came after our cut-off: blamed when late again
-        # hivemind holds its averaged tensors in shared memory (share_memory_ moves their one storage), and its
-        # matchmaking takes only followers whose tensors' shapes hash like the leader's; the host and our
-        # streams read and write the flat buffer as one
-        self._flat = torch.zeros(n_elements)
-        super().__init__(list(self._flat.split(AVERAGED_CHUNK)), target_group_size=max_group, **kwargs)
+        # the host and our streams read and write the flat buffer as one, in a file mapped shared where a folder
+        # is given (paged in a piece at a time), in shared memory otherwise: either way the forked averager
+        # process shares it
+        self._paged = _paged_buffer(n_elements, buffer_folder)
+        self._flat = self._paged.vectors[0] if self._paged is not None else torch.zeros(n_elements).share_memory_()
+        super().__init__(hivemind_schema(self._flat), target_group_size=max_group, **kwargs)
 
     @contextlib.contextmanager
     def buffer(self):
         """The whole averaged buffer, under hivemind's tensor lock."""
         with self.get_tensors():
             yield self._flat
+
+    def page_out(self, part: slice) -> None:
+        """Let elements `part` of the buffer go from this process's memory, if it lives in a file (a pass over it
+        calls this as it goes: the host's as it writes Δ and reads the sum, ours as pieces are coded and land)."""
+        if self._paged is not None:
+            self._paged.page_out(part)
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs) -> IslandReduced:
         reduced = await self._island_round(group_info)
@@ -167,14 +176,14 @@ class ExactAverager(DecentralizedAverager):
         levels = codec.levels(self.bits)  # int2 agrees its scales from the mean |value|: no maximum to hold to
         claims = claims_for(plan, included, group_info.peer_ids, scales, levels, maxima=levels > 1)
         weights = {str(group_info.peer_ids[i]): plan.weights[i] for i in included}
-        ours = Codes(self.n_elements, functools.partial(_encode_piece, vector, plan.weights[my_index], scales,
-                                                        self.bits, fmt))
+        ours = Codes(self.n_elements, self._paged_after(functools.partial(
+            _encode_piece, vector, plan.weights[my_index], scales, self.bits, fmt)))
         cpu = codec_cpu_seconds()
         try:
             exchanged = await self._codes.run(
                 group_info.group_id, peers, reducers, self.peer_id, ours, fmt,
                 lambda peer: self.get_stub(self._p2p, peer, namespace=self.prefix), plan.deadline, claims,
-                land=functools.partial(_land_piece, vector, scales, weights))
+                land=self._paged_after(functools.partial(_land_piece, vector, scales, weights)))
         except Exception as e:  # a reducer that served no sum, a part we could not push: the round rolls back
             logger.warning(f"round in group {group_info.group_id.hex()[:8]} failed: {e!r}")
             failed = self._reduced(island, plan, group_info, False, f"all-reduce failed: {e}", started)
@@ -187,6 +196,16 @@ class ExactAverager(DecentralizedAverager):
         return dataclasses.replace(reduced, codec_scales=scales, blamed=self._blame((), dropped),
                                    codec_cpu_seconds=codec_cpu_seconds() - cpu, excluded={
             **reduced.excluded, **{peer: f"left out of our part: {why}" for peer, why in dropped.items()}})
+
+    def _paged_after(self, piece_work):
+        """`piece_work(start, end, ...)`, then that piece of the buffer let go: a round keeps only the pieces in
+        hand in memory, not the buffer."""
+        def work(start: int, end: int, *args):
+            try:
+                return piece_work(start, end, *args)
+            finally:
+                self.page_out(slice(start, end))
+        return work
 
     def wire_format(self, group_size: int):
         if self.topk:
@@ -413,16 +432,56 @@ def reweigh(piece: torch.Tensor, left_out: frozenset, weights: dict) -> None:
         piece.mul_(torch.tensor(sum(weights.values()) / kept, dtype=torch.float32))
 
 
-def gather_record(peer: str, name: str, version: int, tokens: int, steps: int, body: torch.Tensor,
-                  digest: str, budget: float, norms: Sequence[float] = (),
-                  wire_format: codec.DenseFormat = codec.DenseFormat(codec.BITS["none"], 1),
-                  blame: Sequence[str] = (), credential: bytes = b"") -> dict:
+def hivemind_schema(buffer: torch.Tensor) -> list[torch.Tensor]:
+    """What hivemind gets as its averaged tensors: the buffer's 1 MB views' shapes, without their memory.
+    Its matchmaking takes only followers whose tensors' shapes hash like the leader's (the same hash as the
+    views themselves: peers of earlier versions handed those); it never reads their values, since our rounds
+    travel through rpc_codes_* and our state through rpc_download_state. It would move real views into
+    /dev/shm (share_memory_ under its file_system strategy), copying a buffer that lives in a file."""
+    shape_only = torch.zeros(1)  # one element for all: share_memory_ moves 4 bytes, once
+    return [shape_only.expand(view.shape) for view in buffer.split(AVERAGED_CHUNK)]
+
+
+def _paged_buffer(n: int, folder: Optional[Path]) -> Optional[FileVectors]:
+    """The buffer in a file of `folder` (None: in memory; also where the folder cannot hold it, saying so)."""
+    if folder is None:
+        return None
+    try:
+        return FileVectors(n, 1, folder, prefix="averaging-")
+    except (OSError, ValueError) as e:
+        logger.warning(f"cannot keep the averaging buffer in {folder} ({e}): it stays in memory ({4 * n / 1e9:.2f} GB)")
+        return None
+
+
+class BodyStatistics:
+    """What our gathered record says of what we send, per block: the statistic the wire format agrees its scales
+    from (the block maximum, but for int2) and the block norms that bound what our codes may hold
+    (p2pdiloco.core.claims). Per block, so a pass can add them a chunk of whole blocks at a time, with the same
+    bits as over the whole vector, and let each chunk of the buffer go once done."""
+
+    def __init__(self, n: int, wire_format: codec.DenseFormat):
+        self.wire_format = wire_format
+        self.statistic = torch.empty(codec.n_blocks(n), dtype=torch.float32)
+        self.norms = torch.empty(codec.n_blocks(n), dtype=torch.float32)
+
+    def add(self, piece: torch.Tensor, blocks: slice) -> None:
+        """`piece`: whole blocks `blocks` of the vector (the last may be short: the vector's own end)."""
+        self.statistic[blocks] = self.wire_format.block_statistic(piece)
+        self.norms[blocks] = block_norms(piece)
+
+    @classmethod
+    def of(cls, body: torch.Tensor, wire_format: codec.DenseFormat) -> "BodyStatistics":
+        statistics = cls(body.numel(), wire_format)
+        statistics.add(body, slice(0, None))
+        return statistics
+
+
+def gather_record(peer: str, name: str, version: int, tokens: int, steps: int, statistics: BodyStatistics,
+                  digest: str, budget: float, norms: Sequence[float] = (), blame: Sequence[str] = (),
+                  credential: bytes = b"") -> dict:
     """This member's metadata for the round, all-gathered during matchmaking (kept small: ~4 bytes per
-    16K parameters for each block statistic, one float per tensor for RDA norms). The statistic is what the wire
-    format agrees its scales from (the block maximum, but for int2); the block norms bound what our codes may
-    hold (p2pdiloco.core.claims)."""
-    statistic = wire_format.block_statistic(body)
+    16K parameters for each block statistic, one float per tensor for RDA norms)."""
     return dict(peer=peer, name=name, version=version, tokens=int(tokens), steps=int(steps), digest=digest,
-                budget=float(budget), norms=[float(x) for x in norms], maxabs=statistic.numpy().tobytes(),
-                block_norms=block_norms(body).numpy().tobytes(),
+                budget=float(budget), norms=[float(x) for x in norms], maxabs=statistics.statistic.numpy().tobytes(),
+                block_norms=statistics.norms.numpy().tobytes(),
                 blame=list(blame), **({"pass": credential} if credential else {}))

@@ -13,6 +13,7 @@ import math
 import threading
 import time
 from concurrent.futures import InvalidStateError
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -22,9 +23,10 @@ from hivemind.utils.logging import get_logger
 
 from p2pdiloco.config import OuterConfig, SwarmConfig
 from p2pdiloco.core import codec
+from p2pdiloco.core.exact import blockwise
 from p2pdiloco.core.outer import Segment, rda_directions
 from p2pdiloco.core.state import sharing_priority, validate_state
-from p2pdiloco.protocol.outcomes import Contribution, RoundOutcome, Solo, StateTuple, copy_parts
+from p2pdiloco.protocol.outcomes import Contribution, RoundOutcome, Solo, StateTuple
 from p2pdiloco.protocol.island import Bounds, PenaltyBox
 from p2pdiloco.protocol.remote import MAX_VERSION, Expect, PeerRecord
 from p2pdiloco.protocol.round import (Done, Download, FormIsland, IslandFailed, IslandReduced, IslandResult,
@@ -33,7 +35,7 @@ from p2pdiloco.protocol.timing import GracePolicy, RoundClock
 from p2pdiloco.runtime.faults import NO_FAULTS, FaultPlan
 from p2pdiloco.runtime.procio import io_counters, moved_since
 from p2pdiloco.swarm.auth import MemberPasses, load_swarm_key
-from p2pdiloco.swarm.averager import ExactAverager, averager_limits, gather_record
+from p2pdiloco.swarm.averager import BodyStatistics, ExactAverager, averager_limits, gather_record
 from p2pdiloco.swarm.node import STOP_WAIT
 from p2pdiloco.swarm.records import Heartbeat, fetch_records
 from p2pdiloco.swarm.statefetch import StateFetcher
@@ -55,7 +57,8 @@ def averager_prefix(cfg: SwarmConfig, outer: OuterConfig) -> str:
 class SwarmMerger:
     def __init__(self, dht: DHT, cfg: SwarmConfig, outer: OuterConfig, n_params: int,
                  segments: Sequence[Segment], heartbeat: Optional[Heartbeat], state_provider: Callable[[], StateTuple],
-                 stop: threading.Event, clock: RoundClock, overlap_steps: int, fault_plan: FaultPlan = NO_FAULTS):
+                 stop: threading.Event, clock: RoundClock, overlap_steps: int, fault_plan: FaultPlan = NO_FAULTS,
+                 buffer_folder: Optional[Path] = None):
         self.dht, self.cfg, self.outer, self.n, self.segments = dht, cfg, outer, n_params, list(segments)
         # the heartbeat may come once the peer built its model (after the averager forked): set before any round
         self.heartbeat, self.stop, self.clock, self.overlap_steps = heartbeat, stop, clock, overlap_steps
@@ -83,7 +86,7 @@ class SwarmMerger:
         self.averager = ExactAverager(
             n_params, cfg.max_island, state_provider, outer.weighting, self.limits.allreduce_cap,
             Expect(n_params, len(self.segments) if outer.rda else 0), fault_plan, self.bits, cfg.topk, bounds,
-            cfg.robust_merge, self.passes,
+            cfg.robust_merge, self.passes, buffer_folder,  # in a file there, paged in a piece at a time
             dht=dht, prefix=averager_prefix(cfg, outer), start=True,
             min_group_size=max(2, cfg.quorum),  # hivemind would "form" a group of 1 at once; K=1 is ours
             min_matchmaking_time=self.limits.matchmaking, request_timeout=self.limits.request,
@@ -187,28 +190,32 @@ class SwarmMerger:
         with self.averager.buffer() as buffer:
             # a view, not a copy: the host applies it before its next round writes the buffer again (DiLoCo keeps
             # a copy only for eager estimates)
-            return dataclasses.replace(result, merged=buffer[: self.n])
+            return dataclasses.replace(result, merged=buffer[: self.n], release=self.averager.page_out)
 
     def _load_buffer(self, c: Contribution, island: FormIsland) -> dict:
         """Write what we send into the averaging buffer; our gathered record. Nothing here holds Δ while the
-        round runs: the buffer has it, and the host keeps its own on disk (error feedback reads it back after)."""
+        round runs: the buffer has it, and the host keeps its own on disk (error feedback reads it back after).
+        One pass, a chunk of whole blocks at a time: each chunk is read, compensated and measured, then let go
+        (where the buffer lives in a file), so the buffer is never all in our memory."""
+        statistics = BodyStatistics(self.n, self.averager.wire_format(1))
         with self.averager.buffer() as buffer:  # the averager reads it only once we step: ours until then
-            body, norms = buffer[: self.n], []
-            if self.outer.rda:
-                directions, norms = self._uncompensated(c)
-                body.copy_(directions)
-                del directions
-            else:  # read into the buffer a slice at a time: no model-sized copy of Δ on its way there
-                copy_parts(c.kept.parts(), body)
-            if self.feedback is not None:
-                self.feedback.compensate_(body)
+            body = buffer[: self.n]
+            # without RDA, Δ a slice at a time from where it waits: no model-sized copy of it on its way here
+            source, norms = self._uncompensated(c) if self.outer.rda else (c.kept.parts(), [])
+            for part, blocks in blockwise(self.n):
+                piece = body[part]
+                piece.copy_(source[part])
+                if self.feedback is not None:
+                    self.feedback.compensate_(piece, part)
+                statistics.add(piece, blocks)
+                self.averager.page_out(part)
+            del source
             sent, claimed_tokens = hostile(self.fault_plan, body, c)  # test-only: a lying peer (fault plan)
             if sent is not body:  # the lie goes on the wire; the record keeps the honest statistics
-                body = body.clone()
                 buffer[: self.n] = sent
-        return gather_record(self.peer, c.name, c.version, claimed_tokens, c.steps, body, c.digest, island.budget,
-                             norms, self.averager.wire_format(1),
-                             blame=self.penalties.active(time.monotonic()), credential=self.credential)
+        return gather_record(self.peer, c.name, c.version, claimed_tokens, c.steps, statistics, c.digest,
+                             island.budget, norms, blame=self.penalties.active(time.monotonic()),
+                             credential=self.credential)
 
     def _uncompensated(self, c: Contribution) -> tuple[torch.Tensor, list]:
         """Our contribution as sent before error feedback: Δ, or its RDA directions (and their norms)."""

@@ -214,7 +214,7 @@ class DiLoCo:
                     if outcome.state is not None:
                         restored = self._add(restored, self._load_foreign(*outcome.state))  # already holds our Δ
                     elif not outcome.stale:
-                        self.state.apply(outcome.merged, [m.peer for m in outcome.members])
+                        self.state.apply(outcome.merged, [m.peer for m in outcome.members], outcome.release)
                     self.unmerged_tokens -= c.tokens
                     self.unmerged_steps -= c.steps
                     self.unmerged_seconds -= c.seconds

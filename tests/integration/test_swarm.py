@@ -28,6 +28,9 @@ def test_three_peers_stay_bitwise_equal_and_learn(tmp_path, wire, median_ratio):
         for name in names:  # c keeps Θ and the momentum parked in a file: the same bits as the others
             parked = ["--global-state-on-disk"] if name == "c" else []
             swarm.start_peer(name, "-H", "15", "--max-rounds", "5", "--bandwidth-mbps", "10", *wire, *parked)
+        # c's averaging buffer lives in a file of its run's folder, mapped by the trainer and the forked averager
+        # alike (hivemind would have copied real averaged tensors into /dev/shm); Θ's file comes after the fork
+        assert mapping_processes(swarm, "c", tmp_path / "checkpoints" / "bitwise", within=120) >= 2
         swarm.wait_clean(names, timeout=400)
         assert "stays in memory" not in swarm.log("c")  # it did park them
         rounds = {name: swarm.records(name, "round") for name in names}
@@ -54,6 +57,24 @@ def test_three_peers_stay_bitwise_equal_and_learn(tmp_path, wire, median_ratio):
         assert all(len(d) == 1 for d in final.values()), summaries
         for s in summaries:
             assert s.final_val < s.initial_val - 2.0, s  # byte-level loss starts ~5.5 (ln 256)
+
+
+def mapping_processes(swarm, name: str, folder, within: float) -> int:
+    """How many of a peer's processes map a file of `folder` shared (unnamed: `folder/#inode (deleted)`): once
+    two do, or as many as do after `within` s."""
+    deadline, found = time.monotonic() + within, 0
+    while time.monotonic() < deadline:
+        found = 0
+        for pid in swarm.tree(name):
+            try:
+                maps = open(f"/proc/{pid}/maps").read().splitlines()
+            except OSError:
+                continue
+            found += any(" rw-s " in line and f" {folder}/#" in line for line in maps)
+        if found >= 2:
+            return found
+        time.sleep(0.5)
+    return found
 
 
 def test_sigkill_during_allreduce_leaves_survivors_equal_and_training(tmp_path):

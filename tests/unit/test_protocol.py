@@ -1,5 +1,6 @@
 """Every decision of the round protocol, on a fake clock: no hivemind, no threads, no sleeping."""
 
+import dataclasses
 import math
 
 import pytest
@@ -325,3 +326,16 @@ def test_a_hostile_member_claiming_a_far_newer_state_is_excluded_and_never_downl
                                        excluded=island.excluded_by_index()), 110.0)
     assert isinstance(done, Done) and isinstance(done.outcome, Committed) and not done.outcome.stale
     assert [m.peer for m in done.outcome.members] == [ME, "b"] and "must be an integer" in done.outcome.excluded["1"]
+
+
+def test_the_finiteness_check_tells_the_driver_each_chunk_of_the_merged_update_it_read():
+    """A driver whose merged update lives in a file lets each chunk's pages go as the check reads it
+    (p2pdiloco.runtime.paging); the committed outcome hands the same release on to the outer step."""
+    n = (1 << 22) * 2 + 7  # three chunks of exact.chunks
+    read = []
+    rnd = new_round(buffer_elements=n)
+    to_island(rnd, [record("b", ready=3)])
+    r = dataclasses.replace(reduced(member(ME), member("b"), merged=torch.zeros(n)), release=read.append)
+    o = rnd.on_island(r, 120.0).outcome
+    assert isinstance(o, Committed) and o.release == read.append
+    assert [(p.start, p.stop) for p in read] == [(0, 1 << 22), (1 << 22, 1 << 23), (1 << 23, n)]

@@ -1,0 +1,84 @@
+"""Model-sized fp32 vectors kept in a file mapped shared, resident only while a pass uses them.
+
+`FileVectors` puts `count` vectors of n elements in one unlinked file and maps it shared. A pass over them can
+let each chunk go once done (`page_out`): a shared file mapping keeps the data in the file and the kernel's page
+cache, which gives the memory back to whoever needs it (writing dirty pages to disk first), so the pass costs
+a chunk of resident memory, not the vector. The next use faults the pages back in, from the cache, or from disk
+if they were evicted. Letting go is safe at any moment, even while another thread or another process that
+shares the mapping reads the pages: they fault back in.
+
+The mapping is torch's own (`UntypedStorage.from_file`), so torch sees the storage as shared memory: handing
+it to a forked process (hivemind's averager keeps its tensors in shared memory) shares this mapping rather than
+copying the vectors into /dev/shm.
+
+The file is unlinked as soon as it is open (it goes away with the last process that maps it, even one killed)
+and its blocks are reserved at once: a full disk is found now, and the caller keeps the vectors in memory,
+saying so, rather than dying of a SIGBUS at a page's first write.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+FLOAT32 = 4
+_MADV_DONTNEED = 4  # linux/mman.h; Python's mmap module offers it only on its own mappings
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+class FileVectors:
+    """`count` fp32 vectors of n elements in one unlinked file of `folder`, mapped shared; zeros at first."""
+
+    def __init__(self, n: int, count: int, folder: Path, prefix: str):
+        if n <= 0 or count <= 0:
+            raise ValueError("nothing to map")
+        if not hasattr(os, "posix_fallocate"):
+            raise OSError("no posix_fallocate (not Linux)")
+        folder.mkdir(parents=True, exist_ok=True)
+        size = n * count * FLOAT32
+        with tempfile.TemporaryFile(dir=folder, prefix=prefix) as f:  # unlinked already
+            os.posix_fallocate(f.fileno(), 0, size)  # ENOSPC here, not a SIGBUS at a page's first write
+            # the unlinked file reopened through its descriptor: torch maps it shared, and the mapping keeps it
+            storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{f.fileno()}", shared=True, nbytes=size)
+        flat = torch.empty(0, dtype=torch.float32).set_(storage.untyped(), 0, (n * count,))
+        self.vectors: tuple[torch.Tensor, ...] = tuple(flat.split(n))  # fallocate's blocks read as zeros
+        self.address, self.nbytes = flat.data_ptr(), size
+
+    def page_out(self, part: Optional[slice] = None) -> None:
+        """Let elements `part` of every vector (or all of them) go from this process's memory."""
+        for vector in self.vectors:
+            page_out(vector if part is None else vector[part])
+
+    def resident_bytes(self) -> Optional[int]:
+        """How much of the mapping is in this process's memory now (from /proc/self/smaps; None if unknown)."""
+        try:
+            lines = Path("/proc/self/smaps").read_text().splitlines()
+        except OSError:
+            return None
+        inside = False
+        for line in lines:
+            head = line.split(" ", 1)[0]
+            if "-" in head and ":" not in head:
+                inside = int(head.split("-")[0], 16) == self.address
+            elif inside and line.startswith("Rss:"):
+                return int(line.split()[1]) * 1024
+        return None
+
+
+def page_out(view: torch.Tensor) -> None:
+    """Drop the whole pages inside a contiguous view of a `FileVectors` vector from this process (the pages at
+    its two ends stay: they may hold neighbouring elements still in use). Only for such views: on private
+    memory, MADV_DONTNEED would zero the data."""
+    start = view.data_ptr()
+    end = start + view.numel() * view.element_size()
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    last = end // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first and _libc.madvise(first, last - first, _MADV_DONTNEED) != 0:
+        raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed")
