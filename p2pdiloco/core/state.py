@@ -74,9 +74,14 @@ class GlobalState:
 
     def apply(self, merged: torch.Tensor, members: list[str],
               release: Callable[[slice], None] = lambda part: None) -> None:
-        """Θ ← outer step of Θ by `merged`, a chunk at a time; `release` is told each chunk of `merged` once read."""
+        """Θ ← outer step of Θ by `merged`, a chunk at a time; `release` is told each chunk of `merged` once
+        read (as Θ's own pages are let go)."""
+        def done(part: slice) -> None:
+            self.page_out(part)
+            release(part)
+
         with self.lock:
-            self.outer.step(merged, done=lambda part: (self.page_out(part), release(part)))
+            self.outer.step(merged, done=done)
             self.version += 1
             self.last_members = members
             self._digest = None

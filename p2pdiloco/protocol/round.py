@@ -337,7 +337,8 @@ class Round:
         fields = self._common(now)
         r = self.reduced
         if r is not None and kind is Committed:
-            fields.update(merged=r.merged, release=r.release, members=list(r.members), weights=list(r.weights), group_id=r.group_id,
+            fields.update(merged=r.merged, release=r.release, members=list(r.members), weights=list(r.weights),
+                          group_id=r.group_id,
                           sync_seconds=r.sync_seconds, deadline_seconds=r.deadline, excluded=dict(r.excluded),
                           codec_cpu_seconds=r.codec_cpu_seconds,
                           bounded=dict(r.bounded), allreduce_bytes_model=allreduce_wire_bytes(self.rules.buffer_elements, len(r.members)))

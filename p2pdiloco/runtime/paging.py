@@ -46,7 +46,10 @@ class FileVectors:
         with tempfile.TemporaryFile(dir=folder, prefix=prefix) as f:  # unlinked already
             os.posix_fallocate(f.fileno(), 0, size)  # ENOSPC here, not a SIGBUS at a page's first write
             # the unlinked file reopened through its descriptor: torch maps it shared, and the mapping keeps it
-            storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{f.fileno()}", shared=True, nbytes=size)
+            try:
+                storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{f.fileno()}", shared=True, nbytes=size)
+            except RuntimeError as e:  # torch's word for a file it cannot open or map: callers expect OSError
+                raise OSError(str(e)) from e
         flat = torch.empty(0, dtype=torch.float32).set_(storage.untyped(), 0, (n * count,))
         self.vectors: tuple[torch.Tensor, ...] = tuple(flat.split(n))  # fallocate's blocks read as zeros
         self.address, self.nbytes = flat.data_ptr(), size

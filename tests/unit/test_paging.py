@@ -52,7 +52,7 @@ def test_hivemind_gets_the_buffers_shapes_without_its_memory_and_hashes_them_as_
     for tensor in schema:  # what hivemind's __init__ does to them
         tensor.share_memory_()
     assert buffer.data_ptr() == at and len({t.untyped_storage().data_ptr() for t in schema}) == 1
-    buffer.split(AVERAGED_CHUNK)[0].share_memory_()  # what it did before: the file's pages left behind, the buffer copied
+    buffer.split(AVERAGED_CHUNK)[0].share_memory_()  # what it did before: the buffer copied, the file left behind
     assert buffer.data_ptr() != at
 
 
