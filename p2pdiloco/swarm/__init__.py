@@ -1,1 +1,17 @@
-"""Swarm-facing modules: the only code that imports hivemind."""
+"""Swarm-facing modules: the only code that imports hivemind.
+
+How tensors are shared between a peer and its helper processes is chosen here, once, for every module below.
+hivemind's import sets torch's sharing strategy from HIVEMIND_MEMORY_SHARING_STRATEGY, `file_system` unless it
+is set: right for its expert servers, which pass thousands of tensors through queues, where one descriptor per
+tensor would run out. A peer shares a handful (the averaging buffer, a served snapshot's two vectors,
+hivemind's futures' state), and `file_system` costs it two ways: a torch_shm_manager process per peer (65 MB of
+PSS, mostly libtorch's relocated pages: docs/hardware.md) and files in /dev/shm that a SIGKILLed peer leaks
+until reboot. `file_descriptor` unlinks each segment as soon as it is mapped and needs no manager. The same
+environment variable still decides where it is set."""
+import os
+
+import hivemind  # noqa: F401  (its import sets the strategy we replace just below)
+import torch.multiprocessing
+
+SHARING_STRATEGY = os.environ.get("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
+torch.multiprocessing.set_sharing_strategy(SHARING_STRATEGY)

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from p2pdiloco.runtime.lifeline import _stat, descendants, refresh
 from tests.harness.swarm import alive
 
@@ -87,3 +89,34 @@ def test_a_killed_peers_shared_tensors_are_unlinked_not_leaked_into_ram():
         assert not any(f.exists() for f in files)
     finally:
         proc.kill()
+
+
+SHARE_AND_REPORT = """
+import os, sys, time, torch
+import p2pdiloco.swarm  # chooses the sharing strategy for every swarm module
+t = torch.zeros(1 << 16).share_memory_()
+time.sleep(0.3)  # torch starts its manager, where the strategy has one, as it shares
+from pathlib import Path
+files = list(Path('/dev/shm').glob(f'torch_{os.getpid()}_*'))
+children = [p for p in os.listdir('/proc') if p.isdigit() and open(f'/proc/{p}/stat').read().split(') ')[1].split()[1] == str(os.getpid())]
+names = [open(f'/proc/{p}/comm').read().strip() for p in children]
+print(len(files), 'torch_shm_manag' in names, flush=True)
+"""
+
+
+@pytest.mark.parametrize("override", [None, "file_system"])
+def test_a_peers_shared_tensors_leave_nothing_to_leak_and_need_no_manager(override):
+    """Under file_descriptor, which the swarm package sets, a shared tensor's /dev/shm segment is unlinked as
+    soon as it is mapped, so a SIGKILL can leak nothing, and no torch_shm_manager process (65 MB) runs beside
+    the peer. hivemind's own variable still chooses: file_system brings both back."""
+    env = {k: v for k, v in os.environ.items() if k != "HIVEMIND_MEMORY_SHARING_STRATEGY"}
+    if override:
+        env["HIVEMIND_MEMORY_SHARING_STRATEGY"] = override
+    out = subprocess.run([sys.executable, "-c", SHARE_AND_REPORT], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    files, manager = out.stdout.split()
+    if override:
+        assert int(files) >= 1 and manager == "True", out.stdout
+    else:
+        assert int(files) == 0 and manager == "False", out.stdout

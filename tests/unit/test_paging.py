@@ -49,11 +49,23 @@ def test_hivemind_gets_the_buffers_shapes_without_its_memory_and_hashes_them_as_
     schema = hivemind_schema(buffer)
     assert compute_schema_hash(schema) == compute_schema_hash(list(torch.zeros(n).split(AVERAGED_CHUNK)))
     assert sum(t.numel() for t in schema) == n
-    for tensor in schema:  # what hivemind's __init__ does to them
-        tensor.share_memory_()
-    assert buffer.data_ptr() == at and len({t.untyped_storage().data_ptr() for t in schema}) == 1
-    buffer.split(AVERAGED_CHUNK)[0].share_memory_()  # what it did before: the buffer copied, the file left behind
-    assert buffer.data_ptr() != at
+    # hivemind's default strategy, where a share copies (HIVEMIND_MEMORY_SHARING_STRATEGY can still choose it)
+    with sharing_strategy("file_system"):
+        for tensor in schema:  # what hivemind's __init__ does to them
+            tensor.share_memory_()
+        assert buffer.data_ptr() == at and len({t.untyped_storage().data_ptr() for t in schema}) == 1
+        buffer.split(AVERAGED_CHUNK)[0].share_memory_()  # what it did before: the buffer copied, the file left behind
+        assert buffer.data_ptr() != at
+
+
+@contextlib.contextmanager
+def sharing_strategy(name: str):
+    before = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy(name)
+    try:
+        yield
+    finally:
+        torch.multiprocessing.set_sharing_strategy(before)
 
 
 def test_a_folder_that_cannot_hold_the_buffer_keeps_it_in_memory_and_says_so(tmp_path, caplog):
