@@ -107,7 +107,7 @@ print(len(files), 'torch_shm_manag' in names, flush=True)
 @pytest.mark.parametrize("override", [None, "file_system"])
 def test_a_peers_shared_tensors_leave_nothing_to_leak_and_need_no_manager(override):
     """Under file_descriptor, which the swarm package sets, a shared tensor's /dev/shm segment is unlinked as
-    soon as it is mapped, so a SIGKILL can leak nothing, and no torch_shm_manager process (65 MB) runs beside
+    soon as it is mapped, so a SIGKILL can leak nothing, and no torch_shm_manager process runs beside
     the peer. hivemind's own variable still chooses: file_system brings both back."""
     env = {k: v for k, v in os.environ.items() if k != "HIVEMIND_MEMORY_SHARING_STRATEGY"}
     if override:
