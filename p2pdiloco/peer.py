@@ -233,6 +233,7 @@ class Peer:
         self.merger = SwarmMerger(self.dht, cfg.swarm, cfg.outer, self.n_params, self.segments, None,
                                   self._share_state, self.stop, self.clock, overlap,
                                   FaultPlan.parse(cfg.swarm.fault_plan), buffer_folder=self._parking_folder())
+        self.merger.why_not_adopt = self._why_not_adopt
         self._helpers_forked()
         self.heartbeat = self.merger.heartbeat = Heartbeat(
             self.dht, cfg.swarm.run_id, PeerRecord(peer=self.peer_id, name=self.name, version=self.state.version,
@@ -261,6 +262,10 @@ class Peer:
             return self.state.snapshot(shared=True)
         finally:
             self._park()
+
+    def _why_not_adopt(self, metadata: dict, tensors: list, corroborated: bool):
+        """A downloaded state further from ours than its versions explain is refused (p2pdiloco.core.reach)."""
+        return None if self.state is None else self.state.why_not_adopt(metadata, tensors, corroborated)
 
     def _settings(self) -> dict[str, str]:
         return self.cfg.merge_settings(self.n_params)

@@ -131,6 +131,23 @@ class OuterOptimizer:
             done(part)
 
     @torch.no_grad()
+    def moves(self, merged_delta: torch.Tensor, done: Callable[[slice], None] = lambda part: None
+              ) -> tuple[float, float]:
+        """How far `step(merged_delta)` would move Θ and the momentum (L2 norms), leaving both untouched; a
+        chunk at a time, `done` told each chunk read."""
+        mu = torch.tensor(self.momentum, dtype=torch.float32)
+        lr = torch.tensor(self.lr, dtype=torch.float32)
+        theta = momentum = 0.0
+        for part in chunks(self.params.numel(), STEP_CHUNK // 4):  # a 1 MB temporary: the round's peak stays put
+            buffer, delta = self.momentum_buffer[part], merged_delta[part]
+            work = torch.mul(buffer, mu - 1).add_(delta)  # m' − m
+            momentum += float(torch.linalg.vector_norm(work)) ** 2
+            work.add_(buffer).mul_(mu).add_(delta).mul_(lr)  # lr·(Δ + μ·m'), the step
+            theta += float(torch.linalg.vector_norm(work)) ** 2
+            done(part)
+        return theta ** 0.5, momentum ** 0.5
+
+    @torch.no_grad()
     def lookahead(self, delta: torch.Tensor) -> torch.Tensor:
         """The Θ that `step(delta)` would produce, leaving Θ and the momentum untouched (eager updates)."""
         mu = torch.tensor(self.momentum, dtype=torch.float32)

@@ -15,6 +15,7 @@ import torch
 
 from p2pdiloco.core.exact import all_finite, digest
 from p2pdiloco.core.outer import OuterOptimizer
+from p2pdiloco.core.reach import Reach, distances, versions_apart
 
 
 def lineage_key(version: int, state_digest: str) -> tuple[int, str]:
@@ -55,6 +56,7 @@ class GlobalState:
         self.lock = threading.RLock()
         self._digest: Optional[str] = None
         self.history: list[tuple[int, str]] = [self.key]
+        self.reach = Reach()  # how far a downloaded state may be from ours (p2pdiloco.core.reach)
 
     @property
     def params(self) -> torch.Tensor:
@@ -97,6 +99,28 @@ class GlobalState:
             if not shared:
                 return metadata, [t.clone() for t in self.outer.state_tensors()]
             return metadata, [torch.empty_like(t).share_memory_().copy_(t) for t in self.outer.state_tensors()]
+
+    def saw_merge(self, merged: torch.Tensor, release: Callable[[slice], None] = lambda part: None) -> None:
+        """A verified merge, applied to our state or not (we were stale): learn how far it moves ours."""
+        def done(part: slice) -> None:
+            self.page_out(part)
+            release(part)
+
+        with self.lock:
+            self.reach.saw_merge(*self.outer.moves(merged, done=done))
+
+    def why_not_adopt(self, metadata: dict, tensors: Sequence[torch.Tensor], corroborated: bool) -> Optional[str]:
+        """Why a validated state is too far from ours to take (p2pdiloco.core.reach), or None; `corroborated`: served
+        by more than one peer, or by every other live one."""
+        if not self.reach.checks(corroborated):
+            return None
+        theirs = parse_history(metadata.get("history"))
+        key = lineage_key(metadata["version"], metadata["digest"])
+        theirs = theirs if theirs[-1:] == [key] else theirs + [key]
+        with self.lock:
+            apart = versions_apart(self.history, theirs)
+            moved = distances(self.outer.state_tensors(), tensors, done=self.page_out)
+        return self.reach.why_not(moved, apart, corroborated)
 
     def load(self, metadata: dict, tensors: list[torch.Tensor]) -> None:
         with self.lock:

@@ -25,6 +25,7 @@ from p2pdiloco.config import OuterConfig, SwarmConfig
 from p2pdiloco.core import codec
 from p2pdiloco.core.exact import blockwise
 from p2pdiloco.core.outer import Segment, rda_directions
+from p2pdiloco.core.reach import RefusedKeys
 from p2pdiloco.core.state import sharing_priority, validate_state
 from p2pdiloco.protocol.outcomes import Contribution, RoundOutcome, Solo, StateTuple
 from p2pdiloco.protocol.island import Bounds, PenaltyBox
@@ -64,6 +65,9 @@ class SwarmMerger:
         self.heartbeat, self.stop, self.clock, self.overlap_steps = heartbeat, stop, clock, overlap_steps
         self.fault_plan = fault_plan
         self.penalties = PenaltyBox()  # whom we blame for failed rounds: gathered with our record
+        self.refused = RefusedKeys()  # states we downloaded and would not take (p2pdiloco.core.reach)
+        # why a validated state is too far from ours (given whether it is corroborated); the peer sets it
+        self.why_not_adopt: Callable[[dict, list, bool], Optional[str]] = lambda metadata, tensors, corroborated: None
         self.closed = threading.Event()  # set on shutdown: a round still waiting gives up at once
         self._control = None  # the averager step of the round in flight, once it is looking for a group
         self.buffer_size = n_params
@@ -142,7 +146,10 @@ class SwarmMerger:
             time.sleep(max(0.0, min(decision.poll, decision.until - time.monotonic())))
 
     def live_others(self) -> list[PeerRecord]:
-        return [r for r in fetch_records(self.dht, self.cfg.run_id) if r.peer != self.peer]
+        """Every other live peer's record, but those announcing a state we refused: not donors, and no reason to
+        catch up or wait."""
+        refused = self.refused.active(time.monotonic())
+        return [r for r in fetch_records(self.dht, self.cfg.run_id) if r.peer != self.peer and r.key not in refused]
 
     def _group_bits(self, version: int) -> str:
         until = self.fault_plan.version_of("partition_until")
@@ -253,11 +260,16 @@ class SwarmMerger:
         after a round the members that apply the merge publish it a moment later), dies mid-transfer or
         sends garbage is retried, next time from the best donor then, until the deadline."""
         deadline = time.monotonic() + (timeout or max(10.0, self.limits.allreduce_cap))
+        refused_here = False
         while True:
-            loaded = self._from_donors(min_version, deadline)
-            if loaded is None and self.passes is None:  # one donor at a time, hivemind's way (no room for a pass)
-                loaded = self.load_state(timeout=max(1.0, deadline - time.monotonic()))
+            loaded, donors = self._from_donors(min_version, deadline)
+            if loaded is None and self.passes is None and not refused_here:
+                # one donor at a time, hivemind's way (no room for a pass); it would pick a refused donor again
+                loaded, donors = self.load_state(timeout=max(1.0, deadline - time.monotonic())), []
             problem = "no peer shared its state" if loaded is None else validate_state(*loaded, self.n, min_version)
+            if not problem:
+                problem = self._too_far(loaded, donors)
+                refused_here |= problem is not None
             if not problem:
                 return loaded
             if time.monotonic() >= deadline or self.stop.is_set() or self.closed.is_set():
@@ -265,21 +277,40 @@ class SwarmMerger:
                 return None
             time.sleep(0.5)
 
-    def _from_donors(self, min_version: int, deadline: float) -> Optional[StateTuple]:
-        """In parts from every live peer announcing the best state key, resuming past donors that fail."""
+    def _too_far(self, loaded: StateTuple, donors: list[str]) -> Optional[str]:
+        """Why a validated state is not taken: refused before, or further from ours than the versions between
+        explain (p2pdiloco.core.reach). Its key is then refused for a while and its donors are blamed."""
+        metadata, tensors = loaded
+        key, now = (metadata["version"], metadata["digest"]), time.monotonic()
+        if key in self.refused.active(now):
+            return f"state v{key[0]} was refused before"
+        others = {r.peer for r in self.live_others()}
+        corroborated = len(donors) >= 2 or bool(donors) and others <= set(donors)
+        why = self.why_not_adopt(metadata, tensors, corroborated)
+        if why is not None:
+            self.refused.refuse(key, now)
+            self.penalties.blame(donors, now)
+            logger.warning(f"refused state v{key[0]} from {[d[-6:] for d in donors] or 'one donor'}: {why}")
+            why = f"refused: {why}"
+        return why
+
+    def _from_donors(self, min_version: int, deadline: float) -> tuple[Optional[StateTuple], list[str]]:
+        """In parts from every live peer announcing the best state key, resuming past donors that fail; the
+        state and the donors that served it."""
         chosen = state_donors(self.live_others(), min_version)
         if chosen is None:
-            return None
+            return None, []
         best, donors = chosen
         try:
             t = self.fetcher.fetch(donors, best, 2 * self.n, timeout=max(1.0, deadline - time.monotonic()))
         except Exception as e:  # every donor failed, or time ran out: the caller falls back
             logger.info(f"state from {len(donors)} donor(s) failed: {type(e).__name__}: {e}")
-            return None
+            return None, []
         failed = f"; {t.requeued_parts} part(s) re-fetched after {sorted(t.failed_donors)} failed" \
             if t.failed_donors else ""
         logger.info(f"state v{best[0]} from {len(donors)} donor(s), parts {dict(t.parts_by_donor)}{failed}")
-        return t.metadata, [t.flat[: self.n], t.flat[self.n:]]
+        served = [donor for donor, parts in t.parts_by_donor.items() if parts]
+        return (t.metadata, [t.flat[: self.n], t.flat[self.n:]]), served
 
     def load_state(self, timeout: float) -> Optional[StateTuple]:
         try:

@@ -211,6 +211,8 @@ class DiLoCo:
                 if outcome.state_before is not None:
                     restored = self._load_foreign(*outcome.state_before)
                 if outcome.committed:
+                    if outcome.merged is not None:  # how far a merge moves us bounds what we download later
+                        self.state.saw_merge(outcome.merged, outcome.release)
                     if outcome.state is not None:
                         restored = self._add(restored, self._load_foreign(*outcome.state))  # already holds our Δ
                     elif not outcome.stale:

@@ -1,0 +1,171 @@
+"""A downloaded state is taken only as far from ours as the versions between explain (p2pdiloco.core.reach): a
+member that claims a newer version than it holds cannot hand the swarm a model of its choosing."""
+
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from p2pdiloco.core.reach import Reach, RefusedKeys, versions_apart
+from p2pdiloco.core.state import GlobalState
+from p2pdiloco.protocol.island import PenaltyBox
+from p2pdiloco.protocol.remote import PeerRecord
+from p2pdiloco.swarm import rounds
+from p2pdiloco.swarm.rounds import SwarmMerger
+
+N, LR, MU = 4096, 0.7, 0.9
+
+
+def lineage(seed: int = 0, merges: int = 6):
+    """A peer's global state after `merges` rounds of merged updates of norm ~1, each seen as a member would."""
+    g = torch.Generator().manual_seed(seed)
+    state = GlobalState(torch.randn(N, generator=g), LR, MU)
+    for _ in range(merges):
+        step(state, g)
+    return state, g
+
+
+def step(state: GlobalState, g: torch.Generator) -> None:
+    merged = torch.randn(N, generator=g) / N ** 0.5  # norm ~1
+    state.saw_merge(merged)  # as every member of the round does, stale or not
+    state.apply(merged, ["a", "b"])
+
+
+def served(state: GlobalState) -> tuple[dict, list[torch.Tensor]]:
+    metadata, tensors = state.snapshot()
+    return metadata, tensors
+
+
+def test_an_honest_state_some_versions_ahead_or_on_a_fork_is_taken():
+    ours, g = lineage()
+    ahead = GlobalState(ours.params.clone(), LR, MU)
+    ahead.load(*served(ours))
+    for k in range(1, 5):
+        step(ahead, g)
+        assert ours.why_not_adopt(*served(ahead), corroborated=False) is None, k
+    fork, g2 = GlobalState(ours.params.clone(), LR, MU), torch.Generator().manual_seed(7)
+    fork.load(*served(ours))
+    step(fork, g2), step(fork, g2)
+    step(ours, g), step(ours, g)
+    assert versions_apart(ours.history, fork.history) == 4
+    assert ours.why_not_adopt(*served(fork), corroborated=False) is None
+
+
+def test_a_liars_state_is_refused_naming_what_moved_unless_two_donors_serve_it():
+    ours, g = lineage()
+    liar = GlobalState(ours.params.clone(), LR, MU)
+    liar.load(*served(ours))
+    step(liar, g)
+    liar.params.add_(torch.randn(N, generator=g) * 0.5)  # its merge plus a model of its own: ~30 in norm
+    liar.version += 5  # and claims versions it never made
+    liar._digest = None
+    why = ours.why_not_adopt(*served(liar), corroborated=False)
+    assert why is not None and why.startswith("Θ would move") and "served by one peer alone" in why, why
+    assert ours.why_not_adopt(*served(liar), corroborated=True) is None  # the swarm moved on while we were away
+
+    momentum_only = GlobalState(ours.params.clone(), LR, MU)
+    momentum_only.load(*served(ours))
+    step(momentum_only, g)
+    momentum_only.outer.momentum_buffer.mul_(1000)
+    momentum_only._digest = None
+    why = ours.why_not_adopt(*served(momentum_only), corroborated=False)
+    assert why is not None and why.startswith("the outer momentum would move"), why
+
+
+def test_a_peer_that_saw_no_merge_takes_the_state_it_is_given():
+    """A joiner has nothing to measure by: it takes the best state, as before."""
+    fresh = GlobalState(torch.zeros(N), LR, MU)
+    far = GlobalState(torch.randn(N) * 100, LR, MU)
+    assert fresh.why_not_adopt(*served(far), corroborated=False) is None
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("seen", [1, 3, 200])
+def test_honest_moves_fit_the_allowance_even_as_aligned_merges_build_the_momentum_up(k, seen):
+    """The worst honest case: every merge the same, from zero momentum, so each step is longer than the last
+    (Nesterov's momentum builds up over ~1/(1−μ) steps). Measured on the `seen` merges before, the next k
+    versions' move still fits the allowance (k = 4: 1.9 steps of slack left right after the first merge)."""
+    direction = torch.randn(N)
+    merged = direction / direction.norm()
+    state = GlobalState(torch.zeros(N), LR, MU)
+    for _ in range(seen):
+        state.saw_merge(merged)
+        state.apply(merged, ["a"])
+    before = [t.clone() for t in state.outer.state_tensors()]
+    for _ in range(k):
+        state.apply(merged, ["a"])
+    moved = [float((a - b).norm()) for a, b in zip(state.outer.state_tensors(), before)]
+    theta, momentum = state.reach.allowance(k)
+    assert moved[0] <= theta and moved[1] <= momentum, (moved, theta, momentum)
+
+
+def test_a_merges_move_is_measured_on_our_own_state_and_leaves_it_untouched():
+    state, g = lineage()
+    merged = torch.randn(N, generator=g) / N ** 0.5
+    before = [t.clone() for t in state.outer.state_tensors()]
+    moves = state.outer.moves(merged)
+    assert all(torch.equal(a, b) for a, b in zip(state.outer.state_tensors(), before))
+    state.apply(merged, ["a"])
+    after = state.outer.state_tensors()
+    assert moves == pytest.approx([float((a - b).norm()) for a, b in zip(after, before)], rel=1e-5)
+
+
+def test_refused_keys_expire_and_are_bounded():
+    refused = RefusedKeys(seconds=10.0, limit=3)
+    for i in range(5):
+        refused.refuse((i, "d"), now=float(i))
+    assert refused.active(4.0) == {(2, "d"), (3, "d"), (4, "d")}
+    assert refused.active(13.5) == {(4, "d")}
+
+
+def driver(monkeypatch, ours: GlobalState, states: dict, extra=()):
+    """SwarmMerger's download loop as it runs, over these peers' records and states (each serves its own)."""
+    records = [PeerRecord(peer=name, name=name, version=m["version"], digest=m["digest"])
+               for name, (m, _) in states.items()] + list(extra)
+    monkeypatch.setattr(rounds, "fetch_records", lambda dht, run_id: records)
+
+    def fetch(donors, key, size, timeout):
+        metadata, tensors = states[donors[0]]
+        return SimpleNamespace(metadata=metadata, flat=torch.cat(tensors), parts_by_donor=Counter({donors[0]: 1}),
+                               failed_donors=set(), requeued_parts=0)
+
+    merger = SimpleNamespace(
+        dht=None, cfg=SimpleNamespace(run_id="r"), peer="me", n=N, passes=None, refused=RefusedKeys(),
+        penalties=PenaltyBox(), limits=SimpleNamespace(allreduce_cap=5.0), fetcher=SimpleNamespace(fetch=fetch),
+        stop=SimpleNamespace(is_set=lambda: False), closed=SimpleNamespace(is_set=lambda: False),
+        load_state=lambda timeout: pytest.fail("hivemind's one-donor download would pick the liar again"),
+        why_not_adopt=ours.why_not_adopt)
+    for name in ("_from_donors", "_too_far", "live_others"):
+        setattr(merger, name, getattr(SwarmMerger, name).__get__(merger))
+    return merger
+
+
+def test_the_driver_refuses_a_liars_state_blames_it_and_takes_the_honest_one(monkeypatch):
+    """One peer claims v20 and serves a state of its own: the download refuses it, blames that donor, forgets its
+    record for catch-up, and takes the honest peers' v7 instead (the next-best key)."""
+    ours, g = lineage()
+    honest = GlobalState(ours.params.clone(), LR, MU)
+    honest.load(*served(ours))
+    step(honest, g)
+    liar = GlobalState(torch.randn(N), LR, MU)
+    liar.version = 20
+    merger = driver(monkeypatch, ours, {"liar": served(liar), "honest": served(honest)},
+                    [PeerRecord(peer="honest2", name="honest2", version=honest.version, digest=honest.digest)])
+
+    loaded = SwarmMerger.download(merger, ours.version + 1, "behind", timeout=5.0)
+    assert loaded is not None and loaded[0]["version"] == honest.version
+    assert merger.penalties.active(0.0) == ["liar"]
+    assert [r.peer for r in merger.live_others()] == ["honest", "honest2"]
+
+
+def test_in_a_swarm_of_two_the_only_other_peers_state_is_taken_however_far():
+    """Nothing tells a liar from the only other peer, which may have merged alone while we were away: a state every
+    other live peer serves is taken (the limit of this defence, docs/hostile.md)."""
+    ours, _ = lineage()
+    far = GlobalState(torch.randn(N), LR, MU)
+    far.version = 20
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        merger = driver(monkeypatch, ours, {"other": served(far)})
+        loaded = SwarmMerger.download(merger, ours.version + 1, "behind", timeout=5.0)
+    assert loaded is not None and loaded[0]["version"] == 20 and not merger.penalties.active(0.0)
