@@ -486,6 +486,7 @@ class Peer:
         self.rounds += 1
         self.merged_rounds += int(settled.applied)
         self.last_island = max(1, len(o.members))
+        self._lie_if_planned()
         self._publish_state()
         if settled.applied and self.cfg.checkpoint_every and self.merged_rounds % self.cfg.checkpoint_every == 0:
             self._save_checkpoint("periodic")
@@ -494,6 +495,12 @@ class Peer:
         self._record_round(settled, val)
         self.progress.start_round(self.rounds, self.state.version)
         self._park()
+
+    def _lie_if_planned(self) -> None:
+        """A test's lying peer only (runtime.faults, `hostile_ahead`): a state of its own, versions ahead."""
+        if self.merger is not None:
+            from p2pdiloco.swarm.rounds import hostile_state
+            hostile_state(self.merger.fault_plan, self.state)
 
     def _record_round(self, settled: Settled, val) -> None:
         o, c = settled.outcome, settled.contribution

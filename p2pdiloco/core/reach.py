@@ -7,9 +7,9 @@ then download the merge's result from it: without this check, one peer could rep
 Each verified merge a peer takes part in (stale or not) tells it how far that merge moves Θ and the outer
 momentum when applied to its own state (`OuterOptimizer.moves`, from its own momentum and the merged update
 every member holds bit for bit). A downloaded state k versions from ours, counted through the newest key both
-lineages share (k capped at `max_versions`), may be `slack`·(k + 1) of the largest recent such moves away. So a
-liar moves Θ at most that far, once, before its key is refused and it is blamed: a bounded step, like a lying
-contribution's, not a replacement. A state further away is taken only when two or more donors serve it, or
+lineages share (k capped at `max_versions`), may be `slack`·k of the largest recent such moves away. So a
+liar moves Θ at most that far in a round (six recent outer steps, at the cap): a bounded step, like a lying
+contribution's, not a replacement. Beyond it, its key is refused and it is blamed. A state further away is taken only when two or more donors serve it, or
 every other live peer does (the swarm moved on while we were away; in a swarm of two, nothing tells a liar
 from the only other peer). A peer that saw no merge yet (a joiner, a restart) has nothing to measure
 by and takes the best state, as before. Moves are learnt only from merges, never from downloaded states: a
@@ -56,8 +56,10 @@ def versions_apart(ours: Sequence[tuple[int, str]], theirs: Sequence[tuple[int, 
 
 @dataclass
 class Reach:
-    slack: float = 2.0
-    max_versions: int = 4
+    """The moves of the merges this peer saw, and what they allow a downloaded state."""
+
+    slack: float = 2.0  # Nesterov's momentum can lengthen each step while it builds up (tests/unit/test_reach.py)
+    max_versions: int = 3
     moves: deque = field(default_factory=lambda: deque(maxlen=MOVES_SEEN))  # (Θ's, the momentum's) per merge
 
     def saw_merge(self, theta: float, momentum: float) -> None:
@@ -69,7 +71,7 @@ class Reach:
         None where we have seen no merge to measure by."""
         if not self.moves:
             return None
-        steps = self.slack * (min(self.max_versions, self.max_versions if versions is None else versions) + 1)
+        steps = self.slack * min(self.max_versions, self.max_versions if versions is None else versions)
         return steps * max(t for t, _ in self.moves), steps * max(m for _, m in self.moves)
 
     def checks(self, corroborated: bool) -> bool:

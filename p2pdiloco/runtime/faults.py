@@ -15,7 +15,10 @@ the requests of those peers only:
   it can only meet peers with the same fault (two islands that form apart, on one DHT);
 - `hostile_scaled@0`, `hostile_random@0`, `hostile_nan@0`: from version 0 on, this peer lies in every round: it
   sends 100× its Δ (scaled), noise (random) or NaN instead of it, and claims 1000× the tokens it trained (not
-  with NaN); its block maxima are those of its honest Δ.
+  with NaN); its block maxima are those of its honest Δ;
+- `hostile_ahead@1`: once this peer holds version 1, after every round it replaces its global state with one of
+  its own (its Θ plus noise of Θ's spread), 5 versions ahead of the one it held, and publishes and serves
+  it as its state: a member that claims a newer version than it holds (p2pdiloco.core.reach).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ACTIONS = ("die_in_allreduce", "die_while_sharing", "partition_until", "slow_sharing", "hostile_scaled",
-           "hostile_random", "hostile_nan")
+           "hostile_random", "hostile_nan", "hostile_ahead")
 
 
 class FaultPlanError(ValueError):

@@ -23,7 +23,7 @@ from hivemind.utils.logging import get_logger
 
 from p2pdiloco.config import OuterConfig, SwarmConfig
 from p2pdiloco.core import codec
-from p2pdiloco.core.exact import blockwise
+from p2pdiloco.core.exact import blockwise, digest
 from p2pdiloco.core.outer import Segment, rda_directions
 from p2pdiloco.core.reach import RefusedKeys
 from p2pdiloco.core.state import sharing_priority, validate_state
@@ -272,6 +272,9 @@ class SwarmMerger:
                 refused_here |= problem is not None
             if not problem:
                 return loaded
+            if refused_here and state_donors(self.live_others(), min_version) is None:
+                logger.info(f"state download ({why}) failed: {problem}; no other peer holds v{min_version} or later")
+                return None  # waiting out the deadline would only wait for the peer we refused
             if time.monotonic() >= deadline or self.stop.is_set() or self.closed.is_set():
                 logger.info(f"state download ({why}) failed: {problem}")
                 return None
@@ -360,6 +363,19 @@ def hostile(plan: FaultPlan, body: torch.Tensor, c: Contribution) -> tuple[torch
     if on("hostile_nan"):
         return torch.full_like(body, math.nan), c.tokens
     return body, c.tokens
+
+
+def hostile_state(plan: FaultPlan, state) -> bool:
+    """A test's fault plan only (`hostile_ahead`): replace `state` (a GlobalState) with one of our own, 5 versions
+    ahead; whether it did."""
+    if not plan.due("hostile_ahead", state.version):
+        return False
+    theta, momentum = state.outer.state_tensors()
+    g = torch.Generator().manual_seed(state.version)
+    lie = [theta + torch.randn(theta.shape, generator=g) * float(theta.std()), momentum.clone()]
+    metadata = dict(version=state.version + 5, digest=digest(*lie), history=[list(k) for k in state.history])
+    state.load(metadata, lie)
+    return True
 
 
 def merging_announcer(control, heartbeat: Heartbeat, version: int) -> Callable[[], None]:

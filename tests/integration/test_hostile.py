@@ -20,7 +20,8 @@ def run_with_a_liar(tmp_path, run_id: str, fault: str, *extra: str):
     with local_swarm(tmp_path, run_id) as swarm:
         for name in HONEST:
             swarm.start_peer(name, *ARGS, *extra)
-        swarm.start_peer("liar", *ARGS, *extra, env={"P2PDILOCO_FAULT_PLAN": f"{fault}@0"})
+        plan = fault if "@" in fault else f"{fault}@0"
+        swarm.start_peer("liar", *ARGS, *extra, env={"P2PDILOCO_FAULT_PLAN": plan})
         swarm.wait_clean(HONEST, timeout=400)
         for version, states in digests_by_version(swarm, HONEST).items():
             assert len(states) == 1, f"honest peers disagree at version {version}: {states}"
@@ -138,3 +139,18 @@ def test_a_plain_hivemind_averager_gathering_garbage_costs_the_honest_peers_at_m
         rejected += [why for r in rounds for position, why in r.excluded.items() if position.isdigit()]
     assert attempts >= 2, swarm.log("rogue")[-2000:]
     assert rejected, "the rogue never got into an island: this test showed nothing"
+
+
+@pytest.mark.slow  # the driver's refusal runs in the default suite (tests/unit/test_reach.py)
+def test_a_member_claiming_versions_it_never_made_cannot_hand_the_honest_peers_its_state(tmp_path):
+    """After each round it holds a state of its own (its Θ and noise), 5 versions ahead of its last, which it
+    publishes and serves. Honest peers that would catch up from it, or that are stale in an island it leads the
+    versions of, refuse its state: further from theirs than the versions between explain (p2pdiloco.core.reach).
+    Before, they took it: the liar replaced their model."""
+    # from v2, once the honest peers have merged (a peer that has seen no merge has nothing to measure by)
+    rounds, liar, its_rounds = run_with_a_liar(tmp_path, "ahead", "hostile_ahead@2")
+    honest = {(r.version, r.digest) for rs in rounds.values() for r in rs}
+    lies = {(r.version, r.digest) for r in its_rounds if r.version >= 7}
+    assert lies and not honest & lies, sorted(lies)
+    assert all(sum(r.applied for r in rs) >= 3 for rs in rounds.values()), \
+        {name: [(r.applied, r.reason) for r in rs] for name, rs in rounds.items()}
