@@ -7,7 +7,7 @@ Each run: a bootstrap node and peers a, b, c (honest) and d, all `tiny` with int
 seed. In a clean run d is honest too; otherwise a test fault plan makes d hostile from its first round: ×100 its
 Δ and 1000× its tokens (scaled-plain), noise of its Δ's spread and 1000× its tokens (random-plain), NaN in its Δ
 (nan), all with no option set; and the random liar under --robust-merge (random), the option for swarms that
-expect attackers.
+expect attackers. `ahead`: from v2 on, d claims versions it never made and serves a state of its own.
 More variants (--variants): controls three (the honest peers without d), clean-robust and clean-fp32; the scaled
 liar on fp32 (scaled-fp32; nan-fp32 beside it), with --robust-merge (scaled) and in client mode (scaled-client).
 Saved runs (--out) can be reported together again without running anything: --load A.json B.json.
@@ -56,6 +56,8 @@ VARIANTS = {
     "nan-fp32": Variant("hostile_nan@0", ("--compression", "none")),
     # the scaled liar in client mode: it reduces no part, so every part of its Δ goes through an honest reducer
     "scaled-client": Variant("hostile_scaled@0", ("--robust-merge",), ("--client-mode",)),
+    # from v2 on, d holds, publishes and serves a state of its own 5 versions ahead (p2pdiloco.core.reach)
+    "ahead": Variant("hostile_ahead@2"),
 }
 DEFAULT_VARIANTS = ("clean", "scaled-plain", "random-plain", "nan", "random")
 
