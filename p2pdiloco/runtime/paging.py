@@ -7,9 +7,10 @@ a chunk of resident memory, not the vector. The next use faults the pages back i
 if they were evicted. Letting go is safe at any moment, even while another thread or another process that
 shares the mapping reads the pages: they fault back in.
 
-The mapping is torch's own (`UntypedStorage.from_file`), so torch sees the storage as shared memory: handing
-it to a forked process (hivemind's averager keeps its tensors in shared memory) shares this mapping rather than
-copying the vectors into /dev/shm.
+The mapping is torch's own (`UntypedStorage.from_file`) and shared, so a process forked after it (the averager)
+inherits the same pages: one buffer for both. Do not hand its tensors to code that calls `share_memory_` under
+torch's `file_system` strategy, which copies them into /dev/shm (tests/unit/test_paging.py shows it; hivemind
+gets only their shapes, swarm.averager.hivemind_schema).
 
 The file is unlinked as soon as it is open (it goes away with the last process that maps it, even one killed)
 and its blocks are reserved at once: a full disk is found now, and the caller keeps the vectors in memory,
