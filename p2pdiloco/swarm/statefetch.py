@@ -27,7 +27,7 @@ from hivemind.utils.logging import get_logger
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
-from p2pdiloco.swarm.transfer import MAX_PART, Transfer, TransferError, fetch_parts
+from p2pdiloco.swarm.transfer import MAX_PART, STREAMS_PER_DONOR, Transfer, TransferError, fetch_parts
 
 logger = get_logger(__name__)
 SNAPSHOT_SECONDS = 5.0  # a donor reuses one snapshot of its state for the parts of one transfer
@@ -83,8 +83,13 @@ class PartServer:
     def __init__(self, get_state: Callable, clock: Callable[[], float] = time.monotonic):
         self.get_state, self.clock = get_state, clock
         self._snapshot: Optional[tuple[float, dict, list[torch.Tensor]]] = None
+        self._taking = asyncio.Lock()  # a joiner asks for several parts at once: one snapshot serves them all
 
     async def _state(self, version: int, digest: str) -> tuple[dict, list[torch.Tensor]]:
+        async with self._taking:
+            return await self._snapshot_of(version, digest)
+
+    async def _snapshot_of(self, version: int, digest: str) -> tuple[dict, list[torch.Tensor]]:
         """The snapshot of the state asked for. It stays alive while parts of it are being served: its window
         slides with each request, so a transfer slower than SNAPSHOT_SECONDS in all (a slow link, a big model,
         a slow co-donor) is not refused halfway because we moved on meanwhile. Idle, it is dropped for a new one."""
@@ -130,8 +135,10 @@ def span(tensors: list[torch.Tensor], start: int, length: int) -> torch.Tensor:
 class StateFetcher:
     """Joiner side: one background event loop for the libp2p replica, used from the merger's thread."""
 
-    def __init__(self, dht, get_stub: Callable, part_timeout: float, credential: bytes = b""):
+    def __init__(self, dht, get_stub: Callable, part_timeout: float, credential: bytes = b"",
+                 streams_per_donor: int = STREAMS_PER_DONOR):
         self.dht, self.get_stub, self.part_timeout = dht, get_stub, part_timeout
+        self.streams_per_donor = streams_per_donor
         self.credential = credential  # our swarm pass, where the swarm has a key
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._p2p = None  # the DHT's libp2p replica, made on (and bound to) our loop
@@ -173,7 +180,8 @@ class StateFetcher:
             except Exception as e:  # bytes that do not make the tensor announced
                 raise IncompletePart(f"{type(e).__name__}: {e}") from None
 
-        return await fetch_parts(donors, key, total, retry_incomplete(fetch_part), self.part_timeout)
+        return await fetch_parts(donors, key, total, retry_incomplete(fetch_part), self.part_timeout,
+                                 streams=self.streams_per_donor)
 
     def close(self) -> None:
         """Close the replica's connection to the daemon on its own loop first (the daemon stays: it is the

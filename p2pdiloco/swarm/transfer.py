@@ -3,8 +3,9 @@
 No networking here: the transport is an injected coroutine `fetch_part(donor, start, length)` returning
 (donor's state metadata, a flat fp32 tensor of `length` elements). Every donor serves the same state (the
 caller picks donors holding one state key), so any part can come from any donor. Each donor works through a
-shared queue of parts; a part whose donor fails or stalls goes back on the queue for the others, and parts
-already received are kept. The caller verifies the assembled state against the key's digest.
+shared queue of parts, several at a time (each part is a stream of its own); a part whose donor fails or stalls
+goes back on the queue for the others, and parts already received are kept. The caller verifies the assembled
+state against the key's digest.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ import torch
 
 FetchPart = Callable[[str, int, int], Awaitable[tuple[dict, torch.Tensor]]]
 MIN_PART, MAX_PART = 1 << 16, 1 << 22  # elements: 256 KiB .. 16 MiB of fp32
+# Parts in flight from one donor. Over a 100 ms round trip one libp2p stream carries about 61 Mbit/s (its flow
+# control window), four streams 86 (100 Mbit/s testbed link, docs/bandwidth.md). A donor holds no more bytes of
+# parts in flight than with one stream: parts are that much smaller (`part_size`).
+STREAMS_PER_DONOR = 4
 
 
 class TransferError(RuntimeError):
@@ -34,15 +39,18 @@ class Transfer:
     requeued_parts: int = 0  # parts a failing donor had taken and another donor served instead
 
 
-def part_size(total: int, n_donors: int, parts_per_donor: int = 4) -> int:
-    """A few parts per donor, so that a donor dying costs only its part in flight."""
-    return min(MAX_PART, max(MIN_PART, math.ceil(total / max(1, n_donors * parts_per_donor))))
+def part_size(total: int, n_donors: int, parts_per_stream: int = 4, streams: int = STREAMS_PER_DONOR) -> int:
+    """A few parts per stream, so that a donor dying costs only its parts in flight, and at most MAX_PART over
+    the streams of one donor."""
+    most = max(MIN_PART, MAX_PART // streams)
+    return min(most, max(MIN_PART, math.ceil(total / max(1, n_donors * streams * parts_per_stream))))
 
 
 async def fetch_parts(donors: list[str], key: tuple[int, str], total: int, fetch_part: FetchPart,
-                      part_timeout: float, size: int | None = None) -> Transfer:
-    """`key`: the (version, digest) the donors announced; a part of any other state is refused."""
-    size = size or part_size(total, len(donors))
+                      part_timeout: float, size: int | None = None, streams: int = STREAMS_PER_DONOR) -> Transfer:
+    """`key`: the (version, digest) the donors announced; a part of any other state is refused. `streams`: parts
+    in flight from each donor; once one of them fails, the donor is given no more."""
+    size = size or part_size(total, len(donors), streams=streams)
     queue: asyncio.Queue = asyncio.Queue()
     for start in range(0, total, size):
         queue.put_nowait((start, min(size, total - start)))
@@ -54,7 +62,7 @@ async def fetch_parts(donors: list[str], key: tuple[int, str], total: int, fetch
         return sum(c.numel() for c in received.values()) >= total
 
     async def work(donor: str) -> None:
-        while (start_length := await _next(queue, complete)) is not None:
+        while donor not in result.failed_donors and (start_length := await _next(queue, complete)) is not None:
             start, length = start_length
             try:
                 metadata, chunk = await asyncio.wait_for(fetch_part(donor, start, length), part_timeout)
@@ -72,7 +80,7 @@ async def fetch_parts(donors: list[str], key: tuple[int, str], total: int, fetch
             received[start] = chunk
             result.parts_by_donor[donor] += 1
 
-    await asyncio.gather(*(work(d) for d in donors))
+    await asyncio.gather(*(work(d) for d in donors for _ in range(max(1, streams))))
     missing = total - sum(c.numel() for c in received.values())
     if missing:
         raise TransferError(f"{missing} of {total} elements missing: every donor failed ({result.failed_donors})")

@@ -1,11 +1,12 @@
 """Multi-donor, resumable state transfer, with fake donors (no network)."""
 
 import asyncio
+import math
 
 import pytest
 import torch
 
-from p2pdiloco.swarm.transfer import TransferError, fetch_parts, part_size
+from p2pdiloco.swarm.transfer import STREAMS_PER_DONOR, TransferError, fetch_parts, part_size
 
 TOTAL = 10_000
 STATE = torch.arange(TOTAL, dtype=torch.float32)
@@ -32,8 +33,10 @@ def donor_pool(dies_after=None, hangs=(), lies=(), log=None):
     return fetch_part
 
 
-def run(donors, fetch_part, size=1000, timeout=5.0):
-    return asyncio.run(fetch_parts(donors, (7, "abc"), TOTAL, fetch_part, part_timeout=timeout, size=size))
+def run(donors, fetch_part, size=1000, timeout=5.0, streams=1):
+    """One part in flight per donor unless `streams` says otherwise: the resuming tests count parts exactly."""
+    return asyncio.run(fetch_parts(donors, (7, "abc"), TOTAL, fetch_part, part_timeout=timeout, size=size,
+                                   streams=streams))
 
 
 def test_parts_come_from_every_donor_and_assemble_exactly():
@@ -67,9 +70,44 @@ def test_all_donors_failing_is_a_clear_error():
         run(["a", "b"], donor_pool(dies_after={"a": 0, "b": 1}))
 
 
-def test_part_size_gives_each_donor_a_few_parts_within_bounds():
-    assert part_size(1_900_000, 2) == 237_500
-    assert part_size(1000, 4) == 1 << 16 and part_size(10**10, 1) == 1 << 22
+def test_part_size_gives_each_stream_a_few_parts_within_bounds():
+    assert part_size(1_900_000, 2, streams=1) == 237_500
+    assert part_size(1_900_000, 1) == math.ceil(1_900_000 / (4 * STREAMS_PER_DONOR))
+    assert part_size(1000, 4) == 1 << 16 and part_size(10**10, 1, streams=1) == 1 << 22
+    assert part_size(10**10, 1) * STREAMS_PER_DONOR == 1 << 22  # a donor's parts in flight: MAX_PART in all
+
+
+def test_each_donor_serves_several_parts_at_once_and_no_more():
+    """One libp2p stream is held to its flow-control window over a long round trip; a donor's parts in flight
+    add up (docs/bandwidth.md)."""
+    in_flight, most = {}, {}
+
+    async def fetch_part(donor, start, length):
+        in_flight[donor] = in_flight.get(donor, 0) + 1
+        most[donor] = max(most.get(donor, 0), in_flight[donor])
+        await asyncio.sleep(0.005)
+        in_flight[donor] -= 1
+        return dict(META), STATE[start:start + length].clone()
+
+    t = run(["a", "b"], fetch_part, size=250, streams=STREAMS_PER_DONOR)
+    assert torch.equal(t.flat, STATE) and sum(t.parts_by_donor.values()) == 40
+    assert most == {"a": STREAMS_PER_DONOR, "b": STREAMS_PER_DONOR}
+
+
+def test_a_donor_is_given_no_more_parts_once_one_of_its_streams_failed():
+    """Its other parts in flight may still arrive (each is checked on its own); it is not asked again."""
+    calls = {"a": 0, "b": 0}
+
+    async def fetch_part(donor, start, length):
+        calls[donor] += 1
+        if donor == "a" and calls["a"] > 2:
+            raise ConnectionResetError("donor died mid-transfer")
+        await asyncio.sleep(0.01)
+        return dict(META), STATE[start:start + length].clone()
+
+    t = run(["a", "b"], fetch_part, size=500, streams=4)
+    assert torch.equal(t.flat, STATE) and "a" in t.failed_donors
+    assert calls["a"] == 4 and t.parts_by_donor["a"] == 2 and t.requeued_parts == 2
 
 
 def test_a_donor_serves_exactly_the_slice_asked_for_and_refuses_anything_else():
@@ -133,6 +171,30 @@ def test_a_donor_keeps_serving_the_state_of_a_transfer_in_progress_after_it_move
         assert ask()["version"] == 7
     now[0] += 1.5 * SNAPSHOT_SECONDS  # idle: the snapshot is gone
     assert "moved on" in ask()["error"]
+
+
+def test_a_donor_asked_for_several_parts_at_once_takes_one_snapshot_for_them_all():
+    from hivemind.proto import averaging_pb2
+
+    from p2pdiloco.swarm.statefetch import PartServer, serializer
+
+    taken = []
+
+    async def get_state():
+        taken.append(1)
+        await asyncio.sleep(0.01)  # the host process hands the state over
+        return serializer.dumps(dict(META)), [torch.arange(100.0), torch.arange(100.0)], None
+
+    server = PartServer(get_state)
+
+    async def ask(start):
+        blob = serializer.dumps(dict(version=7, digest="abc", start=start, length=50))
+        return [m async for m in server.serve_part(averaging_pb2.DownloadData(metadata=blob))]
+
+    async def together():
+        return await asyncio.gather(*(ask(s) for s in range(0, 200, 50)))
+    answers = asyncio.run(together())
+    assert len(taken) == 1 and all(serializer.loads(a[0].metadata)["version"] == 7 for a in answers)
 
 
 def test_a_part_that_arrives_incomplete_is_asked_for_once_more_from_the_same_live_donor():

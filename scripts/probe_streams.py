@@ -1,0 +1,176 @@
+"""What libp2p streams carry over a slow, long link: SIZE bytes from one testbed peer to the other through hivemind's
+daemon, over 1..K streams at once, one way or both ways at once, on one warm connection; beside it, plain TCP to
+and fro over fresh connections (p2pdiloco.ops.flows). Needs root (the testbed).
+
+    python scripts/probe_streams.py --size 15e6 --streams 1,4,8 --trials 3 --rate-mbit 100 --delay-ms 50
+
+Each stream's flow-control window caps what it carries per round trip; streams at once add their windows up.
+The first trial of a variant opens its streams on a connection that sat idle: reported apart from the warm ones.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from hivemind.p2p import P2P, PeerID
+
+from p2pdiloco.ops.launcher import stop_tree
+from p2pdiloco.ops.testbed import Link, Testbed
+
+HYGIENE = dict(nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False)
+CHUNK = 1 << 16
+
+
+async def sink(_info, reader, writer) -> None:
+    """Takes the bytes announced, then says how many came."""
+    size, got = struct.unpack("<Q", await reader.readexactly(8))[0], 0
+    while got < size and (data := await reader.read(min(1 << 20, size - got))):
+        got += len(data)
+    writer.write(struct.pack("<Q", got))
+    await writer.drain()
+    await closed_by_caller(reader, writer)
+
+
+async def closed_by_caller(reader, writer) -> None:
+    """Close once the caller has our answer and closed its side: the daemon resets a stream closed while the
+    other side still reads, and the reset loses what it has not read (as in p2pdiloco.swarm.codes)."""
+    try:
+        await asyncio.wait_for(reader.read(), 10.0)
+    except asyncio.TimeoutError:
+        pass
+    writer.close()
+
+
+async def push(p2p: P2P, peer: PeerID, size: int) -> None:
+    _, reader, writer = await p2p.call_binary_stream_handler(peer, "sink")
+    writer.write(struct.pack("<Q", size))
+    block = b"x" * CHUNK
+    for start in range(0, size, CHUNK):
+        writer.write(block[: min(CHUNK, size - start)])
+        await writer.drain()
+    got = struct.unpack("<Q", await reader.readexactly(8))[0]
+    writer.close()
+    if got != size:
+        raise RuntimeError(f"{got} of {size} bytes arrived")
+
+
+async def spread(p2p: P2P, peer: PeerID, size: int, streams: int) -> None:
+    await asyncio.gather(*(push(p2p, peer, size // streams) for _ in range(streams)))
+
+
+async def start(address: str, initial: list) -> P2P:
+    p2p = await P2P.create(host_maddrs=[f"/ip4/{address}/tcp/0"], initial_peers=initial, **HYGIENE)
+    await p2p.add_binary_stream_handler("sink", sink)
+
+    async def back(info, reader, writer):  # the other side asks for SIZE over K streams back to it
+        size, streams = struct.unpack("<QQ", await reader.readexactly(16))
+        await spread(p2p, info.peer_id, size, streams)
+        writer.write(b"k")
+        await writer.drain()
+        await closed_by_caller(reader, writer)
+    await p2p.add_binary_stream_handler("back", back)
+    return p2p
+
+
+async def receiver(address: str, out: Path) -> None:
+    p2p = await start(address, [])
+    out.write_text(str((await p2p.get_visible_maddrs())[0]))
+    await asyncio.Event().wait()
+
+
+async def sender(address: str, other: str, size: int, variants: list, trials: int, idle: float) -> None:
+    p2p = await start(address, [other])
+    peer = PeerID.from_base58(other.split("/p2p/")[1])
+
+    async def both_ways(streams: int) -> None:
+        _, reader, writer = await p2p.call_binary_stream_handler(peer, "back")
+        writer.write(struct.pack("<QQ", size, streams))
+        await writer.drain()
+        await asyncio.gather(spread(p2p, peer, size, streams), reader.readexactly(1))
+        writer.close()
+
+    for streams, two_way in variants:
+        for trial in range(trials):
+            await asyncio.sleep(idle)
+            started = time.monotonic()
+            await (both_ways(streams) if two_way else spread(p2p, peer, size, streams))
+            seconds = time.monotonic() - started
+            print(json.dumps(dict(streams=streams, both_ways=two_way, trial=trial, seconds=seconds,
+                                  mbit=size * 8 / seconds / 1e6)), flush=True)
+    await p2p.shutdown()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=float, default=15e6, help="bytes each way")
+    parser.add_argument("--streams", default="1,4,8")
+    parser.add_argument("--trials", type=int, default=3, help="per variant; the first one is reported apart")
+    parser.add_argument("--rate-mbit", type=float, default=100.0)
+    parser.add_argument("--delay-ms", type=float, default=50.0, help="one way")
+    parser.add_argument("--idle", type=float, default=2.0, help="seconds between trials")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--role", choices=["receiver", "sender"], help=argparse.SUPPRESS)
+    parser.add_argument("--address", help=argparse.SUPPRESS)
+    parser.add_argument("--other", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    size = int(args.size)
+    variants = [(int(k), two_way) for two_way in (False, True) for k in args.streams.split(",")]
+    if args.role == "receiver":
+        asyncio.run(receiver(args.address, args.out))
+    elif args.role == "sender":
+        asyncio.run(sender(args.address, args.other, size, variants, args.trials, args.idle))
+    else:
+        return run(args, size)
+    return 0
+
+
+def run(args, size: int) -> int:
+    me = [sys.executable, os.path.abspath(__file__)]
+    with tempfile.TemporaryDirectory() as tmp, Testbed(2, Link(args.rate_mbit, args.delay_ms),
+                                                       prefix="p2pdt-probe") as tb:
+        tcp = tb.all_to_all_seconds(size)
+        address_file = Path(tmp) / "receiver"
+        receiving = subprocess.Popen([*tb.exec_prefix(0), *me, "--role", "receiver", "--address", tb.address(0),
+                                      "--out", str(address_file)])
+        try:
+            deadline = time.monotonic() + 60
+            while not address_file.exists() or not address_file.read_text():
+                if receiving.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit("the receiver did not start")
+                time.sleep(0.2)
+            sent = subprocess.run([*tb.exec_prefix(1), *me, "--role", "sender", "--address", tb.address(1),
+                                   "--other", address_file.read_text(), "--size", str(size), "--streams",
+                                   args.streams, "--trials", str(args.trials), "--idle", str(args.idle)],
+                                  stdout=subprocess.PIPE, text=True, timeout=3600)
+        finally:
+            stop_tree(receiving, grace=5.0)
+    if sent.returncode != 0:
+        print(sent.stdout)
+        return 1
+    runs = [json.loads(line) for line in sent.stdout.splitlines() if line.startswith("{")]
+    print(f"{size / 1e6:.1f} MB each way, {args.rate_mbit:g} Mbit/s, {args.delay_ms:g} ms one way; plain TCP both "
+          f"ways at once over fresh connections: {size * 8 / tcp / 1e6:.1f} Mbit/s")
+    summary = []
+    for streams, two_way in dict.fromkeys((r["streams"], r["both_ways"]) for r in runs):
+        mine = [r["mbit"] for r in runs if (r["streams"], r["both_ways"]) == (streams, two_way)]
+        warm = statistics.median(mine[1:]) if len(mine) > 1 else None
+        summary.append(dict(streams=streams, both_ways=two_way, first_mbit=mine[0], warm_median_mbit=warm))
+        print(f"  {streams:2d} stream(s), {'both ways' if two_way else 'one way  '}: first {mine[0]:.1f} Mbit/s, "
+              f"then {', '.join(f'{m:.1f}' for m in mine[1:])}")
+    if args.out:
+        args.out.write_text(json.dumps(dict(size=size, rate_mbit=args.rate_mbit, delay_ms=args.delay_ms,
+                                            tcp_both_ways_mbit=size * 8 / tcp / 1e6, summary=summary, runs=runs),
+                                       indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
