@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import AsyncIterator
 
 import torch
-from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.p2p import P2P, P2PContext, ServicerBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
