@@ -304,6 +304,7 @@ class SwarmMerger:
         if chosen is None:
             return None, []
         best, donors = chosen
+        started = time.monotonic()
         try:
             t = self.fetcher.fetch(donors, best, 2 * self.n, timeout=max(1.0, deadline - time.monotonic()))
         except Exception as e:  # every donor failed, or time ran out: the caller falls back
@@ -311,7 +312,8 @@ class SwarmMerger:
             return None, []
         failed = f"; {t.requeued_parts} part(s) re-fetched after {sorted(t.failed_donors)} failed" \
             if t.failed_donors else ""
-        logger.info(f"state v{best[0]} from {len(donors)} donor(s), parts {dict(t.parts_by_donor)}{failed}")
+        logger.info(f"state v{best[0]} from {len(donors)} donor(s), parts {dict(t.parts_by_donor)}{failed}, "
+                    f"in {time.monotonic() - started:.1f} s")
         served = [donor for donor, parts in t.parts_by_donor.items() if parts]
         return (t.metadata, [t.flat[: self.n], t.flat[self.n:]]), served
 

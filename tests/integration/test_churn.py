@@ -135,7 +135,8 @@ def test_joiner_gets_the_state_when_its_donor_dies_mid_transfer(tmp_path):
         swarm.wait_for(lambda: swarm.records(joiner, "resync"), 60, "the joiner to get the state")
         fetched = [line for line in swarm.log(joiner).splitlines() if "donor(s), parts" in line]
         assert fetched, swarm.log(joiner)[-3000:]
-        assert f"'{donor_id}': 1" in fetched[0], fetched  # the part the donor served before dying is kept
+        served = re.search(rf"'{donor_id}': (\d+)", fetched[0])
+        assert served and int(served.group(1)) >= 1, fetched  # the parts the donor served before dying are kept
         failed = re.search(r"re-fetched after (\[.*?\]) failed", fetched[0])
         assert failed and donor_id in failed.group(1), fetched  # the one it died on came from another donor
         joined = swarm.records(joiner, "resync")[0]
