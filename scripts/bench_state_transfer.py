@@ -14,9 +14,7 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import AsyncIterator
@@ -26,7 +24,6 @@ from hivemind.p2p import P2P, P2PContext, ServicerBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
-from p2pdiloco.ops.launcher import stop_tree
 from p2pdiloco.ops.testbed import Link, Testbed
 from p2pdiloco.swarm.statefetch import PartServer, StateFetcher
 
@@ -103,41 +100,23 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--role", choices=["donor", "joiner"], help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
-    parser.add_argument("--donor", help=argparse.SUPPRESS)
+    parser.add_argument("--other", help=argparse.SUPPRESS)
     args = parser.parse_args()
     variants = [int(k) for k in args.streams.split(",")]
     if args.role == "donor":
         asyncio.run(donate(args.address, args.elements, args.out))
         return 0
     if args.role == "joiner":
-        join(args.address, args.donor, args.elements, variants, args.trials, args.idle)
+        join(args.address, args.other, args.elements, variants, args.trials, args.idle)
         return 0
     return run(args, variants)
 
 
 def run(args, variants: list[int]) -> int:
     me = [sys.executable, os.path.abspath(__file__), "--elements", str(args.elements)]
-    with tempfile.TemporaryDirectory() as tmp, Testbed(2, Link(args.rate_mbit, args.delay_ms),
-                                                       prefix="p2pdt-state") as tb:
-        address_file = Path(tmp) / "donor"
-        donor = subprocess.Popen([*tb.exec_prefix(0), *me, "--role", "donor", "--address", tb.address(0),
-                                  "--out", str(address_file)])
-        try:
-            deadline = time.monotonic() + 60
-            while not address_file.exists() or not address_file.read_text():
-                if donor.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("the donor did not start")
-                time.sleep(0.2)
-            joiner = subprocess.run([*tb.exec_prefix(1), *me, "--role", "joiner", "--address", tb.address(1),
-                                     "--donor", address_file.read_text(), "--streams", args.streams,
-                                     "--trials", str(args.trials), "--idle", str(args.idle)],
-                                    stdout=subprocess.PIPE, text=True, timeout=3600)
-        finally:
-            stop_tree(donor, grace=5.0)
-    if joiner.returncode != 0:
-        print(joiner.stdout)
-        return 1
-    runs = [json.loads(line) for line in joiner.stdout.splitlines() if line.startswith("{")]
+    with Testbed(2, Link(args.rate_mbit, args.delay_ms), prefix="p2pdt-state") as tb:
+        runs = tb.serve_and_ask([*me, "--role", "donor"], [*me, "--role", "joiner", "--streams", args.streams,
+                                                           "--trials", str(args.trials), "--idle", str(args.idle)])
     bound = args.elements * 4 / (args.rate_mbit * 1e6 / 8)
     report = dict(elements=args.elements, rate_mbit=args.rate_mbit, delay_ms=args.delay_ms, idle=args.idle,
                   link_bound_seconds=bound, runs=runs, variants={})

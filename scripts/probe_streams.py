@@ -14,15 +14,12 @@ import json
 import os
 import statistics
 import struct
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from hivemind.p2p import P2P, PeerID
 
-from p2pdiloco.ops.launcher import stop_tree
 from p2pdiloco.ops.testbed import Link, Testbed
 
 HYGIENE = dict(nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False)
@@ -134,28 +131,11 @@ def main() -> int:
 
 def run(args, size: int) -> int:
     me = [sys.executable, os.path.abspath(__file__)]
-    with tempfile.TemporaryDirectory() as tmp, Testbed(2, Link(args.rate_mbit, args.delay_ms),
-                                                       prefix="p2pdt-probe") as tb:
+    with Testbed(2, Link(args.rate_mbit, args.delay_ms), prefix="p2pdt-probe") as tb:
         tcp = tb.all_to_all_seconds(size)
-        address_file = Path(tmp) / "receiver"
-        receiving = subprocess.Popen([*tb.exec_prefix(0), *me, "--role", "receiver", "--address", tb.address(0),
-                                      "--out", str(address_file)])
-        try:
-            deadline = time.monotonic() + 60
-            while not address_file.exists() or not address_file.read_text():
-                if receiving.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("the receiver did not start")
-                time.sleep(0.2)
-            sent = subprocess.run([*tb.exec_prefix(1), *me, "--role", "sender", "--address", tb.address(1),
-                                   "--other", address_file.read_text(), "--size", str(size), "--streams",
-                                   args.streams, "--trials", str(args.trials), "--idle", str(args.idle)],
-                                  stdout=subprocess.PIPE, text=True, timeout=3600)
-        finally:
-            stop_tree(receiving, grace=5.0)
-    if sent.returncode != 0:
-        print(sent.stdout)
-        return 1
-    runs = [json.loads(line) for line in sent.stdout.splitlines() if line.startswith("{")]
+        runs = tb.serve_and_ask([*me, "--role", "receiver"], [*me, "--role", "sender", "--size", str(size),
+                                                             "--streams", args.streams, "--trials", str(args.trials),
+                                                             "--idle", str(args.idle)])
     print(f"{size / 1e6:.1f} MB each way, {args.rate_mbit:g} Mbit/s, {args.delay_ms:g} ms one way; plain TCP both "
           f"ways at once over fresh connections: {size * 8 / tcp / 1e6:.1f} Mbit/s")
     summary = []

@@ -17,13 +17,18 @@ filter). Others can answer it but never dial it.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
+
+from p2pdiloco.ops.launcher import stop_tree, wait_for_file
 
 TUN = "tbdelay"
 ROUTE_TABLE = "100"
@@ -115,6 +120,24 @@ class Testbed:
             for s in servers:
                 s.kill()
                 s.wait()
+
+    def serve_and_ask(self, serve: list[str], ask: list[str], timeout: float = 3600.0) -> list[dict]:
+        """A server and a client across the testbed, for benchmarks: `serve --address A --out FILE` runs in peer 0's
+        namespace until it writes the address others reach it at to FILE; then `ask --address A --other ADDRESS`
+        runs in peer 1's. Returns the JSON lines the client printed; the server's process tree is stopped."""
+        with tempfile.TemporaryDirectory() as tmp:
+            address_file = Path(tmp) / "address"
+            server = subprocess.Popen([*self.exec_prefix(0), *serve, "--address", self.address(0),
+                                       "--out", str(address_file)])
+            try:
+                other = wait_for_file(address_file, server, timeout=60)
+                asked = subprocess.run([*self.exec_prefix(1), *ask, "--address", self.address(1), "--other", other],
+                                       stdout=subprocess.PIPE, text=True, timeout=timeout)
+            finally:
+                stop_tree(server, grace=5.0)
+        if asked.returncode != 0:
+            raise TestbedError(f"the client exited with code {asked.returncode}: {asked.stdout[-2000:]}")
+        return [json.loads(line) for line in asked.stdout.splitlines() if line.startswith("{")]
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
     def __enter__(self) -> "Testbed":
