@@ -1,6 +1,6 @@
 """How fast a joiner fetches the global state from one donor over a slow, long link: the real part server and
 fetcher (p2pdiloco.swarm.statefetch) over libp2p, on the network testbed, with one part in flight against several
-(`--streams`), alternated in one run on one warm connection. Needs root (the testbed).
+(`--streams`), alternated in one run, each on a warm connection of its own. Needs root (the testbed).
 
     python scripts/bench_state_transfer.py --elements 19800000 --rate-mbit 100 --delay-ms 50 --streams 1,4 --trials 3
 
@@ -98,13 +98,11 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--idle", type=float, default=3.0, help="seconds the connection sits idle before a fetch")
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--role", choices=["donor", "joiner"], help=argparse.SUPPRESS)
-    parser.add_argument("--address", help=argparse.SUPPRESS)
-    parser.add_argument("--other", help=argparse.SUPPRESS)
+    Testbed.role_arguments(parser, "donor", "joiner")
     args = parser.parse_args()
     variants = [int(k) for k in args.streams.split(",")]
     if args.role == "donor":
-        asyncio.run(donate(args.address, args.elements, args.out))
+        asyncio.run(donate(args.address, args.elements, args.address_file))
         return 0
     if args.role == "joiner":
         join(args.address, args.other, args.elements, variants, args.trials, args.idle)

@@ -114,14 +114,12 @@ def main() -> int:
     parser.add_argument("--delay-ms", type=float, default=50.0, help="one way")
     parser.add_argument("--idle", type=float, default=2.0, help="seconds between trials")
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--role", choices=["receiver", "sender"], help=argparse.SUPPRESS)
-    parser.add_argument("--address", help=argparse.SUPPRESS)
-    parser.add_argument("--other", help=argparse.SUPPRESS)
+    Testbed.role_arguments(parser, "receiver", "sender")
     args = parser.parse_args()
     size = int(args.size)
     variants = [(int(k), two_way) for two_way in (False, True) for k in args.streams.split(",")]
     if args.role == "receiver":
-        asyncio.run(receiver(args.address, args.out))
+        asyncio.run(receiver(args.address, args.address_file))
     elif args.role == "sender":
         asyncio.run(sender(args.address, args.other, size, variants, args.trials, args.idle))
     else:

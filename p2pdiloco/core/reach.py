@@ -9,11 +9,12 @@ momentum when applied to its own state (`OuterOptimizer.moves`, from its own mom
 every member holds bit for bit). A downloaded state k versions from ours, counted through the newest key both
 lineages share (k capped at `max_versions`), may be `slack`·k of the largest recent such moves away. So a
 liar moves Θ at most that far in a round (six recent outer steps, at the cap): a bounded step, like a lying
-contribution's, not a replacement. Beyond it, its key is refused and it is blamed. A state further away is taken only when two or more donors serve it, or
-every other live peer does (the swarm moved on while we were away; in a swarm of two, nothing tells a liar
-from the only other peer). A peer that saw no merge yet (a joiner, a restart) has nothing to measure
-by and takes the best state, as before. Moves are learnt only from merges, never from downloaded states: a
-liar's accepted state would otherwise widen the next allowance, and the next."""
+contribution's, not a replacement. Beyond it, its key is refused and it is blamed. A state further away is
+taken only when two or more donors serve it, or every other live peer does (the swarm moved on while we were
+away; in a swarm of two, nothing tells a liar from the only other peer). A peer that saw no merge yet (a
+joiner, a restart) has nothing to measure by and takes the best state, as before. Moves are learnt only from
+merges, never from downloaded states: a liar's accepted state would otherwise widen the next allowance, and the
+next."""
 
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ filter). Others can answer it but never dial it.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -121,14 +122,23 @@ class Testbed:
                 s.kill()
                 s.wait()
 
+    @staticmethod
+    def role_arguments(parser: argparse.ArgumentParser, server: str, client: str) -> None:
+        """The hidden flags `serve_and_ask` gives the two roles of a benchmark script."""
+        parser.add_argument("--role", choices=[server, client], help=argparse.SUPPRESS)
+        parser.add_argument("--address", help=argparse.SUPPRESS)  # ours on the testbed
+        parser.add_argument("--address-file", type=Path, help=argparse.SUPPRESS)  # the server's: where it says
+        parser.add_argument("--other", help=argparse.SUPPRESS)  # the client's: the server's multiaddr
+
     def serve_and_ask(self, serve: list[str], ask: list[str], timeout: float = 3600.0) -> list[dict]:
-        """A server and a client across the testbed, for benchmarks: `serve --address A --out FILE` runs in peer 0's
-        namespace until it writes the address others reach it at to FILE; then `ask --address A --other ADDRESS`
-        runs in peer 1's. Returns the JSON lines the client printed; the server's process tree is stopped."""
+        """A server and a client across the testbed, for benchmarks (flags: `role_arguments`): `serve --address A
+        --address-file FILE` runs in peer 0's namespace until it writes the address others reach it at to FILE;
+        then `ask --address A --other ADDRESS` runs in peer 1's. Returns the JSON lines the client printed; the
+        server's process tree is stopped."""
         with tempfile.TemporaryDirectory() as tmp:
             address_file = Path(tmp) / "address"
             server = subprocess.Popen([*self.exec_prefix(0), *serve, "--address", self.address(0),
-                                       "--out", str(address_file)])
+                                       "--address-file", str(address_file)])
             try:
                 other = wait_for_file(address_file, server, timeout=60)
                 asked = subprocess.run([*self.exec_prefix(1), *ask, "--address", self.address(1), "--other", other],
