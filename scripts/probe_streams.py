@@ -5,6 +5,7 @@ and fro over fresh connections (p2pdiloco.ops.flows). Needs root (the testbed).
     python scripts/probe_streams.py --size 15e6 --streams 1,4,8 --trials 3 --rate-mbit 100 --delay-ms 50
 
 Each stream's flow-control window caps what it carries per round trip; streams at once add their windows up.
+`--transport quic` has the daemons listen on QUIC instead of TCP; `--pace-mbit R` holds each side's sending to R.
 The first trial of a variant opens its streams on a connection that sat idle: reported apart from the warm ones.
 """
 
@@ -46,11 +47,31 @@ async def closed_by_caller(reader, writer) -> None:
     writer.close()
 
 
+class Pacer:
+    """Holds what this process sends, all streams together, to RATE bits per second (0: unpaced): kept under the
+    link's rate, the bottleneck's queue stays empty and the other direction's acknowledgements are not held in it."""
+
+    def __init__(self, rate_bits: float = 0.0):
+        self.rate, self.due = rate_bits, 0.0
+
+    async def wait(self, nbytes: int) -> None:
+        if self.rate <= 0:
+            return
+        now = time.monotonic()
+        self.due = max(self.due, now) + nbytes * 8 / self.rate
+        if self.due - now > 0.002:
+            await asyncio.sleep(self.due - now)
+
+
+PACER = Pacer()
+
+
 async def push(p2p: P2P, peer: PeerID, size: int) -> None:
     _, reader, writer = await p2p.call_binary_stream_handler(peer, "sink")
     writer.write(struct.pack("<Q", size))
     block = b"x" * CHUNK
     for start in range(0, size, CHUNK):
+        await PACER.wait(min(CHUNK, size - start))
         writer.write(block[: min(CHUNK, size - start)])
         await writer.drain()
     got = struct.unpack("<Q", await reader.readexactly(8))[0]
@@ -63,8 +84,11 @@ async def spread(p2p: P2P, peer: PeerID, size: int, streams: int) -> None:
     await asyncio.gather(*(push(p2p, peer, size // streams) for _ in range(streams)))
 
 
-async def start(address: str, initial: list) -> P2P:
-    p2p = await P2P.create(host_maddrs=[f"/ip4/{address}/tcp/0"], initial_peers=initial, **HYGIENE)
+LISTEN = {"tcp": "/ip4/{}/tcp/0", "quic": "/ip4/{}/udp/0/quic-v1"}
+
+
+async def start(address: str, initial: list, transport: str) -> P2P:
+    p2p = await P2P.create(host_maddrs=[LISTEN[transport].format(address)], initial_peers=initial, **HYGIENE)
     await p2p.add_binary_stream_handler("sink", sink)
 
     async def back(info, reader, writer):  # the other side asks for SIZE over K streams back to it
@@ -77,14 +101,15 @@ async def start(address: str, initial: list) -> P2P:
     return p2p
 
 
-async def receiver(address: str, out: Path) -> None:
-    p2p = await start(address, [])
+async def receiver(address: str, out: Path, transport: str) -> None:
+    p2p = await start(address, [], transport)
     out.write_text(str((await p2p.get_visible_maddrs())[0]))
     await asyncio.Event().wait()
 
 
-async def sender(address: str, other: str, size: int, variants: list, trials: int, idle: float) -> None:
-    p2p = await start(address, [other])
+async def sender(address: str, other: str, size: int, variants: list, trials: int, idle: float,
+                 transport: str) -> None:
+    p2p = await start(address, [other], transport)
     peer = PeerID.from_base58(other.split("/p2p/")[1])
 
     async def both_ways(streams: int) -> None:
@@ -113,15 +138,18 @@ def main() -> int:
     parser.add_argument("--rate-mbit", type=float, default=100.0)
     parser.add_argument("--delay-ms", type=float, default=50.0, help="one way")
     parser.add_argument("--idle", type=float, default=2.0, help="seconds between trials")
+    parser.add_argument("--transport", choices=sorted(LISTEN), default="tcp", help="what the daemons listen on")
+    parser.add_argument("--pace-mbit", type=float, default=0.0, help="each side's sending, all streams together")
     parser.add_argument("--out", type=Path)
     Testbed.role_arguments(parser, "receiver", "sender")
     args = parser.parse_args()
+    PACER.rate = args.pace_mbit * 1e6
     size = int(args.size)
     variants = [(int(k), two_way) for two_way in (False, True) for k in args.streams.split(",")]
     if args.role == "receiver":
-        asyncio.run(receiver(args.address, args.address_file))
+        asyncio.run(receiver(args.address, args.address_file, args.transport))
     elif args.role == "sender":
-        asyncio.run(sender(args.address, args.other, size, variants, args.trials, args.idle))
+        asyncio.run(sender(args.address, args.other, size, variants, args.trials, args.idle, args.transport))
     else:
         return run(args, size)
     return 0
@@ -131,7 +159,9 @@ def run(args, size: int) -> int:
     me = [sys.executable, os.path.abspath(__file__)]
     with Testbed(2, Link(args.rate_mbit, args.delay_ms), prefix="p2pdt-probe") as tb:
         tcp = tb.all_to_all_seconds(size)
-        runs = tb.serve_and_ask([*me, "--role", "receiver"], [*me, "--role", "sender", "--size", str(size),
+        transport = ["--transport", args.transport, "--pace-mbit", str(args.pace_mbit)]
+        runs = tb.serve_and_ask([*me, "--role", "receiver", *transport], [*me, "--role", "sender", *transport,
+                                                                         "--size", str(size),
                                                              "--streams", args.streams, "--trials", str(args.trials),
                                                              "--idle", str(args.idle)])
     print(f"{size / 1e6:.1f} MB each way, {args.rate_mbit:g} Mbit/s, {args.delay_ms:g} ms one way; plain TCP both "
@@ -145,6 +175,7 @@ def run(args, size: int) -> int:
               f"then {', '.join(f'{m:.1f}' for m in mine[1:])}")
     if args.out:
         args.out.write_text(json.dumps(dict(size=size, rate_mbit=args.rate_mbit, delay_ms=args.delay_ms,
+                                            transport=args.transport, pace_mbit=args.pace_mbit,
                                             tcp_both_ways_mbit=size * 8 / tcp / 1e6, summary=summary, runs=runs),
                                        indent=1))
     return 0
