@@ -29,6 +29,11 @@ those it failed. A part that comes after its reducer's cut-off is left out of th
 happens to honest volunteers, so only a member late again soon after is blamed (Stragglers). Each member gathers
 whom it blames (its PenaltyBox); a member blamed by more than half of the others is left out of the merge: it
 neither sends nor reduces a part. A hostile minority cannot leave out an honest member.
+A member blamed by any one other is still merged but reduces no part (it is relieved): a reducer that fails costs
+the whole island its round, a sender that fails only its own part. Without this, a peer that failed one member
+could fail it again in the next island they met, whoever led it, as long as the others there did not blame it
+yet. A blame list naming more than half of the others relieves nobody, so a liar blaming everyone cannot take
+all the parts to itself; and if every dialable member would be relieved, none is.
 """
 
 from __future__ import annotations
@@ -99,6 +104,7 @@ class IslandPlan:
     norms: list = field(default_factory=list)  # per member: its claimed block norms (zeros if excluded)
     bounded: dict = field(default_factory=dict)  # member index → what was capped, for the logs
     left_out: dict = field(default_factory=dict)  # member index → why (blamed by most others)
+    relieved: dict = field(default_factory=dict)  # member index → why it reduces no part (blamed by one other)
     clients: frozenset = frozenset()  # member indices in client mode: they accept no connections
 
     @property
@@ -108,8 +114,10 @@ class IslandPlan:
 
     @property
     def reducers(self) -> list[int]:
-        """The included members that reduce a part of the all-reduce: those others can dial."""
-        return [i for i in self.included if i not in self.clients]
+        """The included members that reduce a part of the all-reduce: those others can dial, less the relieved
+        ones unless no other is left."""
+        dialable = [i for i in self.included if i not in self.clients]
+        return [i for i in dialable if i not in self.relieved] or dialable
 
 
 def plan_island(island: Island, weighting: str, cap: float, n_params: int, bounds: Bounds = Bounds(),
@@ -126,6 +134,7 @@ def plan_island(island: Island, weighting: str, cap: float, n_params: int, bound
 def _plan(island: Island, weighting: str, cap: float, n_params: int, bounds: Bounds) -> IslandPlan:
     deadline = agreed_deadline([m.budget for m in island.accepted], cap)
     left_out = blamed_by_majority(island)
+    relieved = {i: why for i, why in blamed_by_a_few(island).items() if i not in left_out}
     if left_out:
         island = Island(tuple(None if i in left_out else m for i, m in enumerate(island.members)),
                         tuple(left_out.get(i, why) for i, why in enumerate(island.rejected)))
@@ -151,7 +160,8 @@ def _plan(island: Island, weighting: str, cap: float, n_params: int, bounds: Bou
     return IslandPlan(_spread(capped, index, len(island.members), 0.0), deadline,
                       maxabs=_spread(clipped, index, len(island.members), nothing),
                       clipped=_spread(over, index, len(island.members), nothing.bool()),
-                      norms=_spread(norms, index, len(island.members), nothing), bounded=notes, left_out=left_out)
+                      norms=_spread(norms, index, len(island.members), nothing), bounded=notes, left_out=left_out,
+                      relieved=relieved)
 
 
 def member_weights(tokens: list[int], steps: list[int], norms: list[float], versions: list[int], weighting: str,
@@ -186,6 +196,21 @@ def blamed_by_majority(island: Island) -> dict[int, str]:
         blamers = sum(m.peer in other.blame for j, other in accepted if j != i)
         if blamers and 2 * blamers > len(accepted) - 1:
             out[i] = f"blamed by {blamers} of the {len(accepted) - 1} others for a failed round"
+    return out
+
+
+def blamed_by_a_few(island: Island) -> dict[int, str]:
+    """Member index → who blames it, for the members that another well-formed member blames, counting only blame
+    lists that name at most half of the lister's others (a longer one is a liar's, or a peer failed by most of its
+    island: either way it says little about any one member)."""
+    accepted = [(i, m) for i, m in enumerate(island.members) if m is not None]
+    peers = {m.peer for _, m in accepted}
+    credible = [(j, m) for j, m in accepted if 2 * len((m.blame & peers) - {m.peer}) <= len(accepted) - 1]
+    out = {}
+    for i, m in accepted:
+        blamers = [other.name or other.peer[-6:] for j, other in credible if j != i and m.peer in other.blame]
+        if blamers:
+            out[i] = f"blamed by {', '.join(blamers)}: reduces no part"
     return out
 
 

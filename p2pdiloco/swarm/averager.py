@@ -146,6 +146,9 @@ class ExactAverager(DecentralizedAverager):
         if plan.bounded:
             logger.warning(f"group {group_info.group_id.hex()[:8]}: bounded " + ", ".join(
                 f"{island.members[i].name or island.members[i].peer[-6:]} ({why})" for i, why in plan.bounded.items()))
+        if plan.relieved and plan.weights is not None:
+            logger.info(f"group {group_info.group_id.hex()[:8]}: " + ", ".join(
+                f"{island.members[i].name or island.members[i].peer[-6:]} {why}" for i, why in plan.relieved.items()))
         self._refuse_left_out(island, plan, group_info)
         if plan.weights is None:  # every member derives the same: nothing to merge, no tensor moves
             return self._reduced(island, plan, group_info, False, plan.reason, started)

@@ -209,3 +209,36 @@ def test_a_faster_honest_member_adds_more_to_the_merge_but_at_most_the_bounds_pr
     adds = [w * m.delta_norm for w, m in zip(plan.weights, island.members)]
     assert adds[0] < adds[1] <= 4 * adds[0] * (1 + 1e-9)
     assert "merge weight capped" in plan.bounded[1] and "weight cut" in plan.bounded[1]
+
+
+def test_a_member_blamed_by_one_other_is_merged_but_reduces_no_part():
+    """A failed reducer costs the whole island its round: the peer a member blames must not get a part to fail again
+    in the next island they share, even where nobody else blames it yet (and whoever leads the island)."""
+    delta = torch.randn(N)
+    honest = [member(f"h{i}", delta) for i in range(3)]
+    evil = member("evil", delta)
+    plan = plan_island(parse_island([dict(honest[0], blame=["evil"]), honest[1], honest[2], evil], Expect(N)),
+                       "tokens2", 60.0, N)
+    assert plan.included == [0, 1, 2, 3] and plan.reducers == [0, 1, 2] and list(plan.relieved) == [3]
+    assert "h0" in plan.relieved[3]
+    three = plan_island(parse_island([dict(honest[0], blame=["evil"]), honest[1], evil], Expect(N)), "tokens2", 60.0, N)
+    assert three.included == [0, 1, 2] and three.reducers == [0, 1]  # 1 of its 2 others: merged, not reducing
+
+
+def test_a_liar_blaming_everyone_relieves_nobody_and_never_all_dialable_members_are_relieved():
+    delta = torch.randn(N)
+    honest = [member(f"h{i}", delta) for i in range(3)]
+    liar = dict(member("evil", delta), blame=["h0", "h1", "h2"])  # to take every part to itself
+    assert plan_island(parse_island([*honest, liar], Expect(N)), "tokens2", 60.0, N).reducers == [0, 1, 2, 3]
+    two = dict(member("evil", delta), blame=["h0", "h1"])  # 2 of its 3 others: more than half
+    assert plan_island(parse_island([*honest, two], Expect(N)), "tokens2", 60.0, N).relieved == {}
+    one = dict(member("evil", delta), blame=["h0"])  # as credible as anyone's: h0 is relieved, merged still
+    plan = plan_island(parse_island([*honest, one], Expect(N)), "tokens2", 60.0, N)
+    assert plan.included == [0, 1, 2, 3] and plan.reducers == [1, 2, 3]
+    # a pair blaming each other in an island of three: each list names 1 of 2 others; the third reduces alone
+    pair = [dict(honest[0], blame=["h1"]), dict(honest[1], blame=["h0"]), honest[2]]
+    assert plan_island(parse_island(pair, Expect(N)), "tokens2", 60.0, N).reducers == [2]
+    # every dialable member relieved: then none is (someone has to reduce), the clients still reduce nothing
+    mutual = [dict(honest[0], blame=["h1"]), dict(honest[1], blame=["h0"]), honest[2]]
+    plan = plan_island(parse_island(mutual, Expect(N)), "tokens2", 60.0, N, clients=frozenset({2}))
+    assert plan.included == [0, 1, 2] and plan.reducers == [0, 1]
