@@ -28,13 +28,18 @@ CHUNK = 1 << 16
 
 
 async def sink(_info, reader, writer) -> None:
-    """Takes the bytes announced, then says how many came."""
-    size, got = struct.unpack("<Q", await reader.readexactly(8))[0], 0
-    while got < size and (data := await reader.read(min(1 << 20, size - got))):
-        got += len(data)
-    writer.write(struct.pack("<Q", got))
-    await writer.drain()
-    await closed_by_caller(reader, writer)
+    """Takes the bytes announced, then says how many came; again for each message until the caller closes (closing
+    first, the daemon would reset the stream under our answer: p2pdiloco.swarm.codes)."""
+    while True:
+        try:
+            size, got = struct.unpack("<Q", await reader.readexactly(8))[0], 0
+        except asyncio.IncompleteReadError:
+            break
+        while got < size and (data := await reader.read(min(1 << 20, size - got))):
+            got += len(data)
+        writer.write(struct.pack("<Q", got))
+        await writer.drain()
+    writer.close()
 
 
 async def closed_by_caller(reader, writer) -> None:
@@ -66,8 +71,13 @@ class Pacer:
 PACER = Pacer()
 
 
-async def push(p2p: P2P, peer: PeerID, size: int) -> None:
-    _, reader, writer = await p2p.call_binary_stream_handler(peer, "sink")
+KEPT: dict = {}  # (peer, index) → a stream kept open for the next message, with `--reuse-streams`
+REUSE = False
+
+
+async def push(p2p: P2P, peer: PeerID, size: int, index: int = 0) -> None:
+    key = (str(peer), index)
+    reader, writer = KEPT.pop(key) if key in KEPT else (await p2p.call_binary_stream_handler(peer, "sink"))[1:]
     writer.write(struct.pack("<Q", size))
     block = b"x" * CHUNK
     for start in range(0, size, CHUNK):
@@ -75,13 +85,16 @@ async def push(p2p: P2P, peer: PeerID, size: int) -> None:
         writer.write(block[: min(CHUNK, size - start)])
         await writer.drain()
     got = struct.unpack("<Q", await reader.readexactly(8))[0]
-    writer.close()
+    if REUSE:
+        KEPT[key] = reader, writer
+    else:
+        writer.close()
     if got != size:
         raise RuntimeError(f"{got} of {size} bytes arrived")
 
 
 async def spread(p2p: P2P, peer: PeerID, size: int, streams: int) -> None:
-    await asyncio.gather(*(push(p2p, peer, size // streams) for _ in range(streams)))
+    await asyncio.gather(*(push(p2p, peer, size // streams, i) for i in range(streams)))
 
 
 LISTEN = {"tcp": "/ip4/{}/tcp/0", "quic": "/ip4/{}/udp/0/quic-v1"}
@@ -140,10 +153,14 @@ def main() -> int:
     parser.add_argument("--idle", type=float, default=2.0, help="seconds between trials")
     parser.add_argument("--transport", choices=sorted(LISTEN), default="tcp", help="what the daemons listen on")
     parser.add_argument("--pace-mbit", type=float, default=0.0, help="each side's sending, all streams together")
+    parser.add_argument("--reuse-streams", action="store_true",
+                        help="keep each stream open for the next trial (their flow-control windows grown)")
     parser.add_argument("--out", type=Path)
     Testbed.role_arguments(parser, "receiver", "sender")
     args = parser.parse_args()
     PACER.rate = args.pace_mbit * 1e6
+    global REUSE
+    REUSE = args.reuse_streams
     size = int(args.size)
     variants = [(int(k), two_way) for two_way in (False, True) for k in args.streams.split(",")]
     if args.role == "receiver":
@@ -159,7 +176,8 @@ def run(args, size: int) -> int:
     me = [sys.executable, os.path.abspath(__file__)]
     with Testbed(2, Link(args.rate_mbit, args.delay_ms), prefix="p2pdt-probe") as tb:
         tcp = tb.all_to_all_seconds(size)
-        transport = ["--transport", args.transport, "--pace-mbit", str(args.pace_mbit)]
+        transport = ["--transport", args.transport, "--pace-mbit", str(args.pace_mbit),
+                     *(["--reuse-streams"] if args.reuse_streams else [])]
         runs = tb.serve_and_ask([*me, "--role", "receiver", *transport], [*me, "--role", "sender", *transport,
                                                                          "--size", str(size),
                                                              "--streams", args.streams, "--trials", str(args.trials),
@@ -176,6 +194,7 @@ def run(args, size: int) -> int:
     if args.out:
         args.out.write_text(json.dumps(dict(size=size, rate_mbit=args.rate_mbit, delay_ms=args.delay_ms,
                                             transport=args.transport, pace_mbit=args.pace_mbit,
+                                            reuse_streams=args.reuse_streams,
                                             tcp_both_ways_mbit=size * 8 / tcp / 1e6, summary=summary, runs=runs),
                                        indent=1))
     return 0
