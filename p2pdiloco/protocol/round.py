@@ -359,3 +359,10 @@ class Round:
     def _expect(self, phase: str) -> None:
         if self.phase != phase:
             raise ProtocolError(f"round is in phase {self.phase!r}, not {phase!r}")
+
+
+def state_may_come(records: Sequence[PeerRecord], min_version: int) -> bool:
+    """Whether a state of `min_version` or later can still be downloaded: a live peer holds one, or is in an
+    island's all-reduce that may make one (its record withdraws `merging` only when it publishes the state it
+    made). Where neither holds, the peers that had it have left, and waiting for it cannot end but in a timeout."""
+    return any(r.version >= min_version or 0 <= r.merging and r.merging + 1 >= min_version for r in records)

@@ -31,14 +31,14 @@ from p2pdiloco.protocol.outcomes import Contribution, RoundOutcome, Solo, StateT
 from p2pdiloco.protocol.island import Bounds, PenaltyBox
 from p2pdiloco.protocol.remote import MAX_VERSION, Expect, PeerRecord
 from p2pdiloco.protocol.round import (Done, Download, FormIsland, IslandFailed, IslandReduced, IslandResult,
-                                      NoIsland, RefreshPeers, Round, RoundRules, WaitForPeers)
+                                      NoIsland, RefreshPeers, Round, RoundRules, WaitForPeers, state_may_come)
 from p2pdiloco.protocol.timing import GracePolicy, RoundClock
 from p2pdiloco.runtime.faults import NO_FAULTS, FaultPlan
 from p2pdiloco.runtime.procio import io_counters, moved_since
 from p2pdiloco.swarm.auth import MemberPasses, load_swarm_key
 from p2pdiloco.swarm.averager import BodyStatistics, ExactAverager, averager_limits, gather_record
 from p2pdiloco.swarm.node import STOP_WAIT
-from p2pdiloco.swarm.records import Heartbeat, fetch_records
+from p2pdiloco.swarm.records import TTL, Heartbeat, fetch_records
 from p2pdiloco.swarm.statefetch import StateFetcher
 from p2pdiloco.swarm.transfer import MAX_PART
 
@@ -260,7 +260,7 @@ class SwarmMerger:
         after a round the members that apply the merge publish it a moment later), dies mid-transfer or
         sends garbage is retried, next time from the best donor then, until the deadline."""
         deadline = time.monotonic() + (timeout or max(10.0, self.limits.allreduce_cap))
-        refused_here = False
+        refused_here, gone_since = False, None
         while True:
             loaded, donors = self._from_donors(min_version, deadline)
             if loaded is None and self.passes is None and not refused_here:
@@ -277,6 +277,16 @@ class SwarmMerger:
                 return None  # waiting out the deadline would only wait for the peer we refused
             if time.monotonic() >= deadline or self.stop.is_set() or self.closed.is_set():
                 logger.info(f"state download ({why}) failed: {problem}")
+                return None
+            # its holders gone for longer than a record lives: seen on the testbed, two peers behind spent the
+            # whole deadline (minutes for a large model) asking each other for a state only a departed peer had
+            if state_may_come(self.live_others(), min_version):
+                gone_since = None
+            elif gone_since is None:
+                gone_since = time.monotonic()
+            elif time.monotonic() - gone_since > TTL:
+                logger.info(f"state download ({why}) failed: {problem}; no live peer holds v{min_version} or later, "
+                            f"nor is making it")
                 return None
             time.sleep(0.5)
 

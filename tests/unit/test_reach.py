@@ -187,3 +187,35 @@ def test_a_stale_member_refusing_the_only_holder_of_the_result_gives_up_at_once(
     assert SwarmMerger.download(merger, liar.version, "stale contribution", timeout=60.0) is None
     assert time.monotonic() - started < 30  # not the deadline's 60 s
     assert merger.fetched == ["liar"] and merger.penalties.active(0.0) == ["liar"]
+
+
+def test_a_download_whose_only_holder_left_gives_up_once_a_record_would_have_expired(monkeypatch):
+    """Two peers behind, the one peer that held the newer state gone (it finished its run): the download stops
+    after TTL, not at the deadline (seen on the testbed: minutes of asking each other for it, for a large model)."""
+    ours, _ = lineage()
+    other = GlobalState(ours.params.clone(), LR, MU)
+    other.load(*served(ours))
+    merger = driver(monkeypatch, ours, {"other": served(other)})
+    merger.load_state = lambda timeout: served(other)  # hivemind's one-donor fallback finds only the older state
+    monkeypatch.setattr(rounds, "TTL", 0.3)
+    started = time.monotonic()
+    assert SwarmMerger.download(merger, ours.version + 2, "behind", timeout=30.0) is None
+    assert time.monotonic() - started < 5  # not the deadline's 30 s
+
+
+def test_a_download_waits_for_a_state_a_live_peer_is_still_making(monkeypatch):
+    """A peer whose island's all-reduce runs may publish the state asked for: it is waited for, and taken."""
+    ours, g = lineage()
+    newer = GlobalState(ours.params.clone(), LR, MU)
+    newer.load(*served(ours))
+    step(newer, g)
+    merger = driver(monkeypatch, ours, {"maker": served(newer)})
+    making = [PeerRecord(peer="maker", name="maker", version=ours.version, digest=ours.digest, merging=ours.version)]
+    published = [PeerRecord(peer="maker", name="maker", version=newer.version, digest=newer.digest)]
+    started = time.monotonic()
+    monkeypatch.setattr(rounds, "fetch_records", lambda dht, run_id: making if time.monotonic() - started < 1.5
+                        else published)
+    merger.load_state = lambda timeout: served(ours)  # before it publishes: only our own version around
+    monkeypatch.setattr(rounds, "TTL", 0.3)
+    loaded = SwarmMerger.download(merger, newer.version, "stale contribution", timeout=30.0)
+    assert loaded is not None and loaded[0]["version"] == newer.version
