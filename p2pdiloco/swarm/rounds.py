@@ -35,6 +35,7 @@ from p2pdiloco.protocol.round import (Done, Download, FormIsland, IslandFailed, 
 from p2pdiloco.protocol.timing import GracePolicy, RoundClock
 from p2pdiloco.runtime.faults import NO_FAULTS, FaultPlan
 from p2pdiloco.runtime.procio import io_counters, moved_since
+from p2pdiloco.runtime.waiting import result_unless_closed
 from p2pdiloco.swarm.auth import MemberPasses, load_swarm_key
 from p2pdiloco.swarm.averager import BodyStatistics, ExactAverager, averager_limits, gather_record
 from p2pdiloco.swarm.node import STOP_WAIT
@@ -173,7 +174,7 @@ class SwarmMerger:
             gather=gather, weight=1.0, timeout=island.find_timeout, scheduled_time=get_dht_time() + self._start_in(island),
             allow_retries=False, wait=False)
         try:
-            result = result_unless_closed(control, island.result_timeout, self.closed,
+            result = result_unless_closed(control, island.result_timeout, self.closed.is_set,
                                           on_poll=merging_announcer(control, self.heartbeat, c.version))
         except Exception as e:  # CancelledError too: we left while looking for an island
             began = control.began_allreduce
@@ -263,7 +264,7 @@ class SwarmMerger:
         refused_here, gone_since = False, None
         while True:
             loaded, donors = self._from_donors(min_version, deadline)
-            if loaded is None and self.passes is None and not refused_here:
+            if loaded is None and self.passes is None and not refused_here and not self._stopping():
                 # one donor at a time, hivemind's way (no room for a pass); it would pick a refused donor again
                 loaded, donors = self.load_state(timeout=max(1.0, deadline - time.monotonic())), []
             problem = "no peer shared its state" if loaded is None else validate_state(*loaded, self.n, min_version)
@@ -275,7 +276,7 @@ class SwarmMerger:
             if refused_here and state_donors(self.live_others(), min_version) is None:
                 logger.info(f"state download ({why}) failed: {problem}; no other peer holds v{min_version} or later")
                 return None  # waiting out the deadline would only wait for the peer we refused
-            if time.monotonic() >= deadline or self.stop.is_set() or self.closed.is_set():
+            if time.monotonic() >= deadline or self._stopping():
                 logger.info(f"state download ({why}) failed: {problem}")
                 return None
             # its holders gone for longer than a record lives: seen on the testbed, two peers behind spent the
@@ -316,7 +317,8 @@ class SwarmMerger:
         best, donors = chosen
         started = time.monotonic()
         try:
-            t = self.fetcher.fetch(donors, best, 2 * self.n, timeout=max(1.0, deadline - time.monotonic()))
+            t = self.fetcher.fetch(donors, best, 2 * self.n, timeout=max(1.0, deadline - time.monotonic()),
+                                   leaving=self._stopping)
         except Exception as e:  # every donor failed, or time ran out: the caller falls back
             logger.info(f"state from {len(donors)} donor(s) failed: {type(e).__name__}: {e}")
             return None, []
@@ -327,10 +329,16 @@ class SwarmMerger:
         served = [donor for donor, parts in t.parts_by_donor.items() if parts]
         return (t.metadata, [t.flat[: self.n], t.flat[self.n:]]), served
 
+    def _stopping(self) -> bool:
+        return self.stop.is_set() or self.closed.is_set()
+
     def load_state(self, timeout: float) -> Optional[StateTuple]:
+        future = self.averager.load_state_from_peers(wait=False, timeout=timeout)
         try:
-            loaded = self.averager.load_state_from_peers(timeout=timeout)
-        except Exception as e:  # a hostile or dying donor: report, never crash
+            loaded = result_unless_closed(future, timeout, self._stopping)
+        except Exception as e:  # a hostile or dying donor, our time up, or asked to leave: report, never crash
+            with contextlib.suppress(InvalidStateError):
+                future.cancel()
             logger.info(f"state download failed: {type(e).__name__}: {e}")
             return None
         return None if loaded is None else (loaded[0], list(loaded[1]))
@@ -397,26 +405,6 @@ def merging_announcer(control, heartbeat: Heartbeat, version: int) -> Callable[[
         if control.began_allreduce and heartbeat.record.merging != version:
             heartbeat.update(merging=version)
     return announce
-
-
-def result_unless_closed(future, timeout: float, closed: threading.Event, poll: float = 0.25,
-                         on_poll: Callable[[], None] = lambda: None):
-    """`future.result(timeout)`, but raise as soon as `closed` is set: the peer is leaving, and an outcome
-    that can no longer arrive must not keep its process alive. `on_poll` runs every `poll` s while we wait."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if closed.is_set():
-            raise LeavingError("the peer is leaving")
-        on_poll()
-        try:
-            return future.result(timeout=max(0.0, min(poll, deadline - time.monotonic())))
-        except TimeoutError:
-            if time.monotonic() >= deadline:
-                raise
-
-
-class LeavingError(RuntimeError):
-    pass
 
 
 def cancel(control) -> None:

@@ -27,6 +27,7 @@ from hivemind.utils.logging import get_logger
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
+from p2pdiloco.runtime.waiting import LeavingError, result_unless_closed
 from p2pdiloco.swarm.transfer import MAX_PART, STREAMS_PER_DONOR, Transfer, TransferError, fetch_parts
 
 logger = get_logger(__name__)
@@ -144,16 +145,22 @@ class StateFetcher:
         self._p2p = None  # the DHT's libp2p replica, made on (and bound to) our loop
         self._pending: Optional[concurrent.futures.Future] = None
 
-    def fetch(self, donors: list[str], key: tuple[int, str], total: int, timeout: float) -> Transfer:
+    def fetch(self, donors: list[str], key: tuple[int, str], total: int, timeout: float,
+              leaving: Callable[[], bool] = lambda: False) -> Transfer:
+        """`leaving`: polled while the parts come; once it says so, the fetch is cancelled (a large state takes
+        minutes over a home uplink, and a peer asked to leave meanwhile leaves now)."""
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
             threading.Thread(target=self._loop.run_forever, name="state-fetch", daemon=True).start()
         future = self._pending = asyncio.run_coroutine_threadsafe(self._fetch(donors, key, total), self._loop)
         try:
-            return future.result(timeout)
+            return result_unless_closed(future, timeout, leaving)
         except TimeoutError:
             future.cancel()
             raise TransferError(f"no complete state within {timeout:.0f} s") from None
+        except LeavingError:
+            future.cancel()
+            raise TransferError("left while fetching") from None
         except concurrent.futures.CancelledError:
             raise TransferError("closed while fetching") from None
 
@@ -190,6 +197,8 @@ class StateFetcher:
             return
         if self._pending is not None:
             self._pending.cancel()  # a fetch still waiting returns now rather than at its timeout
+            with contextlib.suppress(Exception):  # and unwinds on its loop before the loop stops
+                asyncio.run_coroutine_threadsafe(asyncio.sleep(0.05), self._loop).result(1.0)
         if self._p2p is not None:
             with contextlib.suppress(Exception):
                 asyncio.run_coroutine_threadsafe(self._released(), self._loop).result(1.0)

@@ -5,6 +5,7 @@ import asyncio
 import concurrent.futures
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ from p2pdiloco.protocol.outcomes import Contribution, RolledBack
 from p2pdiloco.protocol.remote import PeerRecord
 from p2pdiloco.protocol.round import RoundRules
 from p2pdiloco.protocol.timing import RoundClock
-from p2pdiloco.swarm.rounds import LeavingError, SwarmMerger, merging_announcer, result_unless_closed
+from p2pdiloco.runtime.waiting import LeavingError, result_unless_closed
+from p2pdiloco.swarm.rounds import SwarmMerger, merging_announcer
 from p2pdiloco.swarm.statefetch import StateFetcher
 from p2pdiloco.swarm.transfer import TransferError
 
@@ -30,7 +32,7 @@ def test_a_round_waiting_on_a_step_that_never_resolves_gives_up_when_the_merger_
     closer = close_after(0.3, closed.set)
     start = time.monotonic()
     with pytest.raises(LeavingError):
-        result_unless_closed(never, timeout=60.0, closed=closed)
+        result_unless_closed(never, timeout=60.0, closed=closed.is_set)
     assert time.monotonic() - start < 2.0
     closer.join()
 
@@ -38,16 +40,15 @@ def test_a_round_waiting_on_a_step_that_never_resolves_gives_up_when_the_merger_
 def test_result_unless_closed_returns_the_result_and_keeps_its_timeout():
     done = concurrent.futures.Future()
     done.set_result({"verified": True})
-    assert result_unless_closed(done, timeout=1.0, closed=threading.Event()) == {"verified": True}
+    assert result_unless_closed(done, timeout=1.0, closed=threading.Event().is_set) == {"verified": True}
     start = time.monotonic()
     with pytest.raises(TimeoutError):
-        result_unless_closed(concurrent.futures.Future(), timeout=0.5, closed=threading.Event())
+        result_unless_closed(concurrent.futures.Future(), timeout=0.5, closed=threading.Event().is_set)
     assert 0.4 < time.monotonic() - start < 2.0
 
 
 def test_a_peer_says_in_its_record_when_its_island_closed_to_others_while_it_waits_for_the_result():
     """protocol.round's wait_for_island needs the record field `merging`: set once the all-reduce began, once."""
-    from types import SimpleNamespace
 
     class Beat:
         def __init__(self):
@@ -68,8 +69,8 @@ def test_a_peer_says_in_its_record_when_its_island_closed_to_others_while_it_wai
         if len(polls) == 5:
             future.set_result("reduced")
 
-    assert result_unless_closed(future, timeout=10.0, closed=threading.Event(), poll=0.01, on_poll=on_poll) == \
-        "reduced"
+    assert result_unless_closed(future, timeout=10.0, closed=threading.Event().is_set, poll=0.01,
+                                on_poll=on_poll) == "reduced"
     assert beat.updates == [dict(merging=3)] and beat.record.merging == 3
     # withdrawn with the state the island made, never before: no moment shows neither the island nor its merge.
     # The round's end keeps it (withdrawn there, peers that had waited forked: seen on the H200 machine)
@@ -95,3 +96,29 @@ def test_a_state_fetch_in_progress_ends_when_the_fetcher_closes():
         fetcher.fetch(["donor"], (3, "digest"), total=1000, timeout=60.0)
     assert time.monotonic() - start < 3.0
     closer.join()
+
+
+def test_a_state_fetch_in_progress_ends_when_the_peer_is_asked_to_leave():
+    """Not only when the fetcher closes: a download of a large state takes minutes, and SIGTERM must not wait."""
+    fetcher = StateFetcher(HangingDHT(), get_stub=None, part_timeout=60.0)
+    asked = threading.Event()
+    asker = close_after(0.5, asked.set)
+    start = time.monotonic()
+    with pytest.raises(TransferError, match="left while fetching"):
+        fetcher.fetch(["donor"], (3, "digest"), total=1000, timeout=60.0, leaving=asked.is_set)
+    assert time.monotonic() - start < 3.0
+    asker.join()
+    fetcher.close()
+
+
+def test_hivemind_s_one_donor_download_is_cancelled_when_the_peer_is_asked_to_leave():
+    never = concurrent.futures.Future()
+    stop, closed = threading.Event(), threading.Event()
+    merger = SimpleNamespace(stop=stop, closed=closed, averager=SimpleNamespace(
+        load_state_from_peers=lambda wait, timeout: never if not wait else pytest.fail("it would block")))
+    merger._stopping = SwarmMerger._stopping.__get__(merger)
+    asker = close_after(0.5, stop.set)
+    start = time.monotonic()
+    assert SwarmMerger.load_state(merger, timeout=60.0) is None
+    assert time.monotonic() - start < 3.0 and never.cancelled()
+    asker.join()

@@ -127,7 +127,7 @@ def driver(monkeypatch, ours: GlobalState, states: dict, extra=()):
     monkeypatch.setattr(rounds, "fetch_records", lambda dht, run_id: records)
     fetched = []
 
-    def fetch(donors, key, size, timeout):
+    def fetch(donors, key, size, timeout, leaving):
         fetched.append(donors[0])
         metadata, tensors = states[donors[0]]
         return SimpleNamespace(metadata=metadata, flat=torch.cat(tensors), parts_by_donor=Counter({donors[0]: 1}),
@@ -139,7 +139,7 @@ def driver(monkeypatch, ours: GlobalState, states: dict, extra=()):
         stop=SimpleNamespace(is_set=lambda: False), closed=SimpleNamespace(is_set=lambda: False),
         load_state=lambda timeout: pytest.fail("hivemind's one-donor download would pick the liar again"),
         why_not_adopt=ours.why_not_adopt, fetched=fetched)
-    for name in ("_from_donors", "_too_far", "live_others"):
+    for name in ("_from_donors", "_too_far", "live_others", "_stopping"):
         setattr(merger, name, getattr(SwarmMerger, name).__get__(merger))
     return merger
 
