@@ -22,9 +22,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -57,6 +59,18 @@ def sh(*args: str, check: bool = True, stdin: Optional[str] = None) -> subproces
     return result
 
 
+def _exit_on_sigterm():
+    """SIGTERM's default ends Python without running `finally` or `__exit__`: a benchmark stopped that way left
+    its peers running and its namespaces behind. Within a testbed, SIGTERM exits like Ctrl-C does, through the
+    cleanup (main thread only, where Python handles signals). The handler it replaces, or None where it put none."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def leave(signum, _frame):
+        raise SystemExit(128 + signum)
+    return signal.signal(signal.SIGTERM, leave) or signal.SIG_DFL  # None: one set outside Python, not ours to keep
+
+
 def has_netem() -> bool:
     """Whether this kernel can add a netem qdisc (tried on a throwaway namespace's loopback)."""
     probe = "p2pdiloco-netem-probe"
@@ -78,6 +92,7 @@ class Testbed:
     use_netem: Optional[bool] = None  # None: probe
     natted: frozenset = frozenset()  # indices of the peers behind a NAT
     _delayline: Optional[subprocess.Popen] = None
+    _on_sigterm: object = None  # the SIGTERM handler before ours, restored on exit
     created: list = field(default_factory=list)
 
     # ---- names and addresses --------------------------------------------------------------------------------
@@ -151,11 +166,16 @@ class Testbed:
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
     def __enter__(self) -> "Testbed":
+        self._on_sigterm = _exit_on_sigterm()
         self.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.stop()
+        try:
+            self.stop()
+        finally:
+            if self._on_sigterm is not None:
+                signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def start(self) -> None:
         if os.geteuid() != 0:

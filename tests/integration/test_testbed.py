@@ -170,3 +170,25 @@ def test_a_testbed_removes_only_its_own_namespaces():
         with Testbed(1, prefix="p2pdt"):
             pass
         assert sorted(other.namespaces()) == ["p2pdt-other-hub", "p2pdt-other-p0"]
+
+
+def test_sigterm_to_a_process_holding_a_testbed_removes_its_namespaces_and_delay_line():
+    """SIGTERM's default would end Python without its cleanup: a benchmark stopped so left everything behind."""
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import time\n"
+        "from p2pdiloco.ops.testbed import Link, Testbed\n"
+        "with Testbed(2, Link(rate_mbit=50, delay_ms=5), prefix='p2pdt-term') as tb:\n"
+        "    print(tb._delayline.pid, flush=True)\n"
+        "    time.sleep(120)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        delayline = int(holder.stdout.readline())
+        assert Testbed(2, prefix="p2pdt-term").namespaces()
+        holder.send_signal(signal.SIGTERM)
+        assert holder.wait(30) == 128 + signal.SIGTERM
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+    assert Testbed(2, prefix="p2pdt-term").namespaces() == []
+    with pytest.raises(ProcessLookupError):
+        os.kill(delayline, 0)
