@@ -134,10 +134,10 @@ def plan_island(island: Island, weighting: str, cap: float, n_params: int, bound
 def _plan(island: Island, weighting: str, cap: float, n_params: int, bounds: Bounds) -> IslandPlan:
     deadline = agreed_deadline([m.budget for m in island.accepted], cap)
     left_out = blamed_by_majority(island)
-    relieved = {i: why for i, why in blamed_by_a_few(island).items() if i not in left_out}
     if left_out:
         island = Island(tuple(None if i in left_out else m for i, m in enumerate(island.members)),
                         tuple(left_out.get(i, why) for i, why in enumerate(island.rejected)))
+    relieved = blamed_by_a_few(island)  # by those still in: a left-out member's blame counts no more
     accepted = island.accepted
     if not accepted:
         return IslandPlan(None, deadline, "no member's record was well-formed, or every member was blamed",

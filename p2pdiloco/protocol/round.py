@@ -362,7 +362,9 @@ class Round:
 
 
 def state_may_come(records: Sequence[PeerRecord], min_version: int) -> bool:
-    """Whether a state of `min_version` or later can still be downloaded: a live peer holds one, or is in an
-    island's all-reduce that may make one (its record withdraws `merging` only when it publishes the state it
-    made). Where neither holds, the peers that had it have left, and waiting for it cannot end but in a timeout."""
-    return any(r.version >= min_version or 0 <= r.merging and r.merging + 1 >= min_version for r in records)
+    """Whether a state of `min_version` or later can still be downloaded: a live peer that can serve (not in client
+    mode: nobody can dial it) holds one, or is in an island's all-reduce that may make one (its record withdraws
+    `merging` only when it publishes the state it made). Where neither holds, those that had it have left, and
+    waiting for it cannot end but in a timeout."""
+    return any(not r.client_mode and (r.version >= min_version or 0 <= r.merging and r.merging + 1 >= min_version)
+               for r in records)

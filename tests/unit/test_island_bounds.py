@@ -238,6 +238,10 @@ def test_a_liar_blaming_everyone_relieves_nobody_and_never_all_dialable_members_
     # a pair blaming each other in an island of three: each list names 1 of 2 others; the third reduces alone
     pair = [dict(honest[0], blame=["h1"]), dict(honest[1], blame=["h0"]), honest[2]]
     assert plan_island(parse_island(pair, Expect(N)), "tokens2", 60.0, N).reducers == [2]
+    # a member left out (blamed by most) blames no one any more
+    left = dict(member("evil", delta), blame=["h0"])
+    plan = plan_island(parse_island([*[dict(h, blame=["evil"]) for h in honest], left], Expect(N)), "tokens2", 60.0, N)
+    assert plan.included == [0, 1, 2] and plan.reducers == [0, 1, 2] and plan.relieved == {}
     # every dialable member relieved: then none is (someone has to reduce), the clients still reduce nothing
     mutual = [dict(honest[0], blame=["h1"]), dict(honest[1], blame=["h0"]), honest[2]]
     plan = plan_island(parse_island(mutual, Expect(N)), "tokens2", 60.0, N, clients=frozenset({2}))

@@ -190,12 +190,13 @@ def test_a_stale_member_refusing_the_only_holder_of_the_result_gives_up_at_once(
 
 
 def test_a_download_whose_only_holder_left_gives_up_once_a_record_would_have_expired(monkeypatch):
-    """Two peers behind, the one peer that held the newer state gone (it finished its run): the download stops
-    after TTL, not at the deadline (seen on the testbed: minutes of asking each other for it, for a large model)."""
+    """Two peers behind, the one peer that held the newer state gone (it finished its run), or in client mode: the
+    download stops after TTL, not at the deadline (seen on the testbed: minutes of asking each other for it)."""
     ours, _ = lineage()
     other = GlobalState(ours.params.clone(), LR, MU)
     other.load(*served(ours))
-    merger = driver(monkeypatch, ours, {"other": served(other)})
+    client = PeerRecord(peer="client", name="client", version=ours.version + 2, digest="ff", client_mode=True)
+    merger = driver(monkeypatch, ours, {"other": served(other)}, [client])  # holds it, but nobody can dial it
     merger.load_state = lambda timeout: served(other)  # hivemind's one-donor fallback finds only the older state
     monkeypatch.setattr(rounds, "TTL", 0.3)
     started = time.monotonic()
