@@ -33,7 +33,7 @@ A member blamed by any one other is still merged but reduces no part (it is reli
 the whole island its round, a sender that fails only its own part. Without this, a peer that failed one member
 could fail it again in the next island they met, whoever led it, as long as the others there did not blame it
 yet. A blame list naming more than half of the others relieves nobody, so a liar blaming everyone cannot take
-all the parts to itself; and if every dialable member would be relieved, none is.
+all the parts to itself; a member left out blames no one; and if every dialable member would be relieved, none is.
 """
 
 from __future__ import annotations
