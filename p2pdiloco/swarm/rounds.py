@@ -264,8 +264,10 @@ class SwarmMerger:
         refused_here, gone_since = False, None
         while True:
             loaded, donors = self._from_donors(min_version, deadline)
-            if loaded is None and self.passes is None and not refused_here and not self._stopping():
-                # one donor at a time, hivemind's way (no room for a pass); it would pick a refused donor again
+            if (loaded is None and self.passes is None and not refused_here and not self._stopping()
+                    and state_donors(self.live_others(), min_version) is not None):
+                # one donor at a time, hivemind's way (no room for a pass); it would pick a refused donor again.
+                # Only while a live peer holds the version: else it can only fetch an older state, whole, to refuse
                 loaded, donors = self.load_state(timeout=max(1.0, deadline - time.monotonic())), []
             problem = "no peer shared its state" if loaded is None else validate_state(*loaded, self.n, min_version)
             if not problem:

@@ -197,7 +197,7 @@ def test_a_download_whose_only_holder_left_gives_up_once_a_record_would_have_exp
     other.load(*served(ours))
     client = PeerRecord(peer="client", name="client", version=ours.version + 2, digest="ff", client_mode=True)
     merger = driver(monkeypatch, ours, {"other": served(other)}, [client])  # holds it, but nobody can dial it
-    merger.load_state = lambda timeout: served(other)  # hivemind's one-donor fallback finds only the older state
+    merger.load_state = lambda timeout: pytest.fail("hivemind's one-donor download could only fetch an older state")
     monkeypatch.setattr(rounds, "TTL", 0.3)
     started = time.monotonic()
     assert SwarmMerger.download(merger, ours.version + 2, "behind", timeout=30.0) is None
@@ -216,7 +216,7 @@ def test_a_download_waits_for_a_state_a_live_peer_is_still_making(monkeypatch):
     started = time.monotonic()
     monkeypatch.setattr(rounds, "fetch_records", lambda dht, run_id: making if time.monotonic() - started < 1.5
                         else published)
-    merger.load_state = lambda timeout: served(ours)  # before it publishes: only our own version around
+    merger.load_state = lambda timeout: pytest.fail("before it publishes, only older states are around")
     monkeypatch.setattr(rounds, "TTL", 0.3)
     loaded = SwarmMerger.download(merger, newer.version, "stale contribution", timeout=30.0)
     assert loaded is not None and loaded[0]["version"] == newer.version
