@@ -64,6 +64,9 @@ async def fetch_parts(donors: list[str], key: tuple[int, str], total: int, fetch
     async def work(donor: str) -> None:
         while donor not in result.failed_donors and (start_length := await _next(queue, complete)) is not None:
             start, length = start_length
+            if donor in result.failed_donors:  # failed on another stream while this one waited for a part
+                queue.put_nowait(start_length)
+                return
             try:
                 metadata, chunk = await asyncio.wait_for(fetch_part(donor, start, length), part_timeout)
                 chunk_key = (metadata.get("version"), metadata.get("digest"))

@@ -236,3 +236,25 @@ def test_state_donors_are_the_dialable_peers_holding_the_best_state():
     records = [rec("a", 5), rec("b", 5), rec("nat", 6, "bbbbbb", client=True), rec("c", 5, client=True), rec("d", 4)]
     assert state_donors(records, 0) == ((5, "aaaaaa"), ["a", "b"])  # the newer state sits behind a NAT only
     assert state_donors(records, 6) is None and state_donors([rec("c", 5, client=True)], 0) is None
+
+
+def test_a_stream_waiting_for_a_part_when_its_donor_failed_elsewhere_does_not_ask_that_donor():
+    """Four parts, two streams per donor: a's second stream is done at once and waits for a part while b's two
+    are busy; a's first stream fails and hands its part back. The waiting stream must leave that part to b, not
+    ask a, which has just failed, once more."""
+    calls = {"a": [], "b": []}
+    quarter = TOTAL // 4
+
+    async def fetch_part(donor, start, length):
+        calls[donor].append(start)
+        if donor == "a" and start == 0:
+            await asyncio.sleep(0.1)
+            raise ConnectionResetError("donor died mid-transfer")
+        await asyncio.sleep(0.3 if donor == "b" else 0.0)
+        return dict(META), STATE[start:start + length].clone()
+
+    async def go():
+        return await fetch_parts(["a", "b"], (7, "abc"), TOTAL, fetch_part, part_timeout=5.0, size=quarter, streams=2)
+    t = asyncio.run(go())
+    assert torch.equal(t.flat, STATE) and "a" in t.failed_donors
+    assert sorted(calls["a"]) == [0, quarter] and 0 in calls["b"], calls
