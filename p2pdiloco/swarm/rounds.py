@@ -263,9 +263,9 @@ class SwarmMerger:
         deadline = time.monotonic() + (timeout or max(10.0, self.limits.allreduce_cap))
         refused_here, gone_since = False, None
         while True:
-            loaded, donors = self._from_donors(min_version, deadline)
-            if (loaded is None and self.passes is None and not refused_here and not self._stopping()
-                    and state_donors(self.live_others(), min_version) is not None):
+            holders = state_donors(self.live_others(), min_version)
+            loaded, donors = self._from_donors(holders, deadline)
+            if loaded is None and holders and self.passes is None and not refused_here and not self._stopping():
                 # one donor at a time, hivemind's way (no room for a pass); it would pick a refused donor again.
                 # Only while a live peer holds the version: else it can only fetch an older state, whole, to refuse
                 loaded, donors = self.load_state(timeout=max(1.0, deadline - time.monotonic())), []
@@ -275,7 +275,8 @@ class SwarmMerger:
                 refused_here |= problem is not None
             if not problem:
                 return loaded
-            if refused_here and state_donors(self.live_others(), min_version) is None:
+            others = self.live_others()  # read again: a key refused just now no longer counts
+            if refused_here and state_donors(others, min_version) is None:
                 logger.info(f"state download ({why}) failed: {problem}; no other peer holds v{min_version} or later")
                 return None  # waiting out the deadline would only wait for the peer we refused
             if time.monotonic() >= deadline or self._stopping():
@@ -283,7 +284,7 @@ class SwarmMerger:
                 return None
             # its holders gone for longer than a record lives: seen on the testbed, two peers behind spent the
             # whole deadline (minutes for a large model) asking each other for a state only a departed peer had
-            if state_may_come(self.live_others(), min_version):
+            if state_may_come(others, min_version):
                 gone_since = None
             elif gone_since is None:
                 gone_since = time.monotonic()
@@ -310,10 +311,10 @@ class SwarmMerger:
             why = f"refused: {why}"
         return why
 
-    def _from_donors(self, min_version: int, deadline: float) -> tuple[Optional[StateTuple], list[str]]:
-        """In parts from every live peer announcing the best state key, resuming past donors that fail; the
+    def _from_donors(self, chosen: Optional[tuple[tuple[int, str], list[str]]],
+                     deadline: float) -> tuple[Optional[StateTuple], list[str]]:
+        """In parts from every donor of the best state key (`state_donors`), resuming past donors that fail; the
         state and the donors that served it."""
-        chosen = state_donors(self.live_others(), min_version)
         if chosen is None:
             return None, []
         best, donors = chosen
