@@ -24,10 +24,9 @@ from hivemind.p2p import P2P, P2PContext, ServicerBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
-from p2pdiloco.ops.testbed import Link, Testbed
+from p2pdiloco.ops.testbed import NO_NAT_PROBING, Link, Testbed
 from p2pdiloco.swarm.statefetch import PartServer, StateFetcher
 
-HYGIENE = dict(nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False)
 NAMESPACE, KEY = "bench", (7, "bench-digest")
 
 
@@ -50,7 +49,7 @@ class Donor(ServicerBase):
 
 
 async def donate(address: str, elements: int, out: Path) -> None:
-    p2p = await P2P.create(host_maddrs=[f"/ip4/{address}/tcp/0"], **HYGIENE)
+    p2p = await P2P.create(host_maddrs=[f"/ip4/{address}/tcp/0"], **NO_NAT_PROBING)
     await Donor(state(elements)).add_p2p_handlers(p2p, namespace=NAMESPACE)
     out.write_text(str((await p2p.get_visible_maddrs())[0]))
     await asyncio.Event().wait()
@@ -65,7 +64,7 @@ class Replica:
     async def replicate_p2p(self) -> P2P:
         if self.p2p is None:
             self.p2p = await P2P.create(host_maddrs=[f"/ip4/{self.address}/tcp/0"], initial_peers=[self.donor],
-                                        **HYGIENE)
+                                        **NO_NAT_PROBING)
         return self.p2p
 
 

@@ -21,9 +21,8 @@ from pathlib import Path
 
 from hivemind.p2p import P2P, PeerID
 
-from p2pdiloco.ops.testbed import Link, Testbed
+from p2pdiloco.ops.testbed import NO_NAT_PROBING, Link, Testbed
 
-HYGIENE = dict(nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False)
 CHUNK = 1 << 16
 
 
@@ -101,7 +100,8 @@ LISTEN = {"tcp": "/ip4/{}/tcp/0", "quic": "/ip4/{}/udp/0/quic-v1"}
 
 
 async def start(address: str, initial: list, transport: str) -> P2P:
-    p2p = await P2P.create(host_maddrs=[LISTEN[transport].format(address)], initial_peers=initial, **HYGIENE)
+    p2p = await P2P.create(host_maddrs=[LISTEN[transport].format(address)], initial_peers=initial,
+                           **NO_NAT_PROBING)
     await p2p.add_binary_stream_handler("sink", sink)
 
     async def back(info, reader, writer):  # the other side asks for SIZE over K streams back to it

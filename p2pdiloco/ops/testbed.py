@@ -33,6 +33,9 @@ from typing import Optional
 
 from p2pdiloco.ops.launcher import stop_tree, wait_for_file
 
+# What a libp2p daemon a benchmark starts on the testbed is given: NAT port mapping, autonat and relays would
+# probe interfaces beyond the testbed's (swarm.node.dht_kwargs turns them off the same way for peers)
+NO_NAT_PROBING = dict(nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False)
 TUN = "tbdelay"
 ROUTE_TABLE = "100"
 
