@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from p2pdiloco.ops.cpuload import CpuSampler, Proc
 from p2pdiloco.ops.launcher import stop_tree
 from p2pdiloco.ops.testbed import Link, Testbed
 from p2pdiloco.runtime.schema import Round, Start, Summary, of_kind, read_records
@@ -56,7 +57,7 @@ def run_variant(tb: Testbed, variant: str, seed: int, args, log_dir: Path) -> di
               "--run-id", f"bw-seed{seed}", "--seed", str(seed), "--bandwidth-mbps", str(args.rate_mbit),
               "--throttle", str(args.throttle)]
     procs, started = [], time.monotonic()
-    with stopped_at_exit(procs):
+    with CpuSampler(process_class) as cpu, stopped_at_exit(procs):
         for i in range(args.peers):
             join = ["--initial-peers", first_address(log_dir, timeout=60)] if i else []
             cmd = [*tb.exec_prefix(i), sys.executable, "-m", "p2pdiloco.cli", "join", "--listen",
@@ -67,7 +68,24 @@ def run_variant(tb: Testbed, variant: str, seed: int, args, log_dir: Path) -> di
         for p in procs:
             p.wait(timeout=args.timeout)
     wall = time.monotonic() - started
-    return dict(seed=seed, **summarize(log_dir, args, wall, [p.returncode for p in procs]))
+    return dict(seed=seed, **summarize(log_dir, args, wall, [p.returncode for p in procs], cpu))
+
+
+def process_class(proc: Proc, by_pid: dict) -> str | None:
+    """Who used the CPU: the peers' training processes, their hivemind workers (DHT, averager: forked, same
+    command line), the libp2p daemons, the testbed's delay line, the kernel's soft-interrupt threads."""
+    if proc.comm == "p2pd":
+        return "daemons"
+    if "p2pdiloco.ops.delayline" in proc.cmdline:
+        return "delay line"
+    if proc.comm.startswith("ksoftirqd"):
+        return "ksoftirqd"
+    parent = by_pid.get(proc.ppid)
+    if "p2pdiloco.cli join" in proc.cmdline:
+        return "hivemind workers" if parent and "p2pdiloco.cli join" in parent.cmdline else "trainers"
+    if parent and "p2pdiloco.cli join" in parent.cmdline and "python" in proc.cmdline:
+        return "hivemind workers"  # a spawned child
+    return None
 
 
 def run_dp(tb: Testbed, args, log_dir: Path) -> dict:
@@ -125,7 +143,7 @@ def val_curve(log_dir: Path) -> list[tuple[int, float]]:
     return sorted((v, statistics.mean(max(states.values(), key=len))) for v, states in evals.items())
 
 
-def summarize(log_dir: Path, args, wall: float, codes: list) -> dict:
+def summarize(log_dir: Path, args, wall: float, codes: list, cpu: CpuSampler | None = None) -> dict:
     rounds, summaries = [], []  # rounds: merged ones with more than one member
     for path in sorted(log_dir.glob("p*.jsonl")):
         records = read_records(path)
@@ -145,7 +163,16 @@ def summarize(log_dir: Path, args, wall: float, codes: list) -> dict:
                 full_round_bytes_sent=median_or_none([r.bytes_sent for r in full_rounds(rounds, args.peers)]),
                 utilization=statistics.mean(s.utilization for s in summaries) if summaries else None,
                 final_val=statistics.mean(s.final_val for s in summaries) if summaries else None,
-                val_curve=val_curve(log_dir))
+                val_curve=val_curve(log_dir), **cpu_figures(cpu, full_rounds(rounds, args.peers)))
+
+
+def cpu_figures(cpu: CpuSampler | None, rounds: list) -> dict:
+    """The host's CPU during the whole-swarm all-reduces (each peer's, from its record's time back by its sync
+    seconds) and over the whole run: on a few cores, a transport can only be judged where CPU was left over."""
+    if cpu is None:
+        return {}
+    return dict(cpu_in_allreduce=cpu.during((r.time - r.sync_seconds, r.time) for r in rounds if r.sync_seconds),
+                cpu_whole_run=cpu.during([(0.0, float("inf"))]))
 
 
 def full_rounds(rounds: list, peers: int) -> list:
@@ -186,6 +213,9 @@ def combine(runs: list[dict], rounds: int) -> dict:
         if values:
             out[key] = statistics.median(values)
     out["merged_rounds"] = sum(r.get("merged_rounds", 0) for r in runs)
+    for key in ("cpu_in_allreduce", "cpu_whole_run"):  # a dict per run: the last run's, as measured
+        if runs and runs[-1].get(key):
+            out[key] = runs[-1][key]
     for run in runs:
         run["val_at_last_version"] = dict((v, loss) for v, loss in run.get("val_curve") or []).get(rounds)
     losses = [r["val_at_last_version"] for r in runs if r["val_at_last_version"] is not None]
@@ -243,6 +273,8 @@ def main():
     parser.add_argument("--delay-ms", type=float, default=50.0)
     parser.add_argument("--throttle", type=float, default=1.0,
                         help="peers sleep (F−1)× each step's compute: on a few cores, frees CPU for the transport")
+    parser.add_argument("--sysctl", action="append", default=[], metavar="KEY=VALUE",
+                        help="set in each peer's namespace before the runs (repeatable): a TCP experiment")
     parser.add_argument("--no-calibration", dest="calibrate", action="store_false",
                         help="skip timing plain TCP all-to-all with the bytes of a round")
     parser.add_argument("--no-curves", dest="curves", action="store_false", help="skip the per-round evaluation")
@@ -258,6 +290,8 @@ def main():
     saved = args.log_dir / "report.json"  # runs accumulate: a variant rerun for a seed replaces that seed's run
     results = json.loads(saved.read_text()) if saved.exists() and not args.fresh else {}
     with Testbed(args.peers, Link(args.rate_mbit, args.delay_ms)) as tb:
+        for setting in args.sysctl:
+            tb.sysctl(setting)
         for variant in args.variants.split(","):
             if variant == "dp":  # bytes per token only: it sets the scale, its loss is not compared
                 runs = [run_dp(tb, args, args.log_dir / "dp")]
@@ -271,6 +305,9 @@ def main():
                     tb, results[variant]["full_round_bytes_sent"], args)
             print(variant, json.dumps({k: v for k, v in results[variant].items() if k != "runs"}), flush=True)
             (args.log_dir / "report.json").write_text(json.dumps(results, indent=1))
+    if tb.delayline_counts:  # its packets sent late: delay the testbed added, not the link
+        print("delay line", json.dumps(tb.delayline_counts), flush=True)
+        (args.log_dir / "delay_line.json").write_text(json.dumps(tb.delayline_counts))
     report(results, args, seeds)
 
 

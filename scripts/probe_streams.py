@@ -155,6 +155,8 @@ def main() -> int:
     parser.add_argument("--pace-mbit", type=float, default=0.0, help="each side's sending, all streams together")
     parser.add_argument("--reuse-streams", action="store_true",
                         help="keep each stream open for the next trial (their flow-control windows grown)")
+    parser.add_argument("--sysctl", action="append", default=[], metavar="KEY=VALUE",
+                        help="set in each peer's namespace before the trials (repeatable)")
     parser.add_argument("--out", type=Path)
     Testbed.role_arguments(parser, "receiver", "sender")
     args = parser.parse_args()
@@ -175,6 +177,8 @@ def main() -> int:
 def run(args, size: int) -> int:
     me = [sys.executable, os.path.abspath(__file__)]
     with Testbed(2, Link(args.rate_mbit, args.delay_ms), prefix="p2pdt-probe") as tb:
+        for setting in args.sysctl:
+            tb.sysctl(setting)
         tcp = tb.all_to_all_seconds(size)
         transport = ["--transport", args.transport, "--pace-mbit", str(args.pace_mbit),
                      *(["--reuse-streams"] if args.reuse_streams else [])]
@@ -194,7 +198,7 @@ def run(args, size: int) -> int:
     if args.out:
         args.out.write_text(json.dumps(dict(size=size, rate_mbit=args.rate_mbit, delay_ms=args.delay_ms,
                                             transport=args.transport, pace_mbit=args.pace_mbit,
-                                            reuse_streams=args.reuse_streams,
+                                            reuse_streams=args.reuse_streams, sysctl=args.sysctl,
                                             tcp_both_ways_mbit=size * 8 / tcp / 1e6, summary=summary, runs=runs),
                                        indent=1))
     return 0

@@ -74,6 +74,16 @@ def _exit_on_sigterm():
     return signal.signal(signal.SIGTERM, leave) or signal.SIG_DFL  # None: one set outside Python, not ours to keep
 
 
+def parse_counts(out: str) -> dict:
+    """The delay line's last line, `received=3 dropped=0 ... late_max_ms=0.4`, as numbers."""
+    lines = (out or "").strip().splitlines()
+    pairs = [item.split("=", 1) for item in lines[-1].split()] if lines else []
+    try:
+        return {k: float(v) for k, v in pairs}
+    except ValueError:  # not the counters (it died saying something else)
+        return {}
+
+
 def has_netem() -> bool:
     """Whether this kernel can add a netem qdisc (tried on a throwaway namespace's loopback)."""
     probe = "p2pdiloco-netem-probe"
@@ -94,8 +104,10 @@ class Testbed:
     seed: int = 0
     use_netem: Optional[bool] = None  # None: probe
     natted: frozenset = frozenset()  # indices of the peers behind a NAT
+    realtime_line: bool = True  # the delay line ahead of the peers for the CPU (see ops/delayline.py)
     _delayline: Optional[subprocess.Popen] = None
     _on_sigterm: object = None  # the SIGTERM handler before ours, restored on exit
+    delayline_counts: dict = field(default_factory=dict)  # the delay line's counters, once stopped
     created: list = field(default_factory=list)
 
     # ---- names and addresses --------------------------------------------------------------------------------
@@ -121,6 +133,12 @@ class Testbed:
     def exec_prefix(self, i: int) -> list[str]:
         """Run a command inside peer i's namespace: `[*tb.exec_prefix(i), 'python', ...]`."""
         return ["ip", "netns", "exec", self.ns(i)]
+
+    def sysctl(self, setting: str) -> None:
+        """`key=value` in every peer's namespace: an experiment's TCP setting (sockets live in the peers' namespaces;
+        the hub only forwards)."""
+        for i in range(self.peers):
+            sh(*self.exec_prefix(i), "sysctl", "-qw", setting)
 
     def all_to_all_seconds(self, size: int, port: int = 5099) -> float:
         """Every peer sends `size` bytes of plain TCP to every other peer at once (p2pdiloco.ops.flows); the
@@ -208,9 +226,11 @@ class Testbed:
         if self._delayline is not None:
             self._delayline.terminate()
             try:
-                self._delayline.wait(5)
+                out, _ = self._delayline.communicate(timeout=5)
+                self.delayline_counts = parse_counts(out)
             except subprocess.TimeoutExpired:
                 self._delayline.kill()
+                self._delayline.wait()
             self._delayline = None
         for name in self.namespaces():
             sh("ip", "netns", "del", name, check=False)  # removes its veth ends and the TUN device with it
@@ -283,7 +303,8 @@ class Testbed:
     def _start_delayline(self) -> None:
         self._delayline = subprocess.Popen(
             ["ip", "netns", "exec", self.hub, sys.executable, "-m", "p2pdiloco.ops.delayline", "--dev", TUN,
-             "--delay-ms", str(self.link.delay_ms), "--loss", str(self.link.loss), "--seed", str(self.seed)],
+             "--delay-ms", str(self.link.delay_ms), "--loss", str(self.link.loss), "--seed", str(self.seed),
+             *([] if self.realtime_line else ["--normal-priority"])],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         ready = self._delayline.stdout.readline().strip()
         if ready != "ready":
