@@ -109,6 +109,7 @@ class RoundOutcome:
     grace_seconds: float = 0.0  # how long matchmaking stayed open for more members (Eq. 3)
     waited_for_island: bool = False  # an island merged from our state without us: we waited rather than fork
     sync_seconds: float = 0.0  # group formed → all-reduce returned
+    sync_ended: float = 0.0  # Unix time it returned: the round is settled later (the outer step, steps in flight)
     codec_cpu_seconds: float = 0.0  # CPU our codec thread spent in it: near sync_seconds, the round was CPU-bound
     deadline_seconds: float = 0.0  # the all-reduce deadline the group agreed on (from measured link speeds)
     allreduce_bytes_model: int = 0  # what the all-reduce layout says this peer sends (and receives)

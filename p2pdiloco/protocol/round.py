@@ -128,6 +128,7 @@ class IslandReduced:
     weights: tuple[float, ...]  # theirs, summing to 1
     group_id: str = ""
     sync_seconds: float = 0.0
+    sync_ended: float = 0.0  # Unix time the all-reduce returned (the driver's clock; the protocol keeps none)
     codec_cpu_seconds: float = 0.0  # the codec thread's CPU in this round (swarm.codes.codec_cpu_seconds)
     deadline: float = 0.0
     merged: Optional[torch.Tensor] = None
@@ -339,11 +340,13 @@ class Round:
         if r is not None and kind is Committed:
             fields.update(merged=r.merged, release=r.release, members=list(r.members), weights=list(r.weights),
                           group_id=r.group_id,
-                          sync_seconds=r.sync_seconds, deadline_seconds=r.deadline, excluded=dict(r.excluded),
+                          sync_seconds=r.sync_seconds, sync_ended=r.sync_ended, deadline_seconds=r.deadline,
+                          excluded=dict(r.excluded),
                           codec_cpu_seconds=r.codec_cpu_seconds,
                           bounded=dict(r.bounded), allreduce_bytes_model=allreduce_wire_bytes(self.rules.buffer_elements, len(r.members)))
         elif r is not None:
-            fields.update(group_id=r.group_id, sync_seconds=r.sync_seconds, deadline_seconds=r.deadline,
+            fields.update(group_id=r.group_id, sync_seconds=r.sync_seconds, sync_ended=r.sync_ended,
+                          deadline_seconds=r.deadline,
                           codec_cpu_seconds=r.codec_cpu_seconds,
                           excluded=dict(r.excluded), bounded=dict(r.bounded))
         return Done(kind(reason=reason, **fields, **extra))

@@ -127,6 +127,7 @@ class Round(Record, kind="round"):
     round_seconds: Optional[float] = None
     quorum_seconds: Optional[float] = None
     sync_seconds: Optional[float] = None
+    sync_ended: Optional[float] = None  # Unix time the all-reduce returned (the record comes later)
     codec_cpu_seconds: Optional[float] = None  # of them, what the codec thread worked (CPU time)
     deadline_seconds: Optional[float] = None
     grace_seconds: Optional[float] = None

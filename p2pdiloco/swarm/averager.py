@@ -291,7 +291,8 @@ class ExactAverager(DecentralizedAverager):
         excluded = {**island.excluded_by_index(), **{island.members[i].peer: why for i, why in plan.left_out.items()}}
         return IslandReduced(verified=verified, reason=reason, members=tuple(island.members[i] for i in accepted),
                              weights=weights, group_id=group_info.group_id.hex(),
-                             sync_seconds=time.monotonic() - started, deadline=plan.deadline, excluded=excluded,
+                             sync_seconds=time.monotonic() - started, sync_ended=time.time(),
+                             deadline=plan.deadline, excluded=excluded,
                              bounded={island.members[i].peer: why for i, why in plan.bounded.items()})
 
     def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:

@@ -45,7 +45,8 @@ def new_round(t=100.0, c=None, clock=None, **rules) -> Round:
 def reduced(*members, verified=True, merged=None, weights=None) -> IslandReduced:
     weights = weights or tuple(1.0 / len(members) for _ in members)
     return IslandReduced(verified=verified, reason="ok" if verified else "checksum mismatch", members=members,
-                         weights=weights, group_id="g1", sync_seconds=2.0, codec_cpu_seconds=0.5, deadline=9.0,
+                         weights=weights, group_id="g1", sync_seconds=2.0, sync_ended=1234.5, codec_cpu_seconds=0.5,
+                         deadline=9.0,
                          merged=torch.full((8,), 0.25) if merged is None else merged)
 
 
@@ -213,6 +214,7 @@ def test_a_verified_island_commits_with_what_was_decided():
     assert isinstance(o, Committed) and o.reason == "ok" and not o.stale
     assert [m.peer for m in o.members] == [ME, "b"] and o.weights == [0.25, 0.75]
     assert o.grace_seconds == island.grace and o.deadline_seconds == 9.0 and o.sync_seconds == 2.0
+    assert o.sync_ended == 1234.5  # the driver's clock, passed through: the record comes later
     assert o.codec_cpu_seconds == 0.5
     assert o.seconds == pytest.approx(20.0) and o.group_id == "g1"
     assert o.allreduce_bytes_model == 2 * 1 / 2 * 4 * 8  # butterfly of 8 floats between 2
