@@ -167,11 +167,12 @@ def summarize(log_dir: Path, args, wall: float, codes: list, cpu: CpuSampler | N
 
 
 def cpu_figures(cpu: CpuSampler | None, rounds: list) -> dict:
-    """The host's CPU during the whole-swarm all-reduces (each peer's, from its record's time back by its sync
+    """The host's CPU during the whole-swarm all-reduces (each peer's, back from when it returned by its sync
     seconds) and over the whole run: on a few cores, a transport can only be judged where CPU was left over."""
     if cpu is None:
         return {}
-    return dict(cpu_in_allreduce=cpu.during((r.time - r.sync_seconds, r.time) for r in rounds if r.sync_seconds),
+    windows = [(r.sync_ended - r.sync_seconds, r.sync_ended) for r in rounds if r.sync_seconds and r.sync_ended]
+    return dict(cpu_in_allreduce=cpu.during(windows),
                 cpu_whole_run=cpu.during([(0.0, float("inf"))]))
 
 
@@ -275,6 +276,10 @@ def main():
                         help="peers sleep (F−1)× each step's compute: on a few cores, frees CPU for the transport")
     parser.add_argument("--sysctl", action="append", default=[], metavar="KEY=VALUE",
                         help="set in each peer's namespace before the runs (repeatable): a TCP experiment")
+    parser.add_argument("--line-priority", choices=["realtime", "normal"], default="realtime",
+                        help="the testbed's delay line: ahead of the peers for the CPU, or sharing it")
+    parser.add_argument("--line-tick-ms", type=float, default=1.0,
+                        help="the delay line wakes at most once per tick (0: for each packet)")
     parser.add_argument("--no-calibration", dest="calibrate", action="store_false",
                         help="skip timing plain TCP all-to-all with the bytes of a round")
     parser.add_argument("--no-curves", dest="curves", action="store_false", help="skip the per-round evaluation")
@@ -289,7 +294,8 @@ def main():
         return report(json.loads((args.log_dir / "report.json").read_text()), args, seeds)
     saved = args.log_dir / "report.json"  # runs accumulate: a variant rerun for a seed replaces that seed's run
     results = json.loads(saved.read_text()) if saved.exists() and not args.fresh else {}
-    with Testbed(args.peers, Link(args.rate_mbit, args.delay_ms)) as tb:
+    with Testbed(args.peers, Link(args.rate_mbit, args.delay_ms), realtime_line=args.line_priority == "realtime",
+                 line_tick_ms=args.line_tick_ms) as tb:
         for setting in args.sysctl:
             tb.sysctl(setting)
         for variant in args.variants.split(","):

@@ -180,6 +180,7 @@ def run(args, size: int) -> int:
         for setting in args.sysctl:
             tb.sysctl(setting)
         tcp = tb.all_to_all_seconds(size)
+        duplex = tb.duplex_seconds(size, args.trials)
         transport = ["--transport", args.transport, "--pace-mbit", str(args.pace_mbit),
                      *(["--reuse-streams"] if args.reuse_streams else [])]
         runs = tb.serve_and_ask([*me, "--role", "receiver", *transport], [*me, "--role", "sender", *transport,
@@ -188,6 +189,9 @@ def run(args, size: int) -> int:
                                                              "--idle", str(args.idle)])
     print(f"{size / 1e6:.1f} MB each way, {args.rate_mbit:g} Mbit/s, {args.delay_ms:g} ms one way; plain TCP both "
           f"ways at once over fresh connections: {size * 8 / tcp / 1e6:.1f} Mbit/s")
+    duplex_mbit = [size * 8 / seconds / 1e6 for seconds in duplex]
+    print(f"  plain TCP both ways on one connection kept open: first {duplex_mbit[0]:.1f} Mbit/s, then "
+          f"{', '.join(f'{m:.1f}' for m in duplex_mbit[1:])}")
     summary = []
     for streams, two_way in dict.fromkeys((r["streams"], r["both_ways"]) for r in runs):
         mine = [r["mbit"] for r in runs if (r["streams"], r["both_ways"]) == (streams, two_way)]
@@ -199,7 +203,8 @@ def run(args, size: int) -> int:
         args.out.write_text(json.dumps(dict(size=size, rate_mbit=args.rate_mbit, delay_ms=args.delay_ms,
                                             transport=args.transport, pace_mbit=args.pace_mbit,
                                             reuse_streams=args.reuse_streams, sysctl=args.sysctl,
-                                            tcp_both_ways_mbit=size * 8 / tcp / 1e6, summary=summary, runs=runs),
+                                            tcp_both_ways_mbit=size * 8 / tcp / 1e6,
+                                            tcp_one_connection_both_ways_mbit=duplex_mbit, summary=summary, runs=runs),
                                        indent=1))
     return 0
 

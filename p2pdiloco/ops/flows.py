@@ -6,6 +6,11 @@ slow start, queueing at the rate limiter), so they also time this calibration, i
 
     python -m p2pdiloco.ops.flows serve PORT N_SENDERS     # prints "ready", returns once N senders are done
     python -m p2pdiloco.ops.flows send SIZE PORT ADDR...   # prints the seconds until every peer has it all
+
+And what one warm connection carries both ways at once, as a libp2p connection between two peers must:
+
+    python -m p2pdiloco.ops.flows duplex-serve PORT               # prints "ready"; serves one connection
+    python -m p2pdiloco.ops.flows duplex SIZE TRIALS PORT ADDR    # prints each trial's seconds, 2 s apart
 """
 
 from __future__ import annotations
@@ -60,8 +65,64 @@ def send(size: int, port: int, addresses: list[str]) -> float:
     return time.monotonic() - started
 
 
+def duplex_serve(port: int) -> None:
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("0.0.0.0", port))
+    server.listen(1)
+    print("ready", flush=True)
+    conn, _ = server.accept()
+    with conn:
+        while True:
+            header = _recv_exact(conn, 8)  # the trial's size; none: the client is done
+            if not header:
+                return
+            _both_ways(conn, int.from_bytes(header, "big"))
+            conn.sendall(b"k")  # all of the client's bytes came: its trial's clock stops here
+
+
+def duplex(size: int, trials: int, port: int, address: str, idle: float = 2.0) -> list[float]:
+    seconds = []
+    with socket.create_connection((address, port), timeout=120) as conn:
+        for trial in range(trials):
+            if trial:
+                time.sleep(idle)
+            started = time.monotonic()
+            conn.sendall(size.to_bytes(8, "big"))
+            _both_ways(conn, size)
+            _recv_exact(conn, 1)
+            seconds.append(time.monotonic() - started)
+    return seconds
+
+
+def _both_ways(conn: socket.socket, size: int) -> None:
+    """Sends `size` bytes on a thread while receiving as many."""
+    block = b"x" * BLOCK
+    sender = threading.Thread(target=lambda: [conn.sendall(block[: min(BLOCK, size - start)])
+                                              for start in range(0, size, BLOCK)])
+    sender.start()
+    _recv_exact(conn, size)
+    sender.join()
+
+
+def _recv_exact(conn: socket.socket, size: int) -> bytes:
+    chunks, got = [], 0
+    while got < size:
+        chunk = conn.recv(min(BLOCK, size - got))
+        if not chunk:
+            return b""
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "serve":
         serve(int(sys.argv[2]), int(sys.argv[3]))
+    elif sys.argv[1] == "duplex-serve":
+        duplex_serve(int(sys.argv[2]))
+    elif sys.argv[1] == "duplex":
+        print(" ".join(f"{s:.4f}" for s in duplex(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])),
+              flush=True)
     else:
         print(f"{send(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]):.4f}", flush=True)

@@ -105,6 +105,7 @@ class Testbed:
     use_netem: Optional[bool] = None  # None: probe
     natted: frozenset = frozenset()  # indices of the peers behind a NAT
     realtime_line: bool = True  # the delay line ahead of the peers for the CPU (see ops/delayline.py)
+    line_tick_ms: float = 1.0  # the delay line wakes at most once per tick (0: for each packet)
     _delayline: Optional[subprocess.Popen] = None
     _on_sigterm: object = None  # the SIGTERM handler before ours, restored on exit
     delayline_counts: dict = field(default_factory=dict)  # the delay line's counters, once stopped
@@ -157,6 +158,22 @@ class Testbed:
             for s in servers:
                 s.kill()
                 s.wait()
+
+    def duplex_seconds(self, size: int, trials: int, port: int = 5098) -> list[float]:
+        """Peers 0 and 1 each send `size` bytes of plain TCP to the other at once, on one connection kept open for
+        `trials` such exchanges 2 s apart: each trial's seconds. What a warm connection carries both ways."""
+        flows = [sys.executable, "-m", "p2pdiloco.ops.flows"]
+        server = subprocess.Popen([*self.exec_prefix(1), *flows, "duplex-serve", str(port)], stdout=subprocess.PIPE,
+                                  text=True)
+        try:
+            if server.stdout.readline().strip() != "ready":
+                raise TestbedError("the duplex server did not start")
+            out = subprocess.run([*self.exec_prefix(0), *flows, "duplex", str(size), str(trials), str(port),
+                                  self.address(1)], stdout=subprocess.PIPE, text=True, timeout=600, check=True)
+            return [float(s) for s in out.stdout.split()]
+        finally:
+            server.kill()
+            server.wait()
 
     @staticmethod
     def role_arguments(parser: argparse.ArgumentParser, server: str, client: str) -> None:
@@ -304,7 +321,7 @@ class Testbed:
         self._delayline = subprocess.Popen(
             ["ip", "netns", "exec", self.hub, sys.executable, "-m", "p2pdiloco.ops.delayline", "--dev", TUN,
              "--delay-ms", str(self.link.delay_ms), "--loss", str(self.link.loss), "--seed", str(self.seed),
-             *([] if self.realtime_line else ["--normal-priority"])],
+             "--tick-ms", str(self.line_tick_ms), *([] if self.realtime_line else ["--normal-priority"])],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         ready = self._delayline.stdout.readline().strip()
         if ready != "ready":

@@ -95,6 +95,15 @@ def test_all_to_all_flows_are_held_to_each_peers_link_rate():
     assert bound <= seconds <= 3 * bound, seconds
 
 
+def test_one_connection_kept_open_carries_both_ways_at_link_rate():
+    """The probe's calibration for libp2p (one connection between two peers, used both ways at once): 1 MB each
+    way over 20 Mbit/s links, at least 0.4 s a trial, twice on the same connection."""
+    with Testbed(2, Link(rate_mbit=20), prefix="p2pdt-test") as tb:
+        seconds = tb.duplex_seconds(1_000_000, trials=2)
+    bound = 1_000_000 / (20e6 / 8)
+    assert len(seconds) == 2 and all(bound <= s <= 3 * bound for s in seconds), seconds
+
+
 def test_the_delay_line_carries_four_peers_at_their_link_rate():
     """Every packet crosses the userspace delay line. Side by side: 4 peers' all-to-all (4 MB to each other peer
     over 100 Mbit/s, a 0.96 s bound) through it at 2 ms, and with no delay line. The bare links took 1.33-1.45 s;
@@ -214,5 +223,4 @@ def test_the_delay_line_sends_on_time_while_every_core_is_busy():
             spinner.wait()
     counts = tb.delayline_counts
     assert counts["realtime"] == 1, counts
-    # measured, real-time: 0.04-0.25 % of packets over 1 ms late; at normal priority 18-19 % (3.5-4.9 % over 5 ms)
-    assert counts["late_over_1ms"] <= 0.05 * counts["sent"], counts
+    assert counts["late_over_5ms"] <= 0.01 * counts["sent"], counts  # normal priority: 3.4-6.4 % (measured)
