@@ -158,8 +158,9 @@ def main() -> None:
 def run_in_real_time() -> bool:
     """SCHED_FIFO: a packet due goes out when due, not when the cores are free of the peers under test. Sharing
     cores with 4 peers at normal priority, half the packets of a 50 ms run went out over 5 ms late (up to 360 ms):
-    delay added by the testbed, not the link. The line sleeps between packets, so it takes only what it forwards
-    (the kernel also caps real-time tasks at 95 % of a second). False where not allowed (no CAP_SYS_NICE)."""
+    delay added by the testbed, not the link. The line sleeps between its turns, so it takes only what it forwards
+    (the kernel also caps real-time tasks at 95 % of a second); run it with a tick (see `DelayLine.run`), or it
+    preempts the peers for every packet. False where not allowed (no CAP_SYS_NICE)."""
     try:
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
         return True
