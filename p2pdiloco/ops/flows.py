@@ -46,12 +46,9 @@ def _drain(conn: socket.socket) -> None:
 
 
 def send(size: int, port: int, addresses: list[str]) -> float:
-    block = b"x" * BLOCK
-
     def one(address: str) -> None:
         conn = socket.create_connection((address, port), timeout=120)
-        for start in range(0, size, BLOCK):
-            conn.sendall(block[: min(BLOCK, size - start)])
+        _send_all(conn, size)
         conn.shutdown(socket.SHUT_WR)
         conn.recv(1)
         conn.close()
@@ -97,12 +94,16 @@ def duplex(size: int, trials: int, port: int, address: str, idle: float = 2.0) -
 
 def _both_ways(conn: socket.socket, size: int) -> None:
     """Sends `size` bytes on a thread while receiving as many."""
-    block = b"x" * BLOCK
-    sender = threading.Thread(target=lambda: [conn.sendall(block[: min(BLOCK, size - start)])
-                                              for start in range(0, size, BLOCK)])
+    sender = threading.Thread(target=_send_all, args=(conn, size))
     sender.start()
     _recv_exact(conn, size)
     sender.join()
+
+
+def _send_all(conn: socket.socket, size: int) -> None:
+    block = b"x" * BLOCK
+    for start in range(0, size, BLOCK):
+        conn.sendall(block[: min(BLOCK, size - start)])
 
 
 def _recv_exact(conn: socket.socket, size: int) -> bytes:

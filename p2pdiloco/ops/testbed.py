@@ -37,6 +37,7 @@ from p2pdiloco.ops.launcher import stop_tree, wait_for_file
 # probe interfaces beyond the testbed's (swarm.node.dht_kwargs turns them off the same way for peers)
 NO_NAT_PROBING = dict(nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False)
 TUN = "tbdelay"
+FLOWS = [sys.executable, "-m", "p2pdiloco.ops.flows"]  # plain TCP between peers: the calibrations
 ROUTE_TABLE = "100"
 
 
@@ -144,13 +145,12 @@ class Testbed:
     def all_to_all_seconds(self, size: int, port: int = 5099) -> float:
         """Every peer sends `size` bytes of plain TCP to every other peer at once (p2pdiloco.ops.flows); the
         slowest peer's seconds until all its data arrived. What this testbed's links give a bare transport."""
-        flows = [sys.executable, "-m", "p2pdiloco.ops.flows"]
-        servers = [subprocess.Popen([*self.exec_prefix(i), *flows, "serve", str(port), str(self.peers - 1)],
+        servers = [subprocess.Popen([*self.exec_prefix(i), *FLOWS, "serve", str(port), str(self.peers - 1)],
                                     stdout=subprocess.PIPE, text=True) for i in range(self.peers)]
         try:
             if any(s.stdout.readline().strip() != "ready" for s in servers):
                 raise TestbedError("a flow server did not start")
-            senders = [subprocess.Popen([*self.exec_prefix(i), *flows, "send", str(size), str(port),
+            senders = [subprocess.Popen([*self.exec_prefix(i), *FLOWS, "send", str(size), str(port),
                                          *(self.address(j) for j in range(self.peers) if j != i)],
                                         stdout=subprocess.PIPE, text=True) for i in range(self.peers)]
             return max(float(p.communicate(timeout=600)[0]) for p in senders)
@@ -162,13 +162,12 @@ class Testbed:
     def duplex_seconds(self, size: int, trials: int, port: int = 5098) -> list[float]:
         """Peers 0 and 1 each send `size` bytes of plain TCP to the other at once, on one connection kept open for
         `trials` such exchanges 2 s apart: each trial's seconds. What a warm connection carries both ways."""
-        flows = [sys.executable, "-m", "p2pdiloco.ops.flows"]
-        server = subprocess.Popen([*self.exec_prefix(1), *flows, "duplex-serve", str(port)], stdout=subprocess.PIPE,
+        server = subprocess.Popen([*self.exec_prefix(1), *FLOWS, "duplex-serve", str(port)], stdout=subprocess.PIPE,
                                   text=True)
         try:
             if server.stdout.readline().strip() != "ready":
                 raise TestbedError("the duplex server did not start")
-            out = subprocess.run([*self.exec_prefix(0), *flows, "duplex", str(size), str(trials), str(port),
+            out = subprocess.run([*self.exec_prefix(0), *FLOWS, "duplex", str(size), str(trials), str(port),
                                   self.address(1)], stdout=subprocess.PIPE, text=True, timeout=600, check=True)
             return [float(s) for s in out.stdout.split()]
         finally:
