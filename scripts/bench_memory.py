@@ -126,7 +126,7 @@ def measure(model: str, optimizer: str, args, log_dir: Path, variant: str = "pla
               "--seq-len", str(args.seq_len), "-H", str(args.inner_steps), "--max-rounds", str(args.rounds),
               "--threads", str(args.threads), "--device", args.device, "--eval-every", "0",
               "--run-id", f"mem-{model}-{optimizer}", "--checkpoint-every", str(args.checkpoint_every),
-              "--compression", args.compression,
+              "--compression", args.compression, "--quorum", str(args.quorum or args.peers),
               "--checkpoint-dir", str(log_dir / "checkpoints")]
     limit = MemoryLimit(int(args.memory_limit * 1e9), f"p2pdiloco-bench-{os.getpid()}-{log_dir.name}") \
         if args.memory_limit else None
@@ -213,6 +213,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--checkpoint-every", type=int, default=1, help="checkpoints are part of a peer's peak")
     p.add_argument("--compression", default="none", help="the rounds' wire format (none: 20-bit codes, the default)")
+    p.add_argument("--quorum", type=int, default=None,
+                   help="fewest members for a round to merge (default: --peers, so the peak measured is a real round's, "
+                        "not a lone first peer's)")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
     p.add_argument("--variants", default=None,
@@ -230,6 +233,8 @@ def main() -> None:
                      {"off": ["plain"], "on": ["in-backward"], "both": ["plain", "in-backward"]}[args.step_in_backward])
     for variant in args.variants:
         features(variant)  # a typo ends the run now, not after the first hour of measuring
+    if args.timeline:  # likewise a missing folder: it would fail only once the first size had been measured
+        args.timeline.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     for model in args.models.split(","):
         for optimizer in args.optimizers.split(","):
