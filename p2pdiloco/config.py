@@ -279,8 +279,9 @@ class PeerConfig:
     global_state_on_disk: bool = option(
         False, "Keep the global model and its outer momentum (8 bytes per parameter) in a file under "
         "CHECKPOINT_DIR/RUN_ID, in memory only while a round starts or ends, an evaluation, a checkpoint or a "
-        "joiner reads them, and the round's averaging buffer (4 more) in another, paged in a piece at a time: "
-        "the peak is then the inner loop's. Costs the disk 12-16 bytes per parameter of writes per round.")
+        "joiner reads them, and the round's averaging buffer (4 more) and error feedback's residual (4 more, where "
+        "rounds use it) in others, paged in a piece at a time: the peak is then the inner loop's. Costs the disk "
+        "12-20 bytes per parameter of writes per round.")
     name: Optional[str] = option(None, "Label for logs and metrics (default: end of the peer id).")
     metrics: str = option("", "Metrics sinks besides JSONL, comma-separated: tensorboard, wandb (each an optional "
                           "extra; W&B honours WANDB_MODE=offline).", metavar="SINKS")

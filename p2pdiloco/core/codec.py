@@ -182,6 +182,13 @@ class ErrorFeedback:
 
     residual: Optional[torch.Tensor] = None
     decay: float = 1.0
+    # where the residual, a model-sized vector, is made: memory by default. A peer whose state waits on disk gives
+    # a file-backed store (runtime.paging.PagedStore) whose chunks each pass lets go once done: the residual then
+    # costs a pass a chunk of memory, not 4 bytes per parameter for the whole run
+    store: "VectorStore" = None  # type: ignore[assignment]
+
+    def __post_init__(self):
+        self.store = self.store or VectorStore()
 
     def compensate(self, delta: torch.Tensor) -> torch.Tensor:
         """Δ plus what earlier rounds' codes dropped (decayed), as a new tensor."""
@@ -198,6 +205,7 @@ class ErrorFeedback:
             residual = self.residual[part]
             for chunk, _ in blockwise(delta.numel()):
                 delta[chunk] += self._carried(residual[chunk])
+                self.store.let_go(residual[chunk])
 
     def _carried(self, residual: torch.Tensor) -> torch.Tensor:
         return residual if self.decay == 1.0 else residual * self.decay  # elementwise: a chunk's bits are the whole's
@@ -215,11 +223,12 @@ class ErrorFeedback:
         the compensated contribution is kept while the round runs, nor model-sized codes, selection or `sent`
         made afterwards (13 to 17 bytes per parameter in all); the residual is overwritten in place."""
         old, n = self.residual, contribution.numel()
-        residual = old if old is not None else torch.empty(n)
+        residual = old if old is not None else self.store.empty(n)
         for part, blocks in blockwise(n):
             intended = contribution[part] if old is None else contribution[part] + self._carried(old[part])
             sent = encode(intended, weight, scales[blocks], bits, fmt).sent
             residual[part] = (intended.double() - sent.double()).float()
+            self.store.let_go(residual[part])
         self.residual = residual
 
     def alone(self, contribution: torch.Tensor, bits: int, fmt: "DenseFormat") -> torch.Tensor:
@@ -229,14 +238,26 @@ class ErrorFeedback:
         member that merged its whole Δ alone would step at an outer lr tuned for 2 % of it (at lr 2, val went
         from 1.97 to 2.30 in that one round). A chunk of blocks at a time, like `record_encoded`."""
         old, n = self.residual, contribution.numel()
-        merged, residual = torch.empty(n), old if old is not None else torch.empty(n)
+        merged, residual = torch.empty(n), old if old is not None else self.store.empty(n)
         for part, _ in blockwise(n):
             intended = contribution[part] if old is None else contribution[part] + self._carried(old[part])
             scales = agreed_scales([fmt.block_statistic(intended).double()], bits)
             merged[part] = encode(intended, 1.0, scales, bits, fmt).sent
             residual[part] = (intended.double() - merged[part].double()).float()
+            self.store.let_go(residual[part])
         self.residual = residual
         return merged
+
+
+class VectorStore:
+    """Where a model-sized fp32 vector is made, and what a pass does with a chunk of it once done: here, memory,
+    and nothing. `runtime.paging.PagedStore` is the same two calls over a file."""
+
+    def empty(self, n: int) -> torch.Tensor:
+        return torch.empty(n)
+
+    def let_go(self, view: torch.Tensor) -> None:
+        pass
 
 
 # ---- the lossless stage: every packed part goes on the wire through it ----------------------------------------

@@ -20,6 +20,7 @@ saying so, rather than dying of a SIGBUS at a page's first write.
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import os
 import tempfile
@@ -28,7 +29,10 @@ from typing import Optional
 
 import torch
 
+from p2pdiloco.core.codec import VectorStore
+
 FLOAT32 = 4
+log = logging.getLogger(__name__)
 _MADV_DONTNEED = 4  # linux/mman.h; Python's mmap module offers it only on its own mappings
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
@@ -86,3 +90,28 @@ def page_out(view: torch.Tensor) -> None:
     last = end // mmap.PAGESIZE * mmap.PAGESIZE
     if last > first and _libc.madvise(first, last - first, _MADV_DONTNEED) != 0:
         raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed")
+
+
+class PagedStore(VectorStore):
+    """Vectors made in files of `folder` (one `FileVectors` each), whose chunks a pass lets go once done; in memory,
+    saying so, where the folder cannot hold one. Only views of vectors it made may be let go."""
+
+    def __init__(self, folder: Path, prefix: str, what: str):
+        self.folder, self.prefix, self.what = folder, prefix, what
+        self.files: list[FileVectors] = []
+
+    def empty(self, n: int) -> torch.Tensor:
+        try:
+            self.files.append(FileVectors(n, 1, self.folder, self.prefix))
+        except (OSError, ValueError) as e:
+            log.warning(f"cannot keep {self.what} in {self.folder} ({e}): it stays in memory ({4 * n / 1e9:.2f} GB)")
+            return super().empty(n)
+        return self.files[-1].vectors[0]
+
+    def let_go(self, view: torch.Tensor) -> None:
+        if any(_inside(view, f) for f in self.files):  # never a vector of memory: MADV_DONTNEED would zero it
+            page_out(view)
+
+
+def _inside(view: torch.Tensor, file: FileVectors) -> bool:
+    return file.address <= view.data_ptr() < file.address + file.nbytes

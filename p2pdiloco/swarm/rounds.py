@@ -34,6 +34,7 @@ from p2pdiloco.protocol.round import (Done, Download, FormIsland, IslandFailed, 
                                       NoIsland, RefreshPeers, Round, RoundRules, WaitForPeers, state_may_come)
 from p2pdiloco.protocol.timing import GracePolicy, RoundClock
 from p2pdiloco.runtime.faults import NO_FAULTS, FaultPlan
+from p2pdiloco.runtime.paging import PagedStore
 from p2pdiloco.runtime.procio import io_counters, moved_since
 from p2pdiloco.runtime.waiting import result_unless_closed
 from p2pdiloco.swarm.auth import MemberPasses, load_swarm_key
@@ -85,7 +86,9 @@ class SwarmMerger:
         self.bits, self.topk = codec.BITS[cfg.compression], cfg.topk
         default_feedback = self.bits <= 4 or bool(cfg.topk)
         feedback = cfg.error_feedback if cfg.error_feedback is not None else default_feedback
-        self.feedback = codec.ErrorFeedback(decay=cfg.error_feedback_decay) if feedback else None
+        # the residual waits in a file beside the averaging buffer where the state is parked (4 B/param less)
+        store = PagedStore(buffer_folder, "residual-", "error feedback's residual") if buffer_folder else None
+        self.feedback = codec.ErrorFeedback(decay=cfg.error_feedback_decay, store=store) if feedback else None
         key = load_swarm_key(cfg.swarm_key_file)  # checked when the DHT started
         self.passes = MemberPasses(key) if key is not None else None
         self.averager = ExactAverager(

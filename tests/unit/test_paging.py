@@ -15,7 +15,7 @@ from p2pdiloco.protocol.outcomes import Contribution
 from p2pdiloco.core.state import GlobalState
 from p2pdiloco.protocol.round import FormIsland
 from p2pdiloco.runtime.faults import NO_FAULTS
-from p2pdiloco.runtime.paging import FileVectors
+from p2pdiloco.runtime.paging import FileVectors, PagedStore
 from p2pdiloco.swarm.averager import (AVERAGED_CHUNK, BodyStatistics, ExactAverager, _encode_piece, _land_piece,
                                       _paged_buffer, hivemind_schema)
 from p2pdiloco.swarm.rounds import SwarmMerger
@@ -166,3 +166,57 @@ def test_the_outer_step_lets_each_chunk_of_a_file_backed_merged_update_go_once_r
     assert max(resident) <= (4 << 22) + 8192 and update.resident_bytes() < 2 * 4096, resident
     held.apply(merged.clone(), ["a", "b"])
     assert torch.equal(paged.params, held.params) and paged.digest == held.digest
+
+
+class RecordingStore(PagedStore):
+    """A file-backed store that notes how much of its vector was in our memory whenever a pass let a chunk go."""
+
+    def __init__(self, folder):
+        super().__init__(folder, "residual-", "the residual")
+        self.resident = []
+
+    def let_go(self, view: torch.Tensor) -> None:
+        self.resident.append(self.files[0].resident_bytes())
+        super().let_go(view)
+
+
+@pytest.mark.parametrize("wire", WIRES[1:], ids=["int4", "int2", "top-k"])
+def test_error_feedbacks_residual_in_a_file_holds_a_chunk_at_a_time_with_the_same_bits_as_in_memory(tmp_path, wire):
+    n = 10 * MB + 12345
+    store = RecordingStore(tmp_path)
+    paged, held = codec.ErrorFeedback(store=store), codec.ErrorFeedback()
+    chunk_bytes = 4 << 22  # exact.blockwise's chunk: 16 MB
+
+    def passed() -> None:  # each pass held at most a chunk of the residual, and left none of it with us
+        assert max(store.resident) <= chunk_bytes + 8192 and store.files[0].resident_bytes() < 2 * 4096, store.resident
+        store.resident.clear()
+
+    for weight in (1.0, 0.5):  # a round that makes the residual, then one that carries it
+        delta = torch.randn(n) * 1e-3
+        sent = {}
+        for feedback in (paged, held):
+            sent[id(feedback)] = piece = delta.clone()
+            feedback.compensate_(piece)  # the host's load pass
+        assert torch.equal(*sent.values())
+        scales = codec.agreed_scales([wire.block_statistic(sent[id(held)]).double()], wire.bits)
+        for feedback in (paged, held):
+            feedback.record_encoded(delta, weight, scales, wire.bits, wire)
+        passed()  # before comparing: reading the residual whole faults it all back in
+        assert torch.equal(paged.residual, held.residual) and held.residual.abs().max() > 0
+        store.files[0].page_out()  # what the comparison read back: a peer reads it only in its passes
+    delta = torch.randn(n) * 1e-3
+    merged = paged.alone(delta, wire.bits, wire)  # a solo round
+    passed()
+    assert torch.equal(merged, held.alone(delta, wire.bits, wire)) and torch.equal(paged.residual, held.residual)
+    assert len(store.files) == 1  # made once, overwritten in place
+
+
+def test_a_store_that_cannot_use_its_folder_keeps_vectors_in_memory_says_so_and_never_zeroes_them(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    store = PagedStore(blocker / "sub", "residual-", "the residual")
+    vector = store.empty(3 * MB)
+    assert "cannot keep the residual" in caplog.text and "stays in memory" in caplog.text
+    vector.copy_(torch.arange(3 * MB, dtype=torch.float32))
+    store.let_go(vector[MB:])  # a pass's release is a no-op on memory: MADV_DONTNEED would zero private pages
+    assert torch.equal(vector, torch.arange(3 * MB, dtype=torch.float32))
