@@ -4,13 +4,16 @@ Each size runs a 2-peer local swarm (so rounds really average: the wire buffers 
 peak) for a few short rounds; the first peer's whole process tree (the training process, its averager process,
 the p2p daemon) is sampled every 50 ms. The figure is PSS (proportional set size): a page shared between the
 host and its averager (hivemind shares the averaged tensors) counts once, not once per process, and the pages
-of torch's libraries are split among the processes that map them. Device memory, on a GPU peer, comes from the
-peer's own metrics (torch.cuda.max_memory_allocated).
+of torch's libraries are split among the processes that map them, the other peer's included: so "alone GB",
+measured near the PSS peaks as root, counts every page of the tree once, shared or not (p2pdiloco.ops.residency):
+what the peer needs on a machine of its own. Device memory, on a GPU peer, comes from the peer's own metrics
+(torch.cuda.max_memory_allocated).
 
 Usage: python scripts/bench_memory.py [--models tiny,base,medium,large] [--optimizers adamw,adamw8bit]
        [--batch-size 4] [--device cpu] [--peers 2] [--compression none|int8|int4|int2]
        [--variants plain,in-backward,on-disk,in-backward+on-disk]   (each size once per variant, alternately)
-Needs no root; run it inside `unshare -n` (loopback only) like the tests, or not: peers listen on 127.0.0.1.
+Needs no root (but "alone GB" does); run it inside `unshare -n` (loopback only) like the tests, or not: peers listen
+on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 
 from p2pdiloco.config import model_config
 from p2pdiloco.ops.launcher import join_command, peer_command, start_process, stop_tree, wait_for_file
+from p2pdiloco.ops.residency import union_bytes
 from p2pdiloco.runtime.lifeline import descendants
 from p2pdiloco.runtime.schema import Summary, of_kind, read_records
 
@@ -51,6 +55,7 @@ class PeakSampler(threading.Thread):
         super().__init__(daemon=True)
         self.pid, self.interval, self.peak, self.stopped = pid, interval, 0, threading.Event()
         self.peak_by_process: dict = {}
+        self.alone_peak, self._next_alone = 0, 0.0  # None: not measurable (pagemap's frames need root)
         self.timeline: list = []  # (wall-clock time, {process: PSS}): where the peak came from
 
     def run(self) -> None:
@@ -61,7 +66,21 @@ class PeakSampler(threading.Thread):
             total = sum(sizes.values())
             if total > self.peak:
                 self.peak, self.peak_by_process = total, {_name(p): s for p, s in sizes.items() if s}
+            if total >= 0.97 * self.peak:
+                self._measure_alone(pids)
             time.sleep(self.interval)
+
+    def _measure_alone(self, pids: list) -> None:
+        """Near each PSS peak, at most every 2 s (a sample costs ~0.7 s of CPU for 2 GB): the tree's pages each
+        counted once, shared or not (ops.residency), so none is charged to the other peer beside it."""
+        if self.alone_peak is None or time.monotonic() < self._next_alone:
+            return
+        try:
+            self.alone_peak = max(self.alone_peak, union_bytes(pids))
+        except PermissionError as e:
+            print(f"not measured alone: {e}", file=sys.stderr)
+            self.alone_peak = None
+        self._next_alone = time.monotonic() + 2.0
 
 
 class MemoryLimit:
@@ -165,6 +184,7 @@ def measure(model: str, optimizer: str, args, log_dir: Path, variant: str = "pla
                 tokens_per_s=round(summary[-1].tokens / max(summary[-1].training_seconds, 1e-9)) if summary else None,
                 utilization=round(summary[-1].utilization, 3) if summary else None,
                 host_peak_gb=round(sampler.peak / 1e9, 3), host_bytes_per_param=round(sampler.peak / n_params, 1),
+                host_peak_alone_gb=round(sampler.alone_peak / 1e9, 3) if sampler.alone_peak else None,
                 device_bytes_per_param=round(device_peak / n_params, 1) if device_peak else None,
                 goal_host_bytes_per_param=GOALS["cuda" if args.device.startswith("cuda") else "cpu"][optimizer],
                 by_process={k: round(v / 1e9, 3) for k, v in sampler.peak_by_process.items()},
@@ -243,12 +263,13 @@ def main() -> None:
                     row = measure(model, optimizer, args, Path(tmp), variant)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    print(f"\n{'model':8} {'params':>11} {'optimizer':30} {'host GB':>8} {'host B/param':>13} {'goal':>5} "
+    print(f"\n{'model':8} {'params':>11} {'optimizer':30} {'host GB':>8} {'alone GB':>9} {'host B/param':>13} {'goal':>5} "
           f"{'device B/param':>15} {'tokens/s':>9} {'util':>5}")
     for r in rows:
         device = "-" if r["device_bytes_per_param"] is None else f"{r['device_bytes_per_param']:.1f}"
         optimizer = r["optimizer"] + ("" if r["variant"] == "plain" else f" {r['variant']}")
-        print(f"{r['model']:8} {r['n_params']:>11,} {optimizer:30} {r['host_peak_gb']:>8.2f} "
+        alone = "-" if r["host_peak_alone_gb"] is None else f"{r['host_peak_alone_gb']:.2f}"
+        print(f"{r['model']:8} {r['n_params']:>11,} {optimizer:30} {r['host_peak_gb']:>8.2f} {alone:>9} "
               f"{r['host_bytes_per_param']:>13.1f} {r['goal_host_bytes_per_param']:>5.0f} {device:>15} "
               f"{r['tokens_per_s'] or 0:>9} {r['utilization'] or 0:>5.2f}{_within_limit(r)}")
     _print_slopes(rows)
