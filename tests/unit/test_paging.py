@@ -182,7 +182,7 @@ class RecordingStore(PagedStore):
 
 @pytest.mark.parametrize("wire", WIRES[1:], ids=["int4", "int2", "top-k"])
 def test_error_feedbacks_residual_in_a_file_holds_a_chunk_at_a_time_with_the_same_bits_as_in_memory(tmp_path, wire):
-    n = 10 * MB + 12345
+    n = 6 * MB + 12345  # 24 MB: a chunk and a half, so each pass lets one go while it holds the next
     store = RecordingStore(tmp_path)
     paged, held = codec.ErrorFeedback(store=store), codec.ErrorFeedback()
     chunk_bytes = 4 << 22  # exact.blockwise's chunk: 16 MB
