@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -231,20 +231,24 @@ class ErrorFeedback:
             self.store.let_go(residual[part])
         self.residual = residual
 
-    def alone(self, contribution: torch.Tensor, bits: int, fmt: "DenseFormat") -> torch.Tensor:
+    def alone(self, contribution: torch.Tensor, bits: int, fmt: "DenseFormat", out: Optional[torch.Tensor] = None,
+              release: Callable[[slice], None] = lambda part: None) -> torch.Tensor:
         """The update a member alone in its round merges: what its codes would carry in an island (its compensated
         contribution, on scales from its own block statistics, the elements `fmt` selects), the rest carried as
         in an island. The outer step then gets the same kind of update whatever the island's size: a top-k
         member that merged its whole Δ alone would step at an outer lr tuned for 2 % of it (at lr 2, val went
-        from 1.97 to 2.30 in that one round). A chunk of blocks at a time, like `record_encoded`."""
+        from 1.97 to 2.30 in that one round). A chunk of blocks at a time, like `record_encoded`, into `out` (a new
+        tensor by default), `release` told each chunk of it once written."""
         old, n = self.residual, contribution.numel()
-        merged, residual = torch.empty(n), old if old is not None else self.store.empty(n)
+        merged = out if out is not None else torch.empty(n)
+        residual = old if old is not None else self.store.empty(n)
         for part, _ in blockwise(n):
             intended = contribution[part] if old is None else contribution[part] + self._carried(old[part])
             scales = agreed_scales([fmt.block_statistic(intended).double()], bits)
             merged[part] = encode(intended, 1.0, scales, bits, fmt).sent
             residual[part] = (intended.double() - merged[part].double()).float()
             self.store.let_go(residual[part])
+            release(part)
         self.residual = residual
         return merged
 

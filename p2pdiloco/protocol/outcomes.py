@@ -134,14 +134,20 @@ class Committed(RoundOutcome):
 
 @dataclass
 class Solo(RoundOutcome):
-    """Alone in the swarm with K=1: our own update is the merge."""
+    """Alone in the swarm with K=1: our own update is the merge. The round protocol leaves `merged` to its
+    driver (`own`), which knows where Δ waits and what its wire would have carried: swarm.rounds writes it into
+    the averaging buffer a chunk at a time, not into a model-sized copy. `of` makes it a copy of Δ."""
 
     kind: ClassVar[str] = "solo"
     committed: ClassVar[bool] = True
 
     @classmethod
     def of(cls, c: Contribution, **kwargs) -> "Solo":
-        return cls(reason="solo", merged=c.delta.clone(), members=[c.member], weights=[1.0], **kwargs)
+        return cls.own(c, merged=c.delta.clone(), **kwargs)
+
+    @classmethod
+    def own(cls, c: Contribution, **kwargs) -> "Solo":
+        return cls(reason="solo", members=[c.member], weights=[1.0], **kwargs)
 
 
 @dataclass

@@ -331,7 +331,7 @@ class Round:
 
     def _solo(self, now: float) -> Done:
         self.phase = "done"
-        return Done(Solo.of(self.c, **self._common(now)))
+        return Done(Solo.own(self.c, **self._common(now)))  # the driver makes `merged` (outcomes.Solo)
 
     def _done(self, kind: type[RoundOutcome], now: float, reason: str, **extra) -> Done:
         self.phase = "done"

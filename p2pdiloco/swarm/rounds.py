@@ -113,11 +113,24 @@ class SwarmMerger:
             outcome = self._drive(Round(self.rules, self.peer, c, self.clock, time.monotonic()))
         finally:
             self.heartbeat.update(ready=-1)  # `merging` stays until the outcome's state is published (below)
-        if isinstance(outcome, Solo) and self.feedback is not None and not self.outer.rda:
-            # alone, we merge what our wire would have carried (codec.ErrorFeedback.alone), not our whole Δ
-            outcome = dataclasses.replace(outcome, merged=self.feedback.alone(self._contribution_parts(c), self.bits,
-                                                                             self.averager.wire_format(1)))
-        return outcome
+        return self._solo(c, outcome) if isinstance(outcome, Solo) else outcome
+
+    def _solo(self, c: Contribution, outcome: Solo) -> Solo:
+        """Alone, our own update is the merge. It goes into the averaging buffer a chunk at a time (no island
+        uses it now), each chunk let go once written and again once the outer step read it, where the buffer
+        lives in a file: no model-sized copy of Δ. With error feedback (and no RDA), what our wire would have
+        carried (codec.ErrorFeedback.alone), not our whole Δ."""
+        source = c.kept.parts()  # Δ, a slice at a time from where it waits (under RDA too: its solo merges Δ)
+        with self.averager.buffer() as buffer:
+            merged = buffer[: self.n]
+            if self.feedback is not None and not self.outer.rda:
+                self.feedback.alone(source, self.bits, self.averager.wire_format(1), out=merged,
+                                    release=self.averager.page_out)
+            else:
+                for part, _ in blockwise(self.n):
+                    merged[part] = source[part]
+                    self.averager.page_out(part)
+        return dataclasses.replace(outcome, merged=merged, release=self.averager.page_out)
 
     def _drive(self, rnd: Round) -> RoundOutcome:
         decision, traffic = rnd.start(self.live_others(), time.monotonic()), {}

@@ -11,7 +11,7 @@ from hivemind.averaging.averager import compute_schema_hash
 
 from p2pdiloco.core import codec
 from p2pdiloco.protocol.island import PenaltyBox
-from p2pdiloco.protocol.outcomes import Contribution
+from p2pdiloco.protocol.outcomes import Contribution, Solo
 from p2pdiloco.core.state import GlobalState
 from p2pdiloco.protocol.round import FormIsland
 from p2pdiloco.runtime.faults import NO_FAULTS
@@ -220,3 +220,28 @@ def test_a_store_that_cannot_use_its_folder_keeps_vectors_in_memory_says_so_and_
     vector.copy_(torch.arange(3 * MB, dtype=torch.float32))
     store.let_go(vector[MB:])  # a pass's release is a no-op on memory: MADV_DONTNEED would zero private pages
     assert torch.equal(vector, torch.arange(3 * MB, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("wire, feedback", [(WIRES[0], False), (WIRES[1], True)], ids=["20-bit", "int4"])
+def test_a_solo_update_is_made_in_the_averaging_buffer_a_chunk_at_a_time(tmp_path, wire, feedback):
+    """Alone, a peer merges its own Δ (or what its int4 codes would carry): written into the buffer, each chunk let
+    go once done, with the bits of the update made in memory; no model-sized copy."""
+    n = 6 * MB + 12345
+    delta = torch.randn(n) * 1e-3
+    averager = RecordingAverager(n, tmp_path, wire)
+    held = codec.ErrorFeedback()
+    merger = SimpleNamespace(averager=averager, n=n, outer=SimpleNamespace(rda=False),
+                             feedback=codec.ErrorFeedback() if feedback else None, bits=wire.bits)
+    c = Contribution.of(delta, tokens=10, steps=2, version=3, peer="me", name="me", digest="d")
+    outcome = SwarmMerger._solo(merger, c, Solo.own(c))
+
+    chunk_bytes = 4 << 22
+    assert len(averager.resident) == 2 and max(averager.resident) <= chunk_bytes + 8192, averager.resident
+    assert averager.file.resident_bytes() < 2 * 4096
+    merged = outcome.merged
+    assert merged.data_ptr() == averager.file.vectors[0].data_ptr()  # the buffer itself, not a copy
+    assert outcome.release == averager.page_out  # the outer step lets each chunk go again once read
+    expected = held.alone(delta, wire.bits, wire) if feedback else delta
+    assert torch.equal(merged, expected)
+    if feedback:
+        assert torch.equal(merger.feedback.residual, held.residual)

@@ -68,6 +68,17 @@ def test_a_peer_alone_in_the_swarm_applies_its_own_update():
     assert done.outcome.quorum_seconds == pytest.approx(0.5) and done.outcome.weights == [1.0]
 
 
+def test_a_solo_round_leaves_its_update_to_the_driver_and_never_reads_delta():
+    """Δ may wait on disk: reading it whole here would cost a model-sized copy (swarm.rounds writes the solo update
+    into its averaging buffer a chunk at a time instead)."""
+    c = contribution()
+    c.kept.drop()  # any read of Δ now raises
+    rnd = new_round(c=c)
+    rnd.start([], 100.5)
+    done = rnd.on_peers([], 101.0)
+    assert isinstance(done.outcome, Solo) and done.outcome.merged is None and done.outcome.members == [c.member]
+
+
 def test_with_others_alive_the_island_opens_for_the_grace_window_of_eq3():
     rnd = new_round()
     island = to_island(rnd, [record("b", ready=3)])
