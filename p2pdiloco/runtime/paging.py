@@ -29,8 +29,6 @@ from typing import Optional
 
 import torch
 
-from p2pdiloco.core.codec import VectorStore
-
 FLOAT32 = 4
 log = logging.getLogger(__name__)
 _MADV_DONTNEED = 4  # linux/mman.h; Python's mmap module offers it only on its own mappings
@@ -92,9 +90,10 @@ def page_out(view: torch.Tensor) -> None:
         raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed")
 
 
-class PagedStore(VectorStore):
+class PagedStore:
     """Vectors made in files of `folder` (one `FileVectors` each), whose chunks a pass lets go once done; in memory,
-    saying so, where the folder cannot hold one. Only views of vectors it made may be let go."""
+    saying so, where the folder cannot hold one. Only views of vectors it made may be let go. The same two calls
+    as `core.codec.VectorStore` (that layer sits above this one)."""
 
     def __init__(self, folder: Path, prefix: str, what: str):
         self.folder, self.prefix, self.what = folder, prefix, what
@@ -105,7 +104,7 @@ class PagedStore(VectorStore):
             self.files.append(FileVectors(n, 1, self.folder, self.prefix))
         except (OSError, ValueError) as e:
             log.warning(f"cannot keep {self.what} in {self.folder} ({e}): it stays in memory ({4 * n / 1e9:.2f} GB)")
-            return super().empty(n)
+            return torch.empty(n)
         return self.files[-1].vectors[0]
 
     def let_go(self, view: torch.Tensor) -> None:
