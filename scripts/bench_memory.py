@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 from p2pdiloco.config import model_config
 from p2pdiloco.ops.launcher import join_command, peer_command, start_process, stop_tree, wait_for_file
@@ -56,6 +57,7 @@ class PeakSampler(threading.Thread):
         self.pid, self.interval, self.peak, self.stopped = pid, interval, 0, threading.Event()
         self.peak_by_process: dict = {}
         self.alone_peak, self._next_alone = 0, 0.0  # None: not measurable (pagemap's frames need root)
+        self.charged_elsewhere = 0  # the most PSS charged to processes outside the tree, at a sample near a peak
         self.timeline: list = []  # (wall-clock time, {process: PSS}): where the peak came from
 
     def run(self) -> None:
@@ -67,20 +69,33 @@ class PeakSampler(threading.Thread):
             if total > self.peak:
                 self.peak, self.peak_by_process = total, {_name(p): s for p, s in sizes.items() if s}
             if total >= 0.97 * self.peak:
-                self._measure_alone(pids)
+                self._measure_alone(pids, total)
             time.sleep(self.interval)
 
-    def _measure_alone(self, pids: list) -> None:
+    def _measure_alone(self, pids: list, pss_total: int) -> None:
         """Near each PSS peak, at most every 2 s (a sample costs ~0.7 s of CPU for 2 GB): the tree's pages each
-        counted once, shared or not (ops.residency), so none is charged to the other peer beside it."""
+        counted once, shared or not (ops.residency), and how much more that is than its PSS at the moment: the
+        part of shared pages PSS charged to other processes (the other peer's). A peak shorter than 2 s may fall
+        between these samples; the PSS peak plus the largest such part stands in for it (`alone_gb`)."""
         if self.alone_peak is None or time.monotonic() < self._next_alone:
             return
         try:
-            self.alone_peak = max(self.alone_peak, union_bytes(pids))
+            union = union_bytes(pids)
         except PermissionError as e:
             print(f"not measured alone: {e}", file=sys.stderr)
             self.alone_peak = None
+            return
+        self.alone_peak = max(self.alone_peak, union)
+        self.charged_elsewhere = max(self.charged_elsewhere, union - pss_total)
         self._next_alone = time.monotonic() + 2.0
+
+    @property
+    def alone_gb(self) -> Optional[float]:
+        """What the peer would peak at on a machine of its own: measured, or the PSS peak with what PSS charged to
+        other processes put back, whichever is larger."""
+        if not self.alone_peak:
+            return None
+        return round(max(self.alone_peak, self.peak + self.charged_elsewhere) / 1e9, 3)
 
 
 class MemoryLimit:
@@ -184,7 +199,9 @@ def measure(model: str, optimizer: str, args, log_dir: Path, variant: str = "pla
                 tokens_per_s=round(summary[-1].tokens / max(summary[-1].training_seconds, 1e-9)) if summary else None,
                 utilization=round(summary[-1].utilization, 3) if summary else None,
                 host_peak_gb=round(sampler.peak / 1e9, 3), host_bytes_per_param=round(sampler.peak / n_params, 1),
-                host_peak_alone_gb=round(sampler.alone_peak / 1e9, 3) if sampler.alone_peak else None,
+                host_peak_alone_gb=sampler.alone_gb,
+                host_alone_measured_gb=round(sampler.alone_peak / 1e9, 3) if sampler.alone_peak else None,
+                host_charged_elsewhere_gb=round(sampler.charged_elsewhere / 1e9, 3),
                 device_bytes_per_param=round(device_peak / n_params, 1) if device_peak else None,
                 goal_host_bytes_per_param=GOALS["cuda" if args.device.startswith("cuda") else "cpu"][optimizer],
                 by_process={k: round(v / 1e9, 3) for k, v in sampler.peak_by_process.items()},
