@@ -31,22 +31,11 @@ from typing import Optional
 
 from p2pdiloco.config import model_config
 from p2pdiloco.ops.launcher import join_command, peer_command, start_process, stop_tree, wait_for_file
-from p2pdiloco.ops.residency import union_bytes
+from p2pdiloco.ops.residency import pss_bytes, union_bytes
 from p2pdiloco.runtime.lifeline import descendants
 from p2pdiloco.runtime.schema import Summary, of_kind, read_records
 
 GOALS = {"cpu": {"adamw": 32.0, "adamw8bit": 20.0}, "cuda": {"adamw": 12.0, "adamw8bit": 12.0}}
-
-
-def pss_bytes(pid: int) -> int:
-    """PSS of one process, 0 if it is gone (smaps_rollup: one read, not a walk over every mapping)."""
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 class PeakSampler(threading.Thread):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -185,10 +185,7 @@ class ErrorFeedback:
     # where the residual, a model-sized vector, is made: memory by default. A peer whose state waits on disk gives
     # a file-backed store (runtime.paging.PagedStore) whose chunks each pass lets go once done: the residual then
     # costs a pass a chunk of memory, not 4 bytes per parameter for the whole run
-    store: "VectorStore" = None  # type: ignore[assignment]
-
-    def __post_init__(self):
-        self.store = self.store or VectorStore()
+    store: "VectorStore" = field(default_factory=lambda: VectorStore())
 
     def compensate(self, delta: torch.Tensor) -> torch.Tensor:
         """Δ plus what earlier rounds' codes dropped (decayed), as a new tensor."""

@@ -18,6 +18,17 @@ PRESENT = np.uint64(1 << 63)
 FRAME = np.uint64((1 << 55) - 1)
 
 
+def pss_bytes(pid: int) -> int:
+    """PSS of one process, 0 if it is gone (smaps_rollup: one read, not a walk over every mapping)."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def resident_ranges(pid: int) -> Iterator[tuple[int, int]]:
     """(start, end) of every mapping of `pid` with pages in memory."""
     start = end = 0

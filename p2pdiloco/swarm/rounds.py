@@ -87,7 +87,8 @@ class SwarmMerger:
         default_feedback = self.bits <= 4 or bool(cfg.topk)
         feedback = cfg.error_feedback if cfg.error_feedback is not None else default_feedback
         # the residual waits in a file beside the averaging buffer where the state is parked (4 B/param less)
-        store = PagedStore(buffer_folder, "residual-", "error feedback's residual") if buffer_folder else None
+        store = PagedStore(buffer_folder, "residual-", "error feedback's residual") if buffer_folder else \
+            codec.VectorStore()
         self.feedback = codec.ErrorFeedback(decay=cfg.error_feedback_decay, store=store) if feedback else None
         key = load_swarm_key(cfg.swarm_key_file)  # checked when the DHT started
         self.passes = MemberPasses(key) if key is not None else None

@@ -3,21 +3,13 @@ outside the tree (scripts/bench_memory.py's "alone" figure)."""
 
 import mmap
 import os
-from pathlib import Path
 
 import pytest
 
-from p2pdiloco.ops.residency import union_bytes
+from p2pdiloco.ops.residency import pss_bytes, union_bytes
 
 MB = 1 << 20
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the kernel shows physical frames to root only")
-
-
-def pss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-        if line.startswith("Pss:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no Pss line")
 
 
 def test_pages_shared_with_a_process_outside_the_tree_count_in_full_where_pss_charges_half():
@@ -38,7 +30,7 @@ def test_pages_shared_with_a_process_outside_the_tree_count_in_full_where_pss_ch
         alone_child, alone_us, together = union_bytes([child]), union_bytes([os.getpid()]), union_bytes(
             [os.getpid(), child])
         # PSS gives the child half of the 64 MB it shares with us; alone it would need all of them
-        assert alone_child - pss(child) >= 30 * MB, (alone_child, pss(child))
+        assert alone_child - pss_bytes(child) >= 30 * MB, (alone_child, pss_bytes(child))
         # within the tree, a shared page counts once: the two together hold at most one copy of the mapping
         assert together <= alone_us + alone_child - 60 * MB, (together, alone_us, alone_child)
         assert together >= alone_us >= 64 * MB
