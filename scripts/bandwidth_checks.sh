@@ -20,6 +20,7 @@ if ! { ip -V && tc -V && sysctl -n kernel.ostype; } >/dev/null 2>&1; then
   [ -f .whl/testbed-tools.tar.xz ] || { echo "no ip/tc/sysctl here and no .whl/testbed-tools.tar.xz: run \
 scripts/testbed_tools.sh on a machine that has them, and carry .whl" >&2; exit 1; }
   tools=$(mktemp -d)
+  trap 'rm -rf "$tools"' EXIT
   tar xJf .whl/testbed-tools.tar.xz -C "$tools"
   export PATH=$tools/bin:$PATH
 fi
@@ -32,8 +33,11 @@ if ! $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/integration/test_t
   echo "the testbed does not work here: see $OUT/testbed.txt" >&2
   exit 1
 fi
+# the peers' logs and records in a folder of their own, packed into OUT at the end: OUT stays a few files
+runs=$(mktemp -d)
 status=0
 $PY scripts/bench_bandwidth.py --variants "$VARIANTS" --peers 4 --model "$MODEL" -H 2 --rounds "${ROUNDS:-3}" \
-  --throttle 8 --batch-size 1 --no-curves --fresh --log-dir "$OUT/runs" 2>&1 | tee "$OUT/bench.txt" || status=$?
-cp "$OUT/runs/report.json" "$OUT/report.json" 2>/dev/null || true
+  --throttle 8 --batch-size 1 --no-curves --fresh --log-dir "$runs" 2>&1 | tee "$OUT/bench.txt" || status=$?
+cp "$runs/report.json" "$OUT/report.json" 2>/dev/null || true
+tar cJf "$OUT/runs.tar.xz" -C "$runs" . && rm -rf "$runs"
 exit "$status"
