@@ -4,9 +4,10 @@
 #   bash scripts/bandwidth_checks.sh [OUT_DIR] [VARIANTS] [MODEL]     (defaults: runs/bandwidth-checks, none, large;
 #                                                                     ROUNDS sets the rounds, default 3)
 # The command of docs/bandwidth.md's two-core runs ("Four peers on `large`, measured apart": 100 Mbit/s, 50 ms one
-# way, H = 2, 3 rounds, --throttle 8), so its ratio to the link bound stands beside the 1.50× that four peers
-# reached on two cores, where the host was 96 % busy. Where `ip` or `tc` is missing (the GPU machines lent so far),
-# it unpacks .whl/testbed-tools.tar.xz (made here by scripts/testbed_tools.sh) and puts its tools first on PATH.
+# way, H = 2, 3 rounds, --throttle 8), so its ratio to the link bound stands beside what four peers reached on two
+# cores: 1.25-1.31× on an evening, 1.50× on a morning when the host was slower. Where `ip`, `tc` or `sysctl` does
+# not run (the GPU machines lent so far), it unpacks .whl/testbed-tools.tar.xz (made here by
+# scripts/testbed_tools.sh) and puts its tools first on PATH.
 # PYTHON names an interpreter with p2pdiloco's dependencies (scripts/offline_site.sh packs them), default .venv's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
