@@ -5,6 +5,7 @@ import torch
 
 from p2pdiloco.training import checkpoint
 from p2pdiloco.core.exact import digest
+from tests.harness.memory import PeakGrowth
 
 N = 1000
 
@@ -154,13 +155,6 @@ def test_a_checkpoint_written_before_inner_state_keeps_its_adamw_moments():
         assert torch.equal(state["exp_avg_sq"], torch.full(p.shape, float(i + 1)))
 
 
-def status_kb(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
 def test_a_checkpoint_is_written_without_a_copy_of_the_model(tmp_path):
     """θ is written a parameter at a time and the inner optimizer's state from where it lives: the process's
     resident memory grows by far less than one model-sized vector while a checkpoint is made (a flat copy of θ
@@ -172,20 +166,15 @@ def test_a_checkpoint_is_written_without_a_copy_of_the_model(tmp_path):
     from p2pdiloco.training.model import build_model
     from tests.unit.test_decoupled import random_batches
 
-    try:
-        open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM, the peak resident memory, to now
-    except OSError:
-        pytest.skip("this kernel cannot reset a process's peak resident memory")
+    grew = PeakGrowth()
     model = build_model(model_config("base"), seed=0)
     trainer = InnerTrainer(model, random_batches(0), InnerConfig(steps=1, batch_size=2, seq_len=8), torch.device("cpu"))
     d = DiLoCo(trainer, GlobalState(flat_params(model), lr=0.7, momentum=0.9), SoloMerger(), "p", "p")
     d.inner_step()  # AdamW's moments exist
     model_bytes = 4 * d.state.params.numel()
-    open("/proc/self/clear_refs", "w").write("5")
-    before = status_kb("VmRSS")
-    meta, tensors = d.checkpoint_state()
-    checkpoint.save(tmp_path, dict(meta, model="base"), tensors)
-    grew = (status_kb("VmHWM") - before) * 1024
-    assert grew < model_bytes / 4, f"resident memory grew by {grew / 1e6:.1f} MB ({model_bytes / 1e6:.1f} MB of θ)"
+    with grew:
+        meta, tensors = d.checkpoint_state()
+        checkpoint.save(tmp_path, dict(meta, model="base"), tensors)
+    assert grew.bytes < model_bytes / 4, f"peak grew by {grew.bytes / 1e6:.1f} MB ({model_bytes / 1e6:.1f} MB of θ)"
     found = checkpoint.load_latest(tmp_path, d.state.params.numel())
     assert torch.equal(found.tensors["local"], d.local_params())

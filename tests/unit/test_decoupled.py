@@ -471,12 +471,9 @@ def test_a_round_on_disk_never_holds_a_model_sized_delta_in_the_trainer(tmp_path
     buffer (as the swarm's merger does) and when the outcome is applied. The process's peak resident memory over a
     whole round then grows by less than half of Δ's 4 bytes per parameter (before: a model-sized Δ at each)."""
     from p2pdiloco.protocol.outcomes import copy_parts
-    from tests.unit.test_checkpoint import status_kb
+    from tests.harness.memory import PeakGrowth
 
-    try:
-        open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM, the peak resident memory, to now
-    except OSError:
-        pytest.skip("this kernel cannot reset a process's peak resident memory")
+    grew = PeakGrowth()
     model = build_model(model_config("base"), seed=0)  # 44 MB of θ: above glibc's largest mmap threshold, so a
     cfg = InnerConfig(steps=1, batch_size=2, seq_len=8)  # model-sized temporary shows in the peak
     state = GlobalState(flat_params(model), lr=0.7, momentum=0.9)
@@ -494,10 +491,8 @@ def test_a_round_on_disk_never_holds_a_model_sized_delta_in_the_trainer(tmp_path
     assert d.wait(30).applied
     d.inner_step()
     model_bytes = 4 * state.params.numel()
-    open("/proc/self/clear_refs", "w").write("5")
-    before = status_kb("VmRSS")
-    d.contribute()
-    assert d.wait(30).applied
-    grew = (status_kb("VmHWM") - before) * 1024
-    assert grew < model_bytes / 2, f"resident memory grew by {grew / 1e6:.1f} MB ({model_bytes / 1e6:.1f} MB of Δ)"
+    with grew:
+        d.contribute()
+        assert d.wait(30).applied
+    assert grew.bytes < model_bytes / 2, f"peak grew by {grew.bytes / 1e6:.1f} MB ({model_bytes / 1e6:.1f} MB of Δ)"
     d.close()

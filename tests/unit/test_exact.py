@@ -82,9 +82,7 @@ def test_finiteness_is_checked_a_chunk_at_a_time_and_finds_any_nan_or_infinity()
     peaks: `torch.isfinite` of the whole vector made model-sized temporaries (|x| as floats and bool masks, ~5
     B/param). Chunked, the peak grows by a chunk's worth, and a bad value anywhere, even in the last chunk or a
     second tensor, is still found."""
-    import pytest
-
-    from tests.unit.test_checkpoint import status_kb
+    from tests.harness.memory import PeakGrowth
 
     n = 3 * exact._CHUNK + 5
     x, y = torch.zeros(n), torch.zeros(7)
@@ -95,13 +93,8 @@ def test_finiteness_is_checked_a_chunk_at_a_time_and_finds_any_nan_or_infinity()
     assert exact.all_finite(x, y)
     y[6] = float("nan")
     assert not exact.all_finite(x, y)
-    try:
-        open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM, the peak resident memory, to now
-    except OSError:
-        pytest.skip("this kernel cannot reset a process's peak resident memory")
-    big = torch.zeros(16 * exact._CHUNK)  # 268 MB: |big| alone would be as much again
-    open("/proc/self/clear_refs", "w").write("5")
-    before = status_kb("VmRSS")
-    assert exact.all_finite(big)
-    grew = (status_kb("VmHWM") - before) * 1024
-    assert grew < big.numel(), f"resident memory grew by {grew / 1e6:.1f} MB checking {big.numel() / 1e6:.0f} M values"
+    grew = PeakGrowth()
+    big = torch.zeros(16 * exact._CHUNK)  # 67 MB: |big| alone would be as much again
+    with grew:
+        assert exact.all_finite(big)
+    assert grew.bytes < big.numel(), f"peak grew by {grew.bytes / 1e6:.1f} MB checking {big.numel() / 1e6:.0f} M values"

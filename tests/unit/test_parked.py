@@ -5,7 +5,6 @@ import logging
 import mmap
 import os
 
-import pytest
 import torch
 
 from p2pdiloco.config import InnerConfig, model_config
@@ -16,7 +15,7 @@ from p2pdiloco.training.diloco import DiLoCo, SoloMerger
 from p2pdiloco.training.inner import InnerTrainer, flat_params
 from p2pdiloco.training.model import build_model
 from p2pdiloco.training.parked import Held, Parked, global_vectors
-from tests.unit.test_checkpoint import status_kb
+from tests.harness.memory import PeakGrowth
 from tests.unit.test_decoupled import random_batches
 
 MB = 1 << 20
@@ -80,10 +79,7 @@ def test_the_passes_after_a_round_hold_a_chunk_of_a_parked_state_at_a_time(tmp_p
     pass lets every chunk go once done, so the peer's peak resident memory grows by a chunk, not by the 8 bytes
     per parameter of the two vectors (the round's end was a GPU peer's peak before: 2.5 GB of host memory for
     the 100M model against 1.3 GB while training)."""
-    try:
-        open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM, the peak resident memory, to now
-    except OSError:
-        pytest.skip("this kernel cannot reset a process's peak resident memory")
+    grew = PeakGrowth()
     d, vectors = make_peer("parked", tmp_path, "base")  # 11 M parameters: 89 MB of Θ and momentum, 6 chunks
     d.inner_step()
     d.contribute()
@@ -96,14 +92,12 @@ def test_the_passes_after_a_round_hold_a_chunk_of_a_parked_state_at_a_time(tmp_p
     assert len(held) > 5 and max(held) < mapped / 8  # Θ sketched a chunk at a time
     d.state.page_out = page_out
     vectors.page_out()
-    open("/proc/self/clear_refs", "w").write("5")
-    before = status_kb("VmRSS")
-    d.state._digest = None  # hashed again, as after every round
-    assert d.state.digest
-    meta, tensors = d.checkpoint_state()
-    checkpoint.save(tmp_path / "checkpoints", dict(meta, model="base"), tensors)
-    grew = (status_kb("VmHWM") - before) * 1024
-    assert grew < mapped / 3, f"resident memory grew by {grew / MB:.0f} MB ({mapped / MB:.0f} MB parked)"
+    with grew:
+        d.state._digest = None  # hashed again, as after every round
+        assert d.state.digest
+        meta, tensors = d.checkpoint_state()
+        checkpoint.save(tmp_path / "checkpoints", dict(meta, model="base"), tensors)
+    assert grew.bytes < mapped / 3, f"peak grew by {grew.bytes / MB:.0f} MB ({mapped / MB:.0f} MB parked)"
     found = checkpoint.load_latest(tmp_path / "checkpoints", d.state.params.numel())
     assert torch.equal(found.tensors["momentum"], d.state.outer.momentum_buffer)
 
