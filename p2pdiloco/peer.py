@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from p2pdiloco.training import checkpoint
+from p2pdiloco.runtime.heap import give_back_free_heap
 from p2pdiloco.config import ConfigError, PeerConfig, model_config
 from p2pdiloco.training.data import BatchStream, load_corpus, stream_seed, validation_batches
 from p2pdiloco.core.consensus import consensus_distance, fork_distance, sketch
@@ -146,9 +147,11 @@ class Peer:
 
     def _park(self) -> None:
         """Θ and the momentum are cold until a round starts or ends, an evaluation, a checkpoint or a joiner
-        reads them (`training.parked`; nothing to do where they are kept in memory)."""
+        reads them (`training.parked`; nothing to do where they are kept in memory). What the round's work freed
+        goes back to the kernel too (`runtime.heap`)."""
         if self.global_vectors is not None:
             self.global_vectors.page_out()
+        give_back_free_heap()
 
     def _join(self, look_for_checkpoint: bool) -> None:
         """Cold start: connect, resume our checkpoint if any, fetch the swarm's state, then train. The checkpoint

@@ -31,7 +31,7 @@ from typing import Optional
 
 from p2pdiloco.config import model_config
 from p2pdiloco.ops.launcher import join_command, peer_command, start_process, stop_tree, wait_for_file
-from p2pdiloco.ops.residency import pss_bytes, union_bytes
+from p2pdiloco.ops.residency import pss_kinds, union_bytes
 from p2pdiloco.runtime.lifeline import descendants
 from p2pdiloco.runtime.schema import Summary, of_kind, read_records
 
@@ -47,13 +47,16 @@ class PeakSampler(threading.Thread):
         self.peak_by_process: dict = {}
         self.alone_peak, self._next_alone = 0, 0.0  # None: not measurable (pagemap's frames need root)
         self.charged_elsewhere = 0  # the most PSS charged to processes outside the tree, at a sample near a peak
-        self.timeline: list = []  # (wall-clock time, {process: PSS}): where the peak came from
+        self.timeline: list = []  # (wall-clock time, {process: PSS}, {process: its anonymous part}): where the
+        # peak came from, and how much of it was heap rather than files mapped
 
     def run(self) -> None:
         while not self.stopped.is_set():
             pids = [self.pid, *descendants(self.pid)]
-            sizes = {pid: pss_bytes(pid) for pid in pids}
-            self.timeline.append((round(time.time(), 3), {_name(p): s for p, s in sizes.items() if s}))
+            kinds = {pid: pss_kinds(pid) for pid in pids}
+            sizes = {pid: k.get("Pss", 0) for pid, k in kinds.items()}
+            self.timeline.append((round(time.time(), 3), {_name(p): s for p, s in sizes.items() if s},
+                                  {_name(p): k["Pss_Anon"] for p, k in kinds.items() if k.get("Pss_Anon")}))
             total = sum(sizes.values())
             if total > self.peak:
                 self.peak, self.peak_by_process = total, {_name(p): s for p, s in sizes.items() if s}
@@ -175,7 +178,7 @@ def measure(model: str, optimizer: str, args, log_dir: Path, variant: str = "pla
     tag = f"{model}-{optimizer}" + ("" if variant == "plain" else f"-{variant}")
     if args.timeline:  # the samples, and the peer's own records (its rounds and checkpoints, by wall-clock time)
         with open(args.timeline.with_suffix(f".{tag}.jsonl"), "w") as f:
-            f.writelines(json.dumps(dict(time=t, pss=sizes)) + "\n" for t, sizes in sampler.timeline)
+            f.writelines(json.dumps(dict(time=t, pss=sizes, anon=anon)) + "\n" for t, sizes, anon in sampler.timeline)
         shutil.copy(log_dir / "peer0.jsonl", args.timeline.with_suffix(f".{tag}.peer0.jsonl"))
         for i in range(args.peers):  # their text logs too: what a peak's moment was (a download served, a retry)
             shutil.copy(log_dir / f"peer{i}.log", args.timeline.with_suffix(f".{tag}.peer{i}.log"))

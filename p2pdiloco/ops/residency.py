@@ -20,13 +20,18 @@ FRAME = np.uint64((1 << 55) - 1)
 
 def pss_bytes(pid: int) -> int:
     """PSS of one process, 0 if it is gone (smaps_rollup: one read, not a walk over every mapping)."""
+    return pss_kinds(pid).get("Pss", 0)
+
+
+def pss_kinds(pid: int) -> dict[str, int]:
+    """PSS of one process in bytes, whole ("Pss") and by kind of page ("Pss_Anon": heaps and other private
+    memory; "Pss_File": files mapped, libraries and our vectors kept in files); empty if it is gone."""
     try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
+        lines = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
     except OSError:
-        pass
-    return 0
+        return {}
+    return {name: int(rest.split()[0]) * 1024 for name, _, rest in (line.partition(":") for line in lines)
+            if name.startswith("Pss")}
 
 
 def resident_ranges(pid: int) -> Iterator[tuple[int, int]]:

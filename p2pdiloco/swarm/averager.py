@@ -40,6 +40,7 @@ from p2pdiloco.protocol.island import Bounds, PenaltyBox, Stragglers, plan_islan
 from p2pdiloco.protocol.remote import Expect, parse_island
 from p2pdiloco.protocol.round import IslandReduced
 from p2pdiloco.runtime.faults import NO_FAULTS, FaultPlan
+from p2pdiloco.runtime.heap import give_back_free_heap
 from p2pdiloco.runtime.paging import FileVectors
 from p2pdiloco.swarm.codes import Codes, CodesExchange, codec_cpu_seconds, faults_and_late, piece_ranges
 from p2pdiloco.swarm.auth import MemberPasses
@@ -132,7 +133,10 @@ class ExactAverager(DecentralizedAverager):
             self._paged.page_out(part)
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs) -> IslandReduced:
-        reduced = await self._island_round(group_info)
+        try:
+            reduced = await self._island_round(group_info)
+        finally:  # the round's pieces and messages, freed into our heaps, go back to the kernel (runtime.heap)
+            give_back_free_heap()
         self.refuse(reduced.blamed)  # those whose parts or sums failed us: not in groups we lead for a while
         return reduced
 

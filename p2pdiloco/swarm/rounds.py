@@ -34,6 +34,7 @@ from p2pdiloco.protocol.round import (Done, Download, FormIsland, IslandFailed, 
                                       NoIsland, RefreshPeers, Round, RoundRules, WaitForPeers, state_may_come)
 from p2pdiloco.protocol.timing import GracePolicy, RoundClock
 from p2pdiloco.runtime.faults import NO_FAULTS, FaultPlan
+from p2pdiloco.runtime.heap import give_back_free_heap
 from p2pdiloco.runtime.paging import PagedStore
 from p2pdiloco.runtime.procio import io_counters, moved_since
 from p2pdiloco.runtime.waiting import result_unless_closed
@@ -187,6 +188,7 @@ class SwarmMerger:
         if self._group_bits(c.version) != self._group_bits(0):
             self.averager.set_group_bits(self._group_bits(c.version))
         gather = self._load_buffer(c, island)
+        give_back_free_heap()  # that pass's chunk temporaries, freed: not resident while the all-reduce runs
         control = self._control = self.averager.step(
             gather=gather, weight=1.0, timeout=island.find_timeout, scheduled_time=get_dht_time() + self._start_in(island),
             allow_retries=False, wait=False)
@@ -212,6 +214,7 @@ class SwarmMerger:
             return result
         if self.feedback is not None and result.codec_scales is not None:
             self._record_feedback(c, result)
+            give_back_free_heap()  # its pass's temporaries, as after `_load_buffer`
         with self.averager.buffer() as buffer:
             # a view, not a copy: the host applies it before its next round writes the buffer again (DiLoCo keeps
             # a copy only for eager estimates)

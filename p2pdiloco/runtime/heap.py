@@ -1,0 +1,29 @@
+"""Hand the C heap's free pages back to the kernel once a round is over.
+
+glibc keeps what a process frees. After the first large block it maps and frees, it raises its mmap threshold
+(up to 32 MB), so later gradients, activations and a round's chunk temporaries come from its heaps, one per
+thread that allocates, and stay resident there once freed. A round's threads leave such holes in their heaps
+each time, and a peer's resident memory climbs from round to round (docs/hardware.md: ~0.2 GB a round for
+`large` with int4 rounds). A fixed low threshold stops that, but maps and zeroes every step's tensors afresh
+(a quarter of the throughput). `malloc_trim(0)` instead gives back every whole free page of every heap, once:
+a round's end is rare next to inner steps, so what the next round faults back in costs little.
+
+Elsewhere than glibc (musl, macOS) there is no such call, and nothing is done.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from typing import Optional
+
+_malloc_trim = getattr(ctypes.CDLL(ctypes.util.find_library("c") or None), "malloc_trim", None)
+if _malloc_trim is not None:
+    _malloc_trim.argtypes, _malloc_trim.restype = (ctypes.c_size_t,), ctypes.c_int
+
+
+def give_back_free_heap() -> Optional[bool]:
+    """Return the heaps' free pages to the kernel; True if any went back, None where the C library cannot."""
+    if _malloc_trim is None:
+        return None
+    return bool(_malloc_trim(0))
