@@ -7,7 +7,7 @@ import torch
 import zstandard
 
 from p2pdiloco.core import codec
-from p2pdiloco.core.exact import BLOCK
+from p2pdiloco.core.exact import _CHUNK, BLOCK
 
 WIDTHS = [w for w in range(1, 33) if codec.packable_width(w) == w]
 
@@ -223,14 +223,30 @@ def test_error_feedback_makes_applied_updates_track_the_uncompressed_sum():
     assert float((sent_with - truth).abs().max()) <= step / 2 + 1e-3  # Σ sent = Σ Δ − residual, |residual| ≤ step/2
 
 
+def test_a_pass_of_error_feedback_holds_a_few_megabytes_beside_the_vectors():
+    """A round's passes (error feedback's, the load of the averaging buffer, the statistics) run in the training
+    process while it trains: what they hold beside the vectors adds to its peak. Over 16 M elements (64 MB),
+    recording feedback grows the peak by ~41 MB, its chunks' float64 and int32 temporaries; with the 4 M-element
+    chunks of before, 180 MB (and the holes they left in glibc's heap stayed resident: docs/hardware.md)."""
+    from tests.harness.memory import PeakGrowth
+
+    grew = PeakGrowth()
+    n = 16 << 20
+    g = torch.Generator().manual_seed(0)
+    delta, feedback = torch.randn(n, generator=g), codec.ErrorFeedback(residual=torch.randn(n, generator=g) * 1e-3)
+    fmt = codec.DenseFormat(4, 2)
+    scales = codec.agreed_scales([codec.block_maxabs(delta) * 0.5], fmt.bits)
+    with grew:
+        feedback.record_encoded(delta, 0.5, scales, fmt.bits, fmt)
+    assert grew.bytes < 4 * n, f"peak grew by {grew.bytes / 2**20:.0f} MB over {4 * n / 2**20:.0f} MB vectors"
+
+
 @pytest.mark.parametrize("decay", [1.0, 0.95], ids=["plain", "decayed"])
 @pytest.mark.parametrize("fmt", [codec.DenseFormat(4, 3), codec.TopKFormat(2, 3, 0.02)], ids=["int4", "topk"])
 def test_error_feedback_recorded_a_chunk_at_a_time_keeps_the_bits_of_the_whole_vector(fmt, decay):
     """The merger records feedback from the uncompensated contribution, a chunk of blocks at a time, after its
     round (holding neither the compensated vector nor model-sized codes): the residuals are those of
     compensating, encoding and recording the whole vector, round after round."""
-    from p2pdiloco.core.exact import _CHUNK
-
     n = 2 * _CHUNK + 3 * BLOCK + 5  # several chunks, and a last block that is not full
     g = torch.Generator().manual_seed(4)
     whole, chunked = codec.ErrorFeedback(decay=decay), codec.ErrorFeedback(decay=decay)
@@ -330,7 +346,8 @@ def test_packing_a_slice_at_a_time_gives_the_bytes_of_packing_all_at_once(width)
 def test_compensating_in_place_a_chunk_at_a_time_has_the_bits_of_the_whole_vector_sum(decay):
     """What the merger does to the averaging buffer (no model-sized compensated copy): Δ + β·residual, exactly."""
     gen = torch.Generator().manual_seed(3)
-    delta, residual = torch.randn(3 * (1 << 22) + 5, generator=gen), torch.randn(3 * (1 << 22) + 5, generator=gen)
+    n = 3 * _CHUNK + 5  # several chunks, a short last one
+    delta, residual = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     feedback = codec.ErrorFeedback(residual=residual, decay=decay)
     buffer = delta.clone()
     feedback.compensate_(buffer)

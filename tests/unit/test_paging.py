@@ -9,7 +9,7 @@ import pytest
 import torch
 from hivemind.averaging.averager import compute_schema_hash
 
-from p2pdiloco.core import codec
+from p2pdiloco.core import codec, exact
 from p2pdiloco.protocol.island import PenaltyBox
 from p2pdiloco.protocol.outcomes import Contribution, Solo
 from p2pdiloco.core.state import GlobalState
@@ -100,10 +100,17 @@ WIRES = [codec.DenseFormat(codec.BITS["none"], 1), codec.DenseFormat(4, 1), code
          codec.TopKFormat(2, 1, 0.0156)]
 
 
+def assert_let_go_a_chunk_at_a_time(resident: list, n: int) -> None:
+    """`resident`: the buffer's bytes in our memory at each let-go of a pass over n elements: one let-go per chunk
+    of exact.blockwise, never more than that chunk resident (and the pages at its ends)."""
+    assert len(resident) == -(-n // exact._CHUNK), resident
+    assert max(resident) <= 4 * exact._CHUNK + 8192, resident
+
+
 @pytest.mark.parametrize("wire", WIRES, ids=["20-bit", "int4", "int2", "top-k"])
 def test_the_hosts_load_pass_holds_a_chunk_of_the_buffer_at_a_time_and_gathers_the_whole_vectors_statistics(
         tmp_path, wire):
-    n = 10 * MB + 12345  # 40 MB: ten chunks and a short last block
+    n = 10 * MB + 12345  # 40 MB: several chunks and a short last block
     delta = torch.randn(n) * 1e-3
     residual = torch.randn(n) * 1e-5
     averager = RecordingAverager(n, tmp_path, wire)
@@ -114,8 +121,7 @@ def test_the_hosts_load_pass_holds_a_chunk_of_the_buffer_at_a_time_and_gathers_t
     c = Contribution.of(delta, tokens=10, steps=2, version=3, peer="me", name="me", digest="d")
     record = SwarmMerger._load_buffer(merger, c, FormIsland(1.0, 2.0, 3.0, 4.0))
 
-    chunk_bytes = 4 << 22  # exact.blockwise's chunk: 16 MB
-    assert len(averager.resident) == 3 and max(averager.resident) <= chunk_bytes + 8192, averager.resident
+    assert_let_go_a_chunk_at_a_time(averager.resident, n)
     assert averager.file.resident_bytes() < 2 * 4096  # nothing of it left with us (the pages at its ends)
     sent = delta + residual  # what error feedback sends: Δ and what earlier rounds' codes dropped
     assert torch.equal(averager.file.vectors[0], sent)
@@ -236,8 +242,7 @@ def test_a_solo_update_is_made_in_the_averaging_buffer_a_chunk_at_a_time(tmp_pat
     c = Contribution.of(delta, tokens=10, steps=2, version=3, peer="me", name="me", digest="d")
     outcome = SwarmMerger._solo(merger, c, Solo.own(c))
 
-    chunk_bytes = 4 << 22
-    assert len(averager.resident) == 2 and max(averager.resident) <= chunk_bytes + 8192, averager.resident
+    assert_let_go_a_chunk_at_a_time(averager.resident, n)
     assert averager.file.resident_bytes() < 2 * 4096
     merged = outcome.merged
     assert merged.data_ptr() == averager.file.vectors[0].data_ptr()  # the buffer itself, not a copy

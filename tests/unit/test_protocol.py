@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from p2pdiloco.core import exact
 from p2pdiloco.protocol.outcomes import Adopted, Committed, Contribution, Left, RolledBack, Solo
 from p2pdiloco.protocol.remote import Member, PeerRecord
 from p2pdiloco.protocol.round import (Done, Download, FormIsland, IslandFailed, IslandReduced, NoIsland,
@@ -344,11 +345,12 @@ def test_a_hostile_member_claiming_a_far_newer_state_is_excluded_and_never_downl
 def test_the_finiteness_check_tells_the_driver_each_chunk_of_the_merged_update_it_read():
     """A driver whose merged update lives in a file lets each chunk's pages go as the check reads it
     (p2pdiloco.runtime.paging); the committed outcome hands the same release on to the outer step."""
-    n = (1 << 22) * 2 + 7  # three chunks of exact.chunks
+    chunk = exact._CHUNK
+    n = chunk * 2 + 7  # three chunks of exact.chunks
     read = []
     rnd = new_round(buffer_elements=n)
     to_island(rnd, [record("b", ready=3)])
     r = dataclasses.replace(reduced(member(ME), member("b"), merged=torch.zeros(n)), release=read.append)
     o = rnd.on_island(r, 120.0).outcome
     assert isinstance(o, Committed) and o.release == read.append
-    assert [(p.start, p.stop) for p in read] == [(0, 1 << 22), (1 << 22, 1 << 23), (1 << 23, n)]
+    assert [(p.start, p.stop) for p in read] == [(0, chunk), (chunk, 2 * chunk), (2 * chunk, n)]
