@@ -15,10 +15,11 @@ Elsewhere than glibc (musl, macOS) there is no such call, and nothing is done.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 from typing import Optional
 
-_malloc_trim = getattr(ctypes.CDLL(ctypes.util.find_library("c") or None), "malloc_trim", None)
+# the C library this process already runs on (as runtime.paging does): no search for it, which would start
+# /sbin/ldconfig in every process that imports this
+_malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
 if _malloc_trim is not None:
     _malloc_trim.argtypes, _malloc_trim.restype = (ctypes.c_size_t,), ctypes.c_int
 

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -38,7 +39,8 @@ PROGRAM = textwrap.dedent("""
 
 
 def _freed(mode: str) -> tuple[int, str]:
-    out = subprocess.run([sys.executable, "-c", PROGRAM, mode], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run([sys.executable, "-c", PROGRAM, mode], capture_output=True, text=True, timeout=60, check=True,
+                         cwd=Path(__file__).resolve().parents[2])
     given_back, said = out.stdout.split()
     return int(given_back), said
 
