@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
 # Every GPU check of issue 13 in one command, on a machine with a CUDA device (run from the repository root):
-#   bash scripts/gpu_checks.sh [OUT_DIR] [STEPS]      (STEPS: which of 1-4 below, default 1234;
-#   SWARM_SECONDS sets step 4's seconds per run, default 180)
+#   bash scripts/gpu_checks.sh [OUT_DIR] [STEPS]      (STEPS: which of 1-5 below, default 12345;
+#   SWARM_SECONDS sets step 4's seconds per run, default 180; steps may run at once, each as its own call with
+#   its own STEPS, as on 2026-11-26 and 27: `bash scripts/gpu_checks.sh OUT 1 & bash scripts/gpu_checks.sh OUT 5`)
 # 1. the CUDA tests (bf16 inner steps, pinned staging, 8-bit AdamW resumed bit-exactly on the GPU, a CPU peer
 #    and a GPU peer bitwise-equal after merged rounds), inside a loopback-only network namespace;
 # 2. one GPU peer (solo rounds) of the ~100M `large` model, and of `tiny` for the slope per parameter: tokens/s
 #    and peak host and device memory, AdamW with Θ and the outer momentum in memory and parked on disk
 #    (--global-state-on-disk), 8-bit AdamW parked; a memory timeline of each run;
 # 3. compute utilization of 2 GPU peers in one swarm;
-# 4. 4 peers vs 1 at equal wall-clock with a core per peer (scripts/bench_swarm_vs_solo.py).
+# 4. 4 peers vs 1 at equal wall-clock with a core per peer (scripts/bench_swarm_vs_solo.py);
+# 5. the GPU host-memory goal (12 B/param) in real rounds: two GPU peers, state parked, every round merged in an
+#    island of two, `tiny` and `large` with exact rounds and AdamW, `large` with int4 rounds and 8-bit AdamW (the
+#    configurations of docs/hardware.md's 2026-11-27 H200 table, for a before/after on the same settings).
 # It needs a CUDA build of torch in .venv (scripts/setup.sh installs the CPU one: pip install torch first), or
 # PYTHON naming an interpreter that has one and p2pdiloco's dependencies (on its path or PYTHONPATH; for a machine
 # without a package index, scripts/offline_site.sh packs them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/gpu-checks}
-STEPS=${2:-1234}
+STEPS=${2:-12345}
 mkdir -p "$OUT"
 PY=${PYTHON:-.venv/bin/python}
 $PY -c "import torch; assert torch.cuda.is_available(), 'torch sees no CUDA device'; print(torch.cuda.get_device_name())"
@@ -45,4 +49,9 @@ step 2 memory-gpu "$PY scripts/bench_memory.py --models tiny,large --optimizers 
 step 3 two-gpu-peers "$PY scripts/bench_memory.py --models large --optimizers adamw --device cuda \
   --batch-size 32 --seq-len 512 --inner-steps 50 --rounds 3 --peers 2 --threads 4 --out $OUT/two-gpu-peers.json"
 step 4 swarm-vs-solo "$PY scripts/bench_swarm_vs_solo.py --seconds ${SWARM_SECONDS:-180} --peers 4 --model small --device cpu"
+GPU_ROUNDS="--device cuda --seq-len 512 --inner-steps 50 --rounds 4 --peers 2 --threads 4 --variants on-disk"
+step 5 memory-gpu-rounds "$PY scripts/bench_memory.py --models tiny,large --optimizers adamw --compression none \
+  --batch-size 32 $GPU_ROUNDS --timeline $OUT/timeline/rounds --out $OUT/memory-gpu-rounds.json && \
+  $PY scripts/bench_memory.py --models large --optimizers adamw8bit --compression int4 --batch-size 16 $GPU_ROUNDS \
+  --timeline $OUT/timeline/rounds-int4 --out $OUT/memory-gpu-rounds-int4.json"
 exit $status
