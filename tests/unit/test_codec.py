@@ -246,7 +246,7 @@ def test_a_pass_of_error_feedback_holds_a_few_megabytes_beside_the_vectors():
     recording feedback holds 34 MB at once, its chunks' float64 and int32 temporaries; with the 4 M-element chunks
     of before, 133 MB. The pass runs with glibc's mmap threshold fixed at 1 MB, so that every temporary is mapped
     and unmapped: with the threshold glibc moves by itself, how much of a chunk's freed heap the next one reuses
-    varies from run to run (41-83 MB measured for the same pass; 65 in one CI run), and what a heap keeps is
+    varies from run to run (40-83 MB measured for the same pass; 65 in one CI run), and what a heap keeps is
     given back by trims (test_heap.py), not by this pass."""
     import os
     import subprocess
