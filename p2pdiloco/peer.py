@@ -14,7 +14,6 @@ from typing import Optional
 import torch
 
 from p2pdiloco.training import checkpoint
-from p2pdiloco.runtime.heap import give_back_free_heap
 from p2pdiloco.config import ConfigError, PeerConfig, model_config
 from p2pdiloco.training.data import BatchStream, load_corpus, stream_seed, validation_batches
 from p2pdiloco.core.consensus import consensus_distance, fork_distance, sketch
@@ -23,6 +22,7 @@ from p2pdiloco.protocol.outcomes import Contribution
 from p2pdiloco.training.inner import InnerTrainer, bitsandbytes, evaluate, flat_params
 from p2pdiloco.training.parked import global_vectors
 from p2pdiloco.runtime.faults import FaultPlan
+from p2pdiloco.runtime.heap import give_back_free_heap
 from p2pdiloco.runtime.lifeline import start_lifeline
 from p2pdiloco.runtime import schema
 from p2pdiloco.runtime.metrics import Progress, open_sinks

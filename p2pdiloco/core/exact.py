@@ -17,9 +17,10 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 BLOCK = 1 << 14  # elements per quantization block (one scale each)
-# elements per chunk of a pass's arithmetic: its float64 and int64 temporaries are 4-8 MB, a pass over a 100M vector
-# needs ~40 MB beside it, and runs faster than with 4M-element chunks (cache); those chunks' 16-32 MB temporaries
-# made a pass's working set 96-181 MB, and the holes they left in glibc's heaps stayed resident (docs/hardware.md)
+# elements per chunk of a pass's arithmetic: its temporaries (float64, int64, int32) are 4-8 MB, a pass over a 100M
+# vector needs ~40 MB beside it, and runs faster than with 4M-element chunks (cache); those chunks' 16-32 MB
+# temporaries made a pass's working set 96-181 MB, and the holes they left in glibc's heaps stayed resident
+# (docs/hardware.md)
 _CHUNK = 1 << 20
 
 

@@ -248,19 +248,11 @@ def test_a_pass_of_error_feedback_holds_a_few_megabytes_beside_the_vectors():
     and unmapped: with the threshold glibc moves by itself, how much of a chunk's freed heap the next one reuses
     varies from run to run (40-83 MB measured for the same pass; 65 in one CI run), and what a heap keeps is
     given back by trims (test_heap.py), not by this pass."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from tests.harness.memory import PeakGrowth
+    from tests.harness.memory import PeakGrowth, fresh_python
 
     PeakGrowth()  # skips here where the kernel cannot reset the peak
-    repo = Path(__file__).resolve().parents[2]  # where `tests` imports from
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}  # mallopt(3); disables the moving threshold
-    out = subprocess.run([sys.executable, "-c", FEEDBACK_PASS], capture_output=True, text=True, timeout=120,
-                         check=True, cwd=repo, env=env)
-    grew, vectors = int(out.stdout.split()[-1]), 4 * (16 << 20)
+    out = fresh_python(FEEDBACK_PASS, env={"MALLOC_MMAP_THRESHOLD_": str(1 << 20)})  # mallopt(3): a fixed threshold
+    grew, vectors = int(out.split()[-1]), 4 * (16 << 20)
     assert grew < vectors, f"peak grew by {grew / 2**20:.0f} MB over {vectors / 2**20:.0f} MB vectors"
 
 

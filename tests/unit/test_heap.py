@@ -1,13 +1,11 @@
 """runtime.heap: what a process freed into glibc's heap goes back to the kernel when asked, and only then."""
 
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 from p2pdiloco.runtime import heap
+from tests.harness.memory import fresh_python
 
 # A fresh process (its allocator settings are its own): 200 blocks of 1 MB from the heap (a high mmap threshold,
 # as glibc sets itself after the first large free), written, then every block but the last freed. The last keeps
@@ -39,9 +37,7 @@ PROGRAM = textwrap.dedent("""
 
 
 def _freed(mode: str) -> tuple[int, str]:
-    out = subprocess.run([sys.executable, "-c", PROGRAM, mode], capture_output=True, text=True, timeout=60, check=True,
-                         cwd=Path(__file__).resolve().parents[2])
-    given_back, said = out.stdout.split()
+    given_back, said = fresh_python(PROGRAM, mode).split()
     return int(given_back), said
 
 
