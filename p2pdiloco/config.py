@@ -58,6 +58,7 @@ MODEL_SIZES: dict[str, ModelConfig] = {
     "base": ModelConfig(d_model=384, n_layers=6, n_heads=6),  # ~11M
     "medium": ModelConfig(d_model=512, n_layers=8, n_heads=8),  # ~25M
     "large": ModelConfig(d_model=768, n_layers=14, n_heads=12),  # ~100M: one GPU
+    "xl": ModelConfig(d_model=1024, n_layers=24, n_heads=16),  # ~300M: one datacenter GPU
 }
 
 
@@ -256,7 +257,7 @@ class SwarmConfig:
 class PeerConfig:
     """Everything one peer needs; built by the CLI from flags, a profile and defaults."""
 
-    model: str = option("small", "Model size: tiny ~1M … large ~100M parameters.", choices=tuple(MODEL_SIZES))
+    model: str = option("small", "Model size: tiny ~1M … large ~100M, xl ~300M parameters.", choices=tuple(MODEL_SIZES))
     data: Optional[Path] = option(None, "Text file or folder of text files. Default: the built-in Shakespeare "
                                   "corpus.")
     seed: int = option(0, "Initial weights (the same for every peer of a run).")

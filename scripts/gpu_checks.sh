@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check of issue 13 in one command, on a machine with a CUDA device (run from the repository root):
-#   bash scripts/gpu_checks.sh [OUT_DIR] [STEPS]      (STEPS: which of 1-5 below, default 12345;
+#   bash scripts/gpu_checks.sh [OUT_DIR] [STEPS]      (STEPS: which of 1-7 below, default 1234567;
 #   SWARM_SECONDS sets step 4's seconds per run, default 180; steps may run at once, each as its own call with
 #   its own STEPS, as on 2026-11-26 and 27: `bash scripts/gpu_checks.sh OUT 1 & bash scripts/gpu_checks.sh OUT 5`)
 # 1. the CUDA tests (bf16 inner steps, pinned staging, 8-bit AdamW resumed bit-exactly on the GPU, a CPU peer
@@ -12,14 +12,18 @@
 # 4. 4 peers vs 1 at equal wall-clock with a core per peer (scripts/bench_swarm_vs_solo.py);
 # 5. the GPU host-memory goal (12 B/param) in real rounds: two GPU peers, state parked, every round merged in an
 #    island of two, `tiny` and `large` with exact rounds and AdamW, `large` with int4 rounds and 8-bit AdamW (the
-#    configurations of docs/hardware.md's 2026-11-27 H200 table, for a before/after on the same settings).
+#    configurations of docs/hardware.md's 2026-11-27 H200 table, for a before/after on the same settings);
+# 6. the same as 5's exact rounds for `xl` (~300M), where the processes' fixed cost weighs a third as much per
+#    parameter as at 100M (3 rounds of H = 30, a checkpoint at the second: ~5 GB a peer on disk);
+# 7. the floor: one process's host memory with torch, CUDA and `large`'s inner steps, none of DiLoCo's state
+#    (scripts/cuda_floor.py): the part of step 5's figures no change of ours can take off.
 # It needs a CUDA build of torch in .venv (scripts/setup.sh installs the CPU one: pip install torch first), or
 # PYTHON naming an interpreter that has one and p2pdiloco's dependencies (on its path or PYTHONPATH; for a machine
 # without a package index, scripts/offline_site.sh packs them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/gpu-checks}
-STEPS=${2:-12345}
+STEPS=${2:-1234567}
 mkdir -p "$OUT"
 PY=${PYTHON:-.venv/bin/python}
 $PY -c "import torch; assert torch.cuda.is_available(), 'torch sees no CUDA device'; print(torch.cuda.get_device_name())"
@@ -54,4 +58,8 @@ step 5 memory-gpu-rounds "$PY scripts/bench_memory.py --models tiny,large --opti
   --batch-size 32 $GPU_ROUNDS --timeline $OUT/timeline/rounds --out $OUT/memory-gpu-rounds.json && \
   $PY scripts/bench_memory.py --models large --optimizers adamw8bit --compression int4 --batch-size 16 $GPU_ROUNDS \
   --timeline $OUT/timeline/rounds-int4 --out $OUT/memory-gpu-rounds-int4.json"
+step 6 memory-gpu-rounds-xl "$PY scripts/bench_memory.py --models xl --optimizers adamw --compression none \
+  --batch-size 32 --device cuda --seq-len 512 --inner-steps 30 --rounds 3 --checkpoint-every 2 --peers 2 --threads 4 \
+  --variants on-disk --timeline $OUT/timeline/rounds-xl --out $OUT/memory-gpu-rounds-xl.json"
+step 7 cuda-floor "$PY scripts/cuda_floor.py --model large --out $OUT/cuda-floor.json"
 exit $status

@@ -68,3 +68,19 @@ def union_bytes(pids: Iterable[int]) -> int:
         except (FileNotFoundError, ProcessLookupError):
             continue
     return int(np.unique(np.concatenate(found)).size) * mmap.PAGESIZE if found else 0
+
+
+def pss_by_mapping(pid: int) -> dict[str, dict[str, int]]:
+    """PSS of `pid` in bytes per mapped file (anonymous mappings under their kind: "[heap]", "[anon]", ...), with
+    how much of it is anonymous: which libraries and which heaps a process's memory is."""
+    out: dict[str, dict[str, int]] = {}
+    name = "[anon]"
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        fields = line.split()
+        head = fields[0]
+        if "-" in head and ":" not in head:
+            name = fields[5] if len(fields) > 5 else "[anon]"
+            out.setdefault(name, {"pss": 0, "anon": 0})
+        elif head in ("Pss:", "Anonymous:"):
+            out[name]["pss" if head == "Pss:" else "anon"] += int(fields[1]) * 1024
+    return out
