@@ -21,6 +21,7 @@ import torch
 
 from p2pdiloco.config import InnerConfig, model_config
 from p2pdiloco.ops.residency import pss_by_mapping, pss_kinds
+from p2pdiloco.runtime.heap import give_back_free_heap
 from p2pdiloco.training.inner import InnerTrainer, bitsandbytes
 from p2pdiloco.training.model import build_model
 
@@ -74,6 +75,8 @@ def main() -> None:
     measure(f"+ {args.model} on the {args.device}", rows)
     for optimizer in ("adamw", "adamw8bit"):
         train(model, optimizer, args, rows)
+    give_back_free_heap()  # what of the heaps above was free, kept by glibc (as a peer does after each round)
+    measure("+ the heaps' free pages given back (malloc_trim)", rows)
     mappings = sorted(pss_by_mapping(os.getpid()).items(), key=lambda kv: -kv[1]["pss"])
     top = [{"mapping": name, "pss_gb": round(v["pss"] / GB, 3), "anon_gb": round(v["anon"] / GB, 3)}
            for name, v in itertools.islice(mappings, args.top)]
