@@ -4,7 +4,8 @@ that does not grow with the model).
 
 One process, measured after each stage by PSS (its own pages, and its share of pages mapped elsewhere too),
 split into anonymous pages (heaps, the driver's own allocations, pinned buffers) and file pages (libraries),
-and at the end the mappings that hold the most:
+and at the end the mappings that hold the most. Run it alone on the machine: PSS splits a library's pages with
+every other process that maps them.
   python scripts/cuda_floor.py [--model large] [--steps 3] [--device cuda|cpu] [--out floor.json]
 Nothing goes on the network."""
 
@@ -82,7 +83,8 @@ def main() -> None:
            for name, v in itertools.islice(mappings, args.top)]
     for row in top:
         print(json.dumps(row))
-    result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__, "model": args.model,
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    result = {"device": device, "torch": torch.__version__, "model": args.model,
               "cuda_module_loading": os.environ.get("CUDA_MODULE_LOADING"), "stages": rows, "largest_mappings": top,
               "seconds": round(time.perf_counter() - started, 1)}
     if args.out:

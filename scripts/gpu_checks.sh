@@ -2,7 +2,7 @@
 # Every GPU check of issue 13 in one command, on a machine with a CUDA device (run from the repository root):
 #   bash scripts/gpu_checks.sh [OUT_DIR] [STEPS]      (STEPS: which of 1-7 below, default 1234567;
 #   SWARM_SECONDS sets step 4's seconds per run, default 180; steps may run at once, each as its own call with
-#   its own STEPS, as on 2026-11-26 and 27: `bash scripts/gpu_checks.sh OUT 1 & bash scripts/gpu_checks.sh OUT 5`)
+#   its own STEPS, as on 2026-11-26 to 28: `bash scripts/gpu_checks.sh OUT 1 & bash scripts/gpu_checks.sh OUT 5`)
 # 1. the CUDA tests (bf16 inner steps, pinned staging, 8-bit AdamW resumed bit-exactly on the GPU, a CPU peer
 #    and a GPU peer bitwise-equal after merged rounds), inside a loopback-only network namespace;
 # 2. one GPU peer (solo rounds) of the ~100M `large` model, and of `tiny` for the slope per parameter: tokens/s
@@ -16,7 +16,8 @@
 # 6. the same as 5's exact rounds for `xl` (~300M), where the processes' fixed cost weighs a third as much per
 #    parameter as at 100M (3 rounds of H = 30, a checkpoint at the second: ~5 GB a peer on disk);
 # 7. the floor: one process's host memory with torch, CUDA and `large`'s inner steps, none of DiLoCo's state
-#    (scripts/cuda_floor.py): the part of step 5's figures no change of ours can take off.
+#    (scripts/cuda_floor.py): the part of step 5's figures no change of ours can take off. Run it alone (PSS
+#    splits the libraries' pages among every process that maps them), before the others, as on 2026-11-28.
 # It needs a CUDA build of torch in .venv (scripts/setup.sh installs the CPU one: pip install torch first), or
 # PYTHON naming an interpreter that has one and p2pdiloco's dependencies (on its path or PYTHONPATH; for a machine
 # without a package index, scripts/offline_site.sh packs them).

@@ -76,10 +76,10 @@ def pss_by_mapping(pid: int) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
     name = "[anon]"
     for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
-        fields = line.split()
+        fields = line.split(None, 5)  # a path may hold spaces (and end in " (deleted)")
         head = fields[0]
         if "-" in head and ":" not in head:
-            name = fields[5] if len(fields) > 5 else "[anon]"
+            name = fields[5].strip() if len(fields) > 5 else "[anon]"
             out.setdefault(name, {"pss": 0, "anon": 0})
         elif head in ("Pss:", "Anonymous:"):
             out[name]["pss" if head == "Pss:" else "anon"] += int(fields[1]) * 1024
