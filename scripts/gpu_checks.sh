@@ -46,21 +46,25 @@ step 1 tests "P2PDILOCO_NETNS=1 $PY -m pytest -q -p no:cacheprovider -rA \
 # tiny beside large: the slope between them is what each further parameter costs, the CUDA libraries' fixed
 # resident pages apart; the timelines say which moment of a round the peak is
 GPU_PEER="--device cuda --batch-size 32 --seq-len 512 --inner-steps 50 --rounds 3 --peers 1 --threads 4"
-mkdir -p "$OUT/timeline"
+# each call's timelines in a folder of its own, packed into one archive at its end: the machines that lend a GPU
+# return a limited number of files (on 2026-11-28 the timelines were left behind)
+TL="timeline-$STEPS"
+mkdir -p "$OUT/$TL"
 step 2 memory-gpu "$PY scripts/bench_memory.py --models tiny,large --optimizers adamw --variants plain,on-disk \
-  $GPU_PEER --timeline $OUT/timeline/mem --out $OUT/memory-gpu.json && \
+  $GPU_PEER --timeline $OUT/$TL/mem --out $OUT/memory-gpu.json && \
   $PY scripts/bench_memory.py --models tiny,large --optimizers adamw8bit --variants on-disk $GPU_PEER \
-  --timeline $OUT/timeline/mem --out $OUT/memory-gpu-8bit.json"
+  --timeline $OUT/$TL/mem --out $OUT/memory-gpu-8bit.json"
 step 3 two-gpu-peers "$PY scripts/bench_memory.py --models large --optimizers adamw --device cuda \
   --batch-size 32 --seq-len 512 --inner-steps 50 --rounds 3 --peers 2 --threads 4 --out $OUT/two-gpu-peers.json"
 step 4 swarm-vs-solo "$PY scripts/bench_swarm_vs_solo.py --seconds ${SWARM_SECONDS:-180} --peers 4 --model small --device cpu"
 GPU_ROUNDS="--device cuda --seq-len 512 --inner-steps 50 --rounds 4 --peers 2 --threads 4 --variants on-disk"
 step 5 memory-gpu-rounds "$PY scripts/bench_memory.py --models tiny,large --optimizers adamw --compression none \
-  --batch-size 32 $GPU_ROUNDS --timeline $OUT/timeline/rounds --out $OUT/memory-gpu-rounds.json && \
+  --batch-size 32 $GPU_ROUNDS --timeline $OUT/$TL/rounds --out $OUT/memory-gpu-rounds.json && \
   $PY scripts/bench_memory.py --models large --optimizers adamw8bit --compression int4 --batch-size 16 $GPU_ROUNDS \
-  --timeline $OUT/timeline/rounds-int4 --out $OUT/memory-gpu-rounds-int4.json"
+  --timeline $OUT/$TL/rounds-int4 --out $OUT/memory-gpu-rounds-int4.json"
 step 6 memory-gpu-rounds-xl "$PY scripts/bench_memory.py --models xl --optimizers adamw --compression none \
   --batch-size 32 --device cuda --seq-len 512 --inner-steps 30 --rounds 3 --checkpoint-every 2 --peers 2 --threads 4 \
-  --variants on-disk --timeline $OUT/timeline/rounds-xl --out $OUT/memory-gpu-rounds-xl.json"
+  --variants on-disk --timeline $OUT/$TL/rounds-xl --out $OUT/memory-gpu-rounds-xl.json"
 step 7 cuda-floor "$PY scripts/cuda_floor.py --model large --out $OUT/cuda-floor.json"
+tar czf "$OUT/$TL.tar.gz" -C "$OUT" "$TL" && rm -rf "${OUT:?}/$TL"
 exit $status
