@@ -23,6 +23,7 @@ import torch
 from p2pdiloco.config import InnerConfig, model_config
 from p2pdiloco.ops.residency import pss_by_mapping, pss_kinds
 from p2pdiloco.runtime.heap import give_back_free_heap
+from p2pdiloco.training.data import BatchStream
 from p2pdiloco.training.inner import InnerTrainer, bitsandbytes
 from p2pdiloco.training.model import build_model
 
@@ -37,15 +38,11 @@ def measure(stage: str, rows: list) -> None:
     print(json.dumps(row), flush=True)
 
 
-def random_batches(vocab: int, batch_size: int, seq_len: int):
-    while True:
-        tokens = torch.randint(0, vocab, (batch_size, seq_len + 1))
-        yield tokens[:, :-1], tokens[:, 1:]
-
-
 def train(model, optimizer: str, args, rows: list) -> None:
     cfg = InnerConfig(batch_size=args.batch_size, seq_len=args.seq_len, optimizer=optimizer)
-    trainer = InnerTrainer(model, random_batches(256, args.batch_size, args.seq_len), cfg, torch.device(args.device))
+    text = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)  # random bytes: what is learnt does not matter here
+    batches = BatchStream(text, args.batch_size, args.seq_len, seed=0)
+    trainer = InnerTrainer(model, batches, cfg, torch.device(args.device))
     for _ in range(args.steps):
         trainer.train_step()
     if args.device == "cuda":

@@ -2,12 +2,14 @@
 staging of θ for the round's CPU buffers. Skipped with a reason where torch sees no CUDA device; on a GPU
 machine, scripts/gpu_checks.sh runs these with the rest of the GPU checks."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from p2pdiloco.config import ConfigError, InnerConfig, model_config
 from p2pdiloco.training.data import BatchStream
-from p2pdiloco.training.inner import InnerTrainer, flat_params, load_flat_params
+from p2pdiloco.training.inner import InnerTrainer, flat_params, load_flat_params, make_optimizer
 from p2pdiloco.training.model import build_model
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here (scripts/gpu_checks.sh runs it)")
@@ -50,6 +52,17 @@ def test_gpu_steps_with_recomputed_activations_match_those_that_keep_them():
     for _ in range(3):
         torch.testing.assert_close(recomputed.train_step(), kept.train_step(), rtol=1e-2, atol=1e-3)
     torch.testing.assert_close(flat_params(recomputed.model), flat_params(kept.model), rtol=1e-3, atol=1e-4)
+
+
+def test_adamw_takes_the_fused_kernel_where_every_parameter_is_on_a_gpu(monkeypatch):
+    """The choice, checked anywhere (the test below runs the kernel on a GPU): fused where every parameter is on a
+    GPU, torch's default (fused=None) on the CPU and for a model split between the two."""
+    asked = []
+    monkeypatch.setattr(torch.optim, "AdamW", lambda params, **options: asked.append(options["fused"]))
+    on_gpu, on_cpu = SimpleNamespace(device=torch.device("cuda")), torch.zeros(1)
+    for params in ([on_gpu, on_gpu], [on_cpu], [on_gpu, on_cpu]):
+        make_optimizer(params, InnerConfig())
+    assert asked == [True, None, None]
 
 
 @CUDA
