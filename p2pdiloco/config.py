@@ -38,34 +38,70 @@ def option(default, help: str, *, flag: Optional[str] = None, short: Optional[st
 
 
 @dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """A decoder-only byte-level transformer; `n_params` is approximate (embeddings are tied)."""
+class ModelShape:
+    """A Llama-family decoder (RoPE, SwiGLU, RMSNorm, grouped-query attention) without its vocabulary, which the
+    tokenizer sets. `p2pdiloco.training.model` turns it into a `transformers.LlamaConfig`."""
 
-    d_model: int
-    n_layers: int
-    n_heads: int
-    vocab_size: int = 256  # bytes: no tokenizer to ship or download
-    max_seq_len: int = 1024
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int  # grouped-query attention: each key/value head serves heads / kv_heads query heads
+    intermediate: int  # SwiGLU's inner width
+    tied: bool = True  # the output head is the input embedding
+    rope_theta: float = 10000.0
+    recipe: str = ""  # whose published shape this is
 
-    @property
-    def n_params(self) -> int:
-        return 12 * self.n_layers * self.d_model**2 + self.vocab_size * self.d_model
+    def n_params(self, vocab: int) -> int:
+        head = self.hidden // self.heads
+        attention = 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_heads * head
+        per_layer = attention + 3 * self.hidden * self.intermediate + 2 * self.hidden
+        return self.layers * per_layer + vocab * self.hidden * (1 if self.tied else 2) + self.hidden
 
 
-MODEL_SIZES: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(d_model=128, n_layers=4, n_heads=4),  # ~0.8M: tests, laptops
-    "small": ModelConfig(d_model=256, n_layers=4, n_heads=4),  # ~3M: the CPU demo
-    "base": ModelConfig(d_model=384, n_layers=6, n_heads=6),  # ~11M
-    "medium": ModelConfig(d_model=512, n_layers=8, n_heads=8),  # ~25M
-    "large": ModelConfig(d_model=768, n_layers=14, n_heads=12),  # ~100M: one GPU
-    "xl": ModelConfig(d_model=1024, n_layers=24, n_heads=16),  # ~300M: one datacenter GPU
+def _swiglu(hidden: int) -> int:
+    """SwiGLU's width for the parameters of a 4x GELU MLP (8/3 of the width), rounded up to a multiple of 32."""
+    return -(-8 * hidden // 3 // 32) * 32
+
+
+# The small presets keep the widths and depths of the byte-level GPT they replace, so the memory and speed
+# figures of docs/hardware.md stay comparable; the three largest take published shapes.
+MODEL_PRESETS: dict[str, ModelShape] = {
+    "tiny": ModelShape(hidden=128, layers=4, heads=4, kv_heads=2, intermediate=_swiglu(128)),  # ~0.8M: tests
+    "small": ModelShape(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=_swiglu(256)),  # ~3M: the CPU demo
+    "base": ModelShape(hidden=384, layers=6, heads=6, kv_heads=2, intermediate=_swiglu(384)),  # ~10M
+    "medium": ModelShape(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=_swiglu(512)),  # ~25M
+    "large": ModelShape(hidden=768, layers=14, heads=12, kv_heads=4, intermediate=_swiglu(768)),  # ~90M: one GPU
+    "xl": ModelShape(hidden=1024, layers=24, heads=16, kv_heads=8, intermediate=_swiglu(1024)),  # ~280M
+    "135m": ModelShape(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, recipe="SmolLM-135M"),
+    "360m": ModelShape(hidden=960, layers=32, heads=15, kv_heads=5, intermediate=2560, recipe="SmolLM-360M"),
+    "1b": ModelShape(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, rope_theta=500000.0,
+                     recipe="Llama-3.2-1B"),
 }
 
 
-def model_config(name: str) -> ModelConfig:
-    if name not in MODEL_SIZES:
-        raise ConfigError(f"unknown model size {name!r}; choose one of: {', '.join(MODEL_SIZES)}")
-    return MODEL_SIZES[name]
+def model_preset(name: str) -> ModelShape:
+    if name not in MODEL_PRESETS:
+        raise ConfigError(f"unknown model preset {name!r}; choose one of: {', '.join(MODEL_PRESETS)}, or give a "
+                          "config.json, a model folder or a hub id")
+    return MODEL_PRESETS[name]
+
+
+def looks_like_hub_id(name: str) -> bool:
+    """`org/name` (as the hub spells ids), not a path on this machine."""
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~")) and all(
+        c.isalnum() or c in "-_." for c in name.replace("/", ""))
+
+
+def check_model_source(flag: str, value: str) -> None:
+    """A preset name, an existing file or folder, or a hub id; what each holds is checked when it is loaded."""
+    if value in MODEL_PRESETS or Path(value).exists() or looks_like_hub_id(value):
+        return
+    raise ConfigError(f"{flag} {value}: not a preset ({', '.join(MODEL_PRESETS)}), not an existing config.json or "
+                      "model folder, and not a hub id (org/name)")
+
+
+LR_SCHEDULES = ("constant", "cosine", "wsd")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,10 +110,20 @@ class InnerConfig:
 
     steps: int = option(50, "Inner steps per round (H).", flag="inner-steps", short="-H")
     lr: float = option(1e-3, "AdamW learning rate of the inner steps.", flag="inner-lr")
-    warmup_steps: int = 20  # linear warm-up of the inner lr, counted over the peer's whole life
+    warmup_steps: int = option(
+        20, "Linear warm-up of the inner lr over the swarm's first this many steps' worth of tokens (of this "
+        "peer's batch size and sequence length), counted in tokens merged into the global model.")
+    lr_schedule: str = option(
+        "constant", "Inner lr after the warm-up, keyed to the swarm's progress (tokens merged into the global "
+        "model, carried with it): constant, cosine (to --min-lr-ratio at --total-tokens) or wsd (constant, then "
+        "a linear decay over the last --decay-fraction of --total-tokens).", choices=LR_SCHEDULES)
+    total_tokens: Optional[int] = option(
+        None, "The swarm's token budget, which cosine and wsd decay over (e.g. 3000000000).")
+    min_lr_ratio: float = option(0.1, "Where cosine and wsd end, as a fraction of --inner-lr.")
+    decay_fraction: float = option(0.2, "wsd: the part of --total-tokens the decay takes.")
     weight_decay: float = 0.1
     batch_size: int = option(16, "Sequences per inner step.")
-    seq_len: int = option(128, "Tokens (bytes) per sequence.")
+    seq_len: int = option(128, "Tokens per sequence.")
     grad_clip: float = option(1.0, "Clip the inner gradients' global norm to this (0: no clipping).")
     step_in_backward: bool = option(
         False, "Step the inner optimizer on each parameter as soon as its gradient is complete, inside the "
@@ -104,6 +150,14 @@ class InnerConfig:
         _positive_float(self, "lr")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0:
             raise ConfigError("inner warmup_steps, weight_decay and grad_clip must be >= 0")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        if self.lr_schedule != "constant" and not (isinstance(self.total_tokens, int) and self.total_tokens > 0):
+            raise ConfigError(f"--lr-schedule {self.lr_schedule} needs --total-tokens: the swarm's token budget it "
+                              "decays over")
+        if not 0 <= self.min_lr_ratio <= 1 or not 0 < self.decay_fraction <= 1:
+            raise ConfigError(f"--min-lr-ratio must be in [0, 1] and --decay-fraction in (0, 1], got "
+                              f"{self.min_lr_ratio} and {self.decay_fraction}")
         if self.step_in_backward and self.grad_clip > 0:
             raise ConfigError(f"--step-in-backward needs --grad-clip 0 (got {self.grad_clip}): clipping to a global "
                               "norm needs every gradient before the first parameter is stepped")
@@ -257,9 +311,19 @@ class SwarmConfig:
 class PeerConfig:
     """Everything one peer needs; built by the CLI from flags, a profile and defaults."""
 
-    model: str = option("small", "Model size: tiny ~1M … large ~100M, xl ~300M parameters.", choices=tuple(MODEL_SIZES))
-    data: Optional[Path] = option(None, "Text file or folder of text files. Default: the built-in Shakespeare "
-                                  "corpus.")
+    model: str = option(
+        "small", f"A preset ({', '.join(MODEL_PRESETS)}: Llama shapes from ~1M to ~1B parameters, the vocabulary "
+        "the tokenizer's), a config.json or Hugging Face model folder, or a hub id (loaded when online).")
+    init_from: Optional[str] = option(
+        None, "Start from these pretrained weights (a model folder or a hub id) instead of a seeded "
+        "initialization; its config is the model's. Every peer of the run must give the same.")
+    tokenizer: Optional[str] = option(
+        None, "bytes, a tokenizer folder (p2pdiloco tokenizer train), or a hub id. Default: the prepared "
+        "dataset's, or bytes for text.")
+    data: tuple[str, ...] = option(
+        (), "A dataset folder written by 'p2pdiloco data prepare' (memory-mapped), or a text file or folder of "
+        "text files (tokenized in memory). Repeat with DIR:WEIGHT to mix prepared datasets by weight. Default: "
+        "the built-in Shakespeare corpus.", metavar="PATH[:WEIGHT]")
     seed: int = option(0, "Initial weights (the same for every peer of a run).")
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
@@ -292,13 +356,19 @@ class PeerConfig:
         return tuple(s.strip() for s in self.metrics.split(",") if s.strip())
 
     def __post_init__(self):
-        model_config(self.model)
+        if isinstance(self.data, (str, Path)):  # one path given in code rather than on the command line
+            object.__setattr__(self, "data", (str(self.data),))
+        check_model_source("--model", self.model)
+        if self.init_from is not None:
+            check_model_source("--init-from", self.init_from)
         unknown = [s for s in self.metrics_sinks if s not in METRICS_SINKS]
         if unknown:
             raise ConfigError(f"--metrics: unknown sink {unknown[0]!r}; choose from {', '.join(METRICS_SINKS)} "
                               f"(JSONL is always written)")
-        if self.data is not None and not Path(self.data).exists():
-            raise ConfigError(f"--data {self.data}: no such file or folder")
+        for entry in self.data:
+            path, _weight = data_entry(entry)
+            if not path.exists():
+                raise ConfigError(f"--data {path}: no such file or folder")
         for name in ("max_rounds", "max_time"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -317,18 +387,33 @@ class PeerConfig:
     def replace(self, **changes) -> "PeerConfig":
         return dataclasses.replace(self, **changes)
 
-    def merge_settings(self, n_params: int) -> dict[str, str]:
+    def merge_settings(self, n_params: int, fingerprints: dict[str, str]) -> dict[str, str]:
         """What every member of an island must share, published with our record and checked when others join: the
-        model, the wire format, the merge rule and the outer step (members with another outer lr or momentum
-        would each apply another Θ' to the same merged Δ: a fork at the first round)."""
+        model, its tokenizer and data (`fingerprints`: their hashes), the wire format, the merge rule and the outer
+        step (members with another outer lr or momentum would each apply another Θ' to the same merged Δ: a fork
+        at the first round)."""
         swarm, outer = self.swarm, self.outer
         on = {True: "on", False: "off"}
-        return dict(model=self.model, parameters=str(n_params), compression=swarm.compression,
+        return dict(model=self.model, parameters=str(n_params), **fingerprints, compression=swarm.compression,
                     topk="off" if swarm.topk is None else f"{swarm.topk:g}", weighting=outer.weighting,
                     rda=on[outer.rda], outer_lr=f"{outer.lr:g}", outer_momentum=f"{outer.momentum:g}",
                     max_weight_ratio=f"{outer.max_weight_ratio:g}", max_scale_ratio=f"{outer.max_scale_ratio:g}",
                     max_norm_ratio=f"{outer.max_norm_ratio:g}", stale_factor=f"{outer.stale_factor:g}",
                     robust_merge=on[swarm.robust_merge])
+
+
+def data_entry(entry: str) -> tuple[Path, float]:
+    """`PATH` or `PATH:WEIGHT` of --data (a path that itself holds a colon is taken whole when it exists)."""
+    path, sep, weight = entry.rpartition(":")
+    if not sep or Path(entry).exists():
+        return Path(entry), 1.0
+    try:
+        value = float(weight)
+    except ValueError:
+        raise ConfigError(f"--data {entry}: the part after ':' must be a weight (a number)") from None
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"--data {entry}: a weight must be a positive number")
+    return Path(path), value
 
 
 def _positive(obj, *names: str) -> None:

@@ -14,8 +14,9 @@ from typing import Optional
 import torch
 
 from p2pdiloco.training import checkpoint
-from p2pdiloco.config import ConfigError, PeerConfig, model_config
-from p2pdiloco.training.data import BatchStream, load_corpus, stream_seed, validation_batches
+from p2pdiloco.config import ConfigError, PeerConfig
+from p2pdiloco.training.data import (BatchStream, bits_per_byte_factor, load_data, order_seed, stream_seed,
+                                     validation_batches)
 from p2pdiloco.core.consensus import consensus_distance, fork_distance, sketch
 from p2pdiloco.training.diloco import DiLoCo, Settled, train
 from p2pdiloco.protocol.outcomes import Contribution
@@ -26,7 +27,8 @@ from p2pdiloco.runtime.heap import give_back_free_heap
 from p2pdiloco.runtime.lifeline import start_lifeline
 from p2pdiloco.runtime import schema
 from p2pdiloco.runtime.metrics import Progress, open_sinks
-from p2pdiloco.training.model import build_model, rda_segments
+from p2pdiloco.training.model import build_model, config_fingerprint, rda_segments, resolve_config
+from p2pdiloco.training.tokenizer import vocab_size
 from p2pdiloco.training.spill import OnDisk
 from p2pdiloco.core.state import GlobalState
 from p2pdiloco.protocol.timing import RoundClock
@@ -116,12 +118,16 @@ class Peer:
         self.device = pick_device(cfg.device)
         if cfg.inner.optimizer == "adamw8bit":
             bitsandbytes()
-        self.corpus = load_corpus(cfg.data)  # read-only once loaded: forked helpers share its pages
+        # memory-mapped shards, or text tokenized now: read-only once loaded, so forked helpers share its pages
+        self.data = load_data(cfg.data, cfg.tokenizer)
+        self.model_config = resolve_config(cfg.model, vocab_size(self.data.tokenizer), cfg.inner.seq_len,
+                                           cfg.init_from)
         with torch.device("meta"):  # the model's shapes, no memory
-            shapes = build_model(model_config(cfg.model), cfg.seed)
+            shapes = build_model(self.model_config, cfg.seed)
         self.n_params = sum(p.numel() for p in shapes.parameters())
         self.segments = rda_segments(shapes)
-        self.val = validation_batches(self.corpus.val, cfg.eval_batches, cfg.inner.batch_size, cfg.inner.seq_len)
+        self.val = validation_batches(self.data.val, cfg.eval_batches, cfg.inner.batch_size, cfg.inner.seq_len)
+        self.bpb_factor = bits_per_byte_factor(self.val, self.data.tokenizer)
         self.model = self.state = self.global_vectors = None
         self.clock = RoundClock()
         self.name = cfg.name
@@ -132,7 +138,7 @@ class Peer:
         cost about 12 bytes per parameter across the two helpers (the 100M model, measured)."""
         if self.model is None:
             cfg = self.cfg
-            self.model = build_model(model_config(cfg.model), cfg.seed).to(self.device)
+            self.model = build_model(self.model_config, cfg.seed, cfg.init_from).to(self.device)
             self.global_vectors = vectors = global_vectors(self.n_params, self._parking_folder())
             theta = flat_params(self.model, out=vectors.theta)  # no staging copy beside it, from a GPU either
             self.state = GlobalState(theta, cfg.outer.lr, cfg.outer.momentum, storage=(theta, vectors.momentum),
@@ -271,7 +277,10 @@ class Peer:
         return None if self.state is None else self.state.why_not_adopt(metadata, tensors, corroborated)
 
     def _settings(self) -> dict[str, str]:
-        return self.cfg.merge_settings(self.n_params)
+        """The model's config, the tokenizer and the data join the settings by hash (16 hex digits each)."""
+        return self.cfg.merge_settings(self.n_params, dict(
+            model_config=config_fingerprint(self.model_config)[:16],
+            tokenizer=self.data.tokenizer_fingerprint[:16], data=self.data.fingerprint[:16]))
 
     def _refuse_a_mismatch(self) -> None:
         """At join: a setting that cannot merge with the live peers' ends this peer now, saying which."""
@@ -284,7 +293,8 @@ class Peer:
 
     def _make_diloco(self, seed: int, merger) -> None:
         cfg = self.cfg
-        stream = BatchStream(self.corpus.train, cfg.inner.batch_size, cfg.inner.seq_len, seed)
+        stream = BatchStream(self.data.sources, cfg.inner.batch_size, cfg.inner.seq_len, seed,
+                             run_seed=order_seed(cfg.swarm.run_id))
         trainer = InnerTrainer(self.model, stream, cfg.inner, self.device, cfg.throttle)
         # our last merged Δ waits on disk beside our checkpoints: only a lost fork reads it (4 B/param less)
         self.diloco = DiLoCo(trainer, self.state, merger, self.peer_id, self.name, self.clock,
@@ -335,7 +345,10 @@ class Peer:
         if self.diloco.in_flight is not None:
             return  # only between rounds (see DiLoCo.checkpoint_state)
         meta, tensors = self.diloco.checkpoint_state()
-        meta.update(model=self.cfg.model, n_params=self.n_params, run_id=self.cfg.swarm.run_id, why=why)
+        meta.update(model=self.cfg.model, n_params=self.n_params, run_id=self.cfg.swarm.run_id, why=why,
+                    model_config=self.model_config.to_dict(), tokenizer_sha256=self.data.tokenizer_fingerprint,
+                    data_sha256=self.data.fingerprint)
+        self._keep_tokenizer()
         try:
             path = checkpoint.save(self.checkpoint_folder, meta, tensors, keep=self.cfg.keep_checkpoints)
         except checkpoint.CheckpointWriteError as e:  # the write is undone, the checkpoints already saved stay
@@ -348,6 +361,15 @@ class Peer:
             return
         self.checkpoint_error = None
         self.metrics.write(schema.Checkpoint(peer=self.name, version=meta["version"], path=str(path), why=why))
+
+    def _keep_tokenizer(self) -> None:
+        """The tokenizer beside our checkpoints, once: `p2pdiloco export` and `sample` read it from there."""
+        folder = self.checkpoint_folder / checkpoint.TOKENIZER_DIR
+        if not (folder / "tokenizer.json").is_file():
+            try:
+                self.data.tokenizer.save_pretrained(str(folder))
+            except OSError as e:
+                log.warning("%s: could not keep the tokenizer in %s: %s", self.name, folder, e)
 
     def _find_checkpoint(self):
         found = checkpoint.load_latest(self.checkpoint_folder, self.n_params, report=log.warning)
@@ -383,6 +405,10 @@ class Peer:
         return evaluate(self.model, self.val, self.device, params=self.state.params,  # no second model
                         done=self.state.page_out)
 
+    def _bpb(self, loss):
+        """Validation in bits per byte of text: compares runs whatever their tokenizer."""
+        return None if loss is None else loss * self.bpb_factor
+
     # ---- training ---------------------------------------------------------------------------------------
     def _train(self) -> dict:
         cfg = self.cfg
@@ -391,8 +417,9 @@ class Peer:
         initial_val = self._evaluate_global() if cfg.eval_every else None
         self._park()
         self.metrics.write(schema.Start(peer=self.name, peer_id=self.peer_id, n_params=self.n_params,
-                                        val_loss=initial_val, version=self.state.version,
-                                        corpus=self.corpus.description, mode=cfg.swarm.mode))
+                                        val_loss=initial_val, val_bpb=self._bpb(initial_val),
+                                        version=self.state.version, corpus=self.data.description,
+                                        mode=cfg.swarm.mode))
         self.progress = Progress(self.name, cfg.inner.steps)
         self.progress.start_round(0, self.state.version)
         self.rounds = self.merged_rounds = 0
@@ -418,15 +445,16 @@ class Peer:
         training = (self.training_ended or time.monotonic()) - self.started
         summary = schema.Summary(peer=self.name, rounds=self.rounds, merged_rounds=self.merged_rounds,
                                  version=self.state.version, initial_val=initial_val, final_val=final_val,
+                                 final_val_bpb=self._bpb(final_val),
                                  digest=self.state.digest, seconds=wall, training_seconds=training,
                                  compute_seconds=self.compute_seconds,
                                  utilization=self.compute_seconds / max(training, 1e-9), tokens=self._tokens_trained,
                                  device_peak_bytes=(torch.cuda.max_memory_allocated(self.device)
                                                     if self.device.type == "cuda" else None))
         self.metrics.write(summary)
-        log.info("%s: done after %d rounds (version %d): val loss %s -> %.4f, compute %.0f%% of wall time",
-                 self.name, self.rounds, self.state.version, _fmt_loss(initial_val), final_val,
-                 100 * summary.utilization)
+        log.info("%s: done after %d rounds (version %d): val loss %s -> %.4f (%.4f bits per byte), compute "
+                 "%.0f%% of wall time", self.name, self.rounds, self.state.version, _fmt_loss(initial_val),
+                 final_val, self._bpb(final_val), 100 * summary.utilization)
         return summary.to_dict()
 
     @property
@@ -517,7 +545,8 @@ class Peer:
         wall = time.monotonic() - self.started
         self.metrics.write(schema.Round(
             peer=self.name, round=self.rounds, version=self.state.version, applied=settled.applied,
-            reason=o.reason, loss=mean_loss(self.round_losses), val_loss=val,
+            reason=o.reason, loss=mean_loss(self.round_losses), val_loss=val, val_bpb=self._bpb(val),
+            swarm_tokens=self.state.tokens, lr=self.diloco.trainer.optimizer.param_groups[0]["lr"],
             tokens=c.tokens, tokens_trained=self._tokens_trained, from_version=c.version,
             unmerged_tokens=settled.unmerged_tokens, steps_in_flight=settled.steps_in_flight,
             outcome=o.kind, members=[m.name or m.peer for m in o.members],

@@ -29,8 +29,6 @@ import threading
 import time
 from pathlib import Path
 from typing import Optional
-
-from p2pdiloco.config import model_config
 from p2pdiloco.ops.launcher import join_command, peer_command, start_process, stop_tree, wait_for_file
 from p2pdiloco.ops.residency import pss_kinds, union_bytes
 from p2pdiloco.runtime.lifeline import descendants
@@ -230,7 +228,7 @@ def _within_limit(r: dict) -> str:
 def sum_params(model: str) -> int:
     from p2pdiloco.training.model import build_model
 
-    return sum(p.numel() for p in build_model(model_config(model), 0).parameters())
+    return sum(p.numel() for p in build_model(model, 0).parameters())
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from p2pdiloco.config import InnerConfig, model_config
+from p2pdiloco.config import InnerConfig
 from p2pdiloco.core.outer import OuterOptimizer
 from p2pdiloco.protocol.island import Bounds, member_weights
 from p2pdiloco.training.data import BatchStream, load_corpus, validation_batches
@@ -32,7 +32,7 @@ from p2pdiloco.training.model import build_model
 
 class Worker:
     def __init__(self, index: int, seed: int, a, corpus, theta: torch.Tensor):
-        model = build_model(model_config(a.model), seed)
+        model = build_model(a.model, seed)
         load_flat_params(model, theta)
         cfg = InnerConfig(batch_size=a.batch_size, seq_len=a.seq_len)
         stream = BatchStream(corpus.train, cfg.batch_size, cfg.seq_len, seed=1000 * seed + index)
@@ -55,7 +55,7 @@ class Worker:
 def run(factor: float | None, seed: int, a, corpus, val) -> list[float]:
     """Val loss of Θ after each round. `factor` None: the reference without misses."""
     torch.manual_seed(seed)
-    model = build_model(model_config(a.model), seed)
+    model = build_model(a.model, seed)
     theta = flat_params(model).clone()  # Θ and the outer step on the CPU, as on a peer
     model.to(a.device)
     outer = OuterOptimizer(theta, a.outer_lr, a.outer_momentum)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from p2pdiloco.config import InnerConfig, model_config
+from p2pdiloco.config import InnerConfig
 from p2pdiloco.ops.residency import pss_by_mapping, pss_kinds
 from p2pdiloco.runtime.heap import give_back_free_heap
 from p2pdiloco.training.data import BatchStream
@@ -69,7 +69,7 @@ def main() -> None:
         torch.zeros(1, device="cuda")
         measure("+ CUDA context", rows)
     started = time.perf_counter()
-    model = build_model(model_config(args.model), seed=0).to(args.device)
+    model = build_model(args.model, seed=0).to(args.device)
     measure(f"+ {args.model} on the {args.device}", rows)
     for optimizer in ("adamw", "adamw8bit"):
         train(model, optimizer, args, rows)

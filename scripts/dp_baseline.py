@@ -16,8 +16,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-
-from p2pdiloco.config import model_config
 from p2pdiloco.training.data import BatchStream, load_corpus
 from p2pdiloco.training.model import build_model
 
@@ -42,7 +40,7 @@ def main():
     os.environ["GLOO_SOCKET_IFNAME"] = a.iface
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{a.master}:29511", rank=a.rank, world_size=a.world)
-    model = DistributedDataParallel(build_model(model_config(a.model), seed=0))
+    model = DistributedDataParallel(build_model(a.model, seed=0))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batches = BatchStream(load_corpus().train, a.batch_size, a.seq_len, seed=a.rank)
     for step in range(a.warmup + a.steps):

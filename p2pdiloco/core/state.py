@@ -52,6 +52,7 @@ class GlobalState:
             theta.copy_(params)
         self.outer = OuterOptimizer(theta, lr, momentum, momentum_buffer)
         self.version = 0
+        self.tokens = 0  # merged into Θ over its whole lineage: the swarm's progress (the lr schedule's clock)
         self.last_members: list[str] = []
         self.lock = threading.RLock()
         self._digest: Optional[str] = None
@@ -75,9 +76,9 @@ class GlobalState:
         return lineage_key(self.version, self.digest)
 
     def apply(self, merged: torch.Tensor, members: list[str],
-              release: Callable[[slice], None] = lambda part: None) -> None:
+              release: Callable[[slice], None] = lambda part: None, tokens: int = 0) -> None:
         """Θ ← outer step of Θ by `merged`, a chunk at a time; `release` is told each chunk of `merged` once
-        read (as Θ's own pages are let go)."""
+        read (as Θ's own pages are let go). `tokens`: what the members trained for it."""
         def done(part: slice) -> None:
             self.page_out(part)
             release(part)
@@ -85,6 +86,7 @@ class GlobalState:
         with self.lock:
             self.outer.step(merged, done=done)
             self.version += 1
+            self.tokens += max(0, int(tokens))
             self.last_members = members
             self._digest = None
             self.history = (self.history + [self.key])[-HISTORY:]
@@ -95,7 +97,7 @@ class GlobalState:
         parameter."""
         with self.lock:
             metadata = dict(version=self.version, digest=self.digest, last_members=list(self.last_members),
-                            history=[list(k) for k in self.history])
+                            history=[list(k) for k in self.history], tokens=self.tokens)
             if not shared:
                 return metadata, [t.clone() for t in self.outer.state_tensors()]
             return metadata, [torch.empty_like(t).share_memory_().copy_(t) for t in self.outer.state_tensors()]
@@ -126,10 +128,17 @@ class GlobalState:
         with self.lock:
             self.outer.load_state_tensors(*tensors)
             self.version = metadata["version"]
+            self.tokens = parse_tokens(metadata.get("tokens"))
             self.last_members = list(metadata.get("last_members", []))
             self._digest = None
             history = parse_history(metadata.get("history"))
             self.history = (history if history[-1:] == [self.key] else history + [self.key])[-HISTORY:]
+
+
+def parse_tokens(raw) -> int:
+    """A remote peer's token count, defensively: anything but a non-negative integer counts as 0 (the count only
+    drives the learning-rate schedule; Θ itself is checked by its digest)."""
+    return raw if isinstance(raw, int) and not isinstance(raw, bool) and 0 <= raw < 1 << 62 else 0
 
 
 def parse_history(raw) -> list[tuple[int, str]]:

@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from p2pdiloco.core.exact import chunks, digest
 
 TENSORS, META = "tensors.safetensors", "meta.json"
+TOKENIZER_DIR = "tokenizer"  # beside a peer's checkpoints: the tokenizer its model reads (export, sample)
 FORMAT = 1
 
 

@@ -120,12 +120,18 @@ class DiLoCo:
 
     # ---- inner steps --------------------------------------------------------------------------------------
     def inner_step(self) -> tuple[float, float]:
-        loss, seconds = self.trainer.timed_step()
+        loss, seconds = self.trainer.timed_step(self.swarm_tokens)
         self.unmerged_tokens += self.trainer.tokens_per_step
         self.unmerged_steps += 1
         self.unmerged_seconds += seconds
         self.clock.step.update(seconds)
         return loss, seconds
+
+    @property
+    def swarm_tokens(self) -> int:
+        """The swarm's progress as this peer sees it: the tokens merged into Θ, and ours not merged yet (the
+        learning-rate schedule's clock)."""
+        return self.state.tokens + self.unmerged_tokens
 
     def local_params(self) -> torch.Tensor:
         return flat_params(self.trainer.model)
@@ -216,7 +222,8 @@ class DiLoCo:
                     if outcome.state is not None:
                         restored = self._add(restored, self._load_foreign(*outcome.state))  # already holds our Δ
                     elif not outcome.stale:
-                        self.state.apply(outcome.merged, [m.peer for m in outcome.members], outcome.release)
+                        self.state.apply(outcome.merged, [m.peer for m in outcome.members], outcome.release,
+                                         tokens=sum(m.tokens for m in outcome.members))
                     self.unmerged_tokens -= c.tokens
                     self.unmerged_steps -= c.steps
                     self.unmerged_seconds -= c.seconds
@@ -370,21 +377,23 @@ class DiLoCo:
                        "momentum": Released(self.state.outer.momentum_buffer, page_out),
                        "local": Concatenated([p for _, p, _ in param_slices(trainer.model)])}
             meta = dict(version=self.state.version, digest=self.state.digest, history=self.state.history,
-                        last_members=self.state.last_members)
+                        last_members=self.state.last_members, tokens=self.state.tokens)
         moments, scalars = optimizer_state(trainer.optimizer, trainer.model.parameters())
         tensors.update(moments)
         meta.update(inner_optimizer=trainer.cfg.optimizer, inner_scalars=scalars)
         meta.update(unmerged_tokens=self.unmerged_tokens, unmerged_steps=self.unmerged_steps,
                     unmerged_seconds=self.unmerged_seconds, inner_step=trainer.total_steps,
                     stream_position=getattr(trainer.batches, "position", None),
-                    stream_seed=getattr(trainer.batches, "seed", None))
+                    stream_seed=getattr(trainer.batches, "seed", None),
+                    stream_at=trainer.batches.where() if hasattr(trainer.batches, "where") else None)
         return meta, tensors
 
     def restore_checkpoint_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> Optional[str]:
         """Resume from a checkpoint; a note for the log where not everything could be restored."""
         trainer = self.trainer
         self.state.load(dict(version=meta["version"], digest=meta["digest"], history=meta.get("history", []),
-                             last_members=meta.get("last_members", [])), [tensors["global"], tensors["momentum"]])
+                             last_members=meta.get("last_members", []), tokens=meta.get("tokens", 0)),
+                        [tensors["global"], tensors["momentum"]])
         load_flat_params(trainer.model, tensors["local"])
         note = None
         if meta.get("inner_optimizer", "adamw") == trainer.cfg.optimizer:

@@ -17,6 +17,7 @@ from torch import nn
 
 from p2pdiloco.config import ConfigError, InnerConfig
 from p2pdiloco.core.exact import chunks
+from p2pdiloco.training.schedule import inner_lr
 
 BETAS = (0.9, 0.95)
 ALIAS = "@"  # in a checkpoint's optimizer scalars: this state is the tensor saved under another name
@@ -136,7 +137,7 @@ class InnerTrainer:
                  throttle: float = 1.0):
         self.model, self.batches, self.cfg, self.device, self.throttle = model, batches, cfg, device, throttle
         self.optimizer = make_optimizer(model.parameters(), cfg)
-        self.total_steps = 0  # over the peer's life: drives the warm-up
+        self.total_steps = 0  # over the peer's life
         self.on_gpu = device.type == "cuda"
         if cfg.activation_checkpointing:
             if not hasattr(model, "checkpoint_blocks"):
@@ -154,19 +155,20 @@ class InnerTrainer:
         self.optimizer.step()
         param.grad = None
 
-    def lr_at(self, step: int) -> float:
-        if self.cfg.warmup_steps == 0:
-            return self.cfg.lr
-        return self.cfg.lr * min(1.0, (step + 1) / self.cfg.warmup_steps)
+    def lr_at(self, progress: int) -> float:
+        """The schedule's lr at `progress` tokens of the swarm (`training.schedule`)."""
+        return inner_lr(self.cfg, progress, self.tokens_per_step)
 
-    def train_step(self) -> torch.Tensor:
-        """One inner step; the loss as a detached scalar tensor, still on the device (reading it syncs)."""
+    def train_step(self, progress: int | None = None) -> torch.Tensor:
+        """One inner step at the lr of `progress`, the swarm's tokens (None: this trainer's own, as for a peer
+        alone); the loss as a detached scalar tensor, still on the device (reading it syncs)."""
         batch = next(self.batches)
         if self.on_gpu:
             batch = tuple(t.pin_memory() for t in batch)
         inputs, targets = (t.to(self.device, non_blocking=True) for t in batch)
+        lr = self.lr_at(self.total_steps * self.tokens_per_step if progress is None else progress)
         for group in self.optimizer.param_groups:
-            group["lr"] = self.lr_at(self.total_steps)
+            group["lr"] = lr
         with torch.autocast("cuda", dtype=torch.bfloat16) if self.on_gpu else nullcontext():
             loss = self.model(inputs, targets)
         loss.backward()  # with step_in_backward, this also steps every parameter (_step_one)
@@ -180,12 +182,12 @@ class InnerTrainer:
         self.total_steps += 1
         return loss.detach()
 
-    def timed_step(self) -> tuple[torch.Tensor, float]:
+    def timed_step(self, progress: int | None = None) -> tuple[torch.Tensor, float]:
         """One inner step; returns (loss, wall seconds). A throttled peer sleeps in proportion, so it behaves
         like a slower machine, and that sleep counts as step time (it stands for compute). On a GPU the seconds
         are those of queueing the step: over a window they add up to the device's time, as the queue is bounded."""
         start = time.perf_counter()
-        loss = self.train_step()
+        loss = self.train_step(progress)
         elapsed = time.perf_counter() - start
         if self.throttle > 1.0:
             time.sleep(elapsed * (self.throttle - 1.0))

@@ -1,80 +1,153 @@
-"""A small decoder-only transformer in plain torch: RMSNorm, causal SDPA, tied byte embeddings."""
+"""The model: a Llama-family causal LM from `transformers`, built from a preset shape, a config.json or model
+folder, or a hub id, and wrapped so the trainer calls it as `model(tokens, targets) -> loss`.
+
+Every peer of a run builds bit-identical initial weights from the same seed, on the CPU (or loads the same
+pretrained weights with --init-from). The wrapped model is the `transformers` model itself (`CausalLM.hf`):
+`save_pretrained` writes what `AutoModelForCausalLM.from_pretrained` loads.
+"""
 
 from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from p2pdiloco.config import ModelConfig
+from p2pdiloco.config import MODEL_PRESETS, ConfigError, ModelShape, model_preset
+
+VOCAB_MULTIPLE = 64  # a preset's embedding rows: the tokenizer's vocabulary rounded up (faster matmuls)
+MIN_POSITIONS = 2048
+# config keys that say nothing about the function the weights compute
+VOLATILE = {"transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures", "use_cache",
+            "_attn_implementation_autoset", "output_attentions", "output_hidden_states", "return_dict"}
 
 
-class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+class ModelError(ConfigError):
+    """A model cannot be built or loaded; the message says what to do."""
+
+
+class CausalLM(nn.Module):
+    """A `transformers` causal LM as the trainer calls it: logits, or the mean cross-entropy against `targets`
+    (inputs shifted by one, as the data streams cut them)."""
+
+    def __init__(self, hf: nn.Module):
         super().__init__()
-        self.n_heads = cfg.n_heads
-        self.norm1 = nn.RMSNorm(cfg.d_model)
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.norm2 = nn.RMSNorm(cfg.d_model)
-        self.up = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=False)
-        self.down = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=False)
+        self.hf = hf
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.n_heads, d // self.n_heads).unbind(2)
-        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
-        return x + self.down(F.gelu(self.up(self.norm2(x))))
-
-
-class ByteGPT(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
-        # recompute each block's activations in the backward pass instead of keeping them (the trainer's
-        # --activation-checkpointing): one block's worth held at a time, for one more forward pass of compute
-        self.checkpoint_blocks = False
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = nn.RMSNorm(cfg.d_model)
-        self.apply(_init_weights)
-        for block in self.blocks:  # scale residual writes by depth (GPT-2)
-            for proj in (block.proj, block.down):
-                nn.init.normal_(proj.weight, std=0.02 / (2 * cfg.n_layers) ** 0.5)
-
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.embed(tokens) + self.pos(positions)
-        recompute = self.checkpoint_blocks and torch.is_grad_enabled()
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
-        logits = self.norm(x) @ self.embed.weight.T  # tied output head
+    def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        logits = self.hf(input_ids=tokens, use_cache=False).logits
         if targets is None:
             return logits
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
+    @property
+    def checkpoint_blocks(self) -> bool:
+        """Whether each decoder layer's activations are recomputed in the backward pass (transformers' own
+        gradient checkpointing, non-reentrant: the same bits as without it)."""
+        return bool(self.hf.is_activation_checkpointing)
 
-def _init_weights(module: nn.Module) -> None:
-    if isinstance(module, (nn.Linear, nn.Embedding)):
-        nn.init.normal_(module.weight, std=0.02)
+    @checkpoint_blocks.setter
+    def checkpoint_blocks(self, on: bool) -> None:
+        if on:
+            self.hf.activation_checkpointing_enable(activation_checkpointing_kwargs=dict(use_reentrant=False))
+        else:
+            self.hf.activation_checkpointing_disable()
 
 
-def build_model(cfg: ModelConfig, seed: int) -> ByteGPT:
-    """Every peer of a run builds bit-identical initial weights from the same seed, on the CPU."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return ByteGPT(cfg)
+def preset_config(shape: ModelShape, vocab_size: int, max_positions: int = MIN_POSITIONS):
+    from transformers import LlamaConfig
+
+    head_dim = shape.hidden // shape.heads
+    return LlamaConfig(vocab_size=-(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE, hidden_size=shape.hidden,
+                       intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
+                       num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, head_dim=head_dim,
+                       tie_word_embeddings=shape.tied, rope_theta=shape.rope_theta,
+                       max_position_embeddings=max(MIN_POSITIONS, max_positions), use_cache=False,
+                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
-def rda_segments(model: nn.Module, plain: tuple[str, ...] = ("embed", "pos")) -> list[tuple[int, int]]:
-    """[start, end) of every tensor in the flat parameter vector that RDA averages; embeddings (`plain`)
-    keep the plain weighted mean, as Decoupled DiLoCo does."""
+def resolve_config(model: str, vocab_size: int, max_positions: int = MIN_POSITIONS,
+                   init_from: Optional[str] = None):
+    """The `transformers` config of --model (or of --init-from's weights), checked against the tokenizer."""
+    if init_from is not None:
+        config = _load_config(init_from)
+    elif model in MODEL_PRESETS:
+        config = preset_config(model_preset(model), vocab_size, max_positions)
+    else:
+        config = _load_config(model)
+    if not getattr(config, "is_decoder", True) and config.model_type not in _causal_types():
+        raise ModelError(f"--model {model}: a {config.model_type} config is not a causal language model")
+    if vocab_size > config.vocab_size:
+        raise ModelError(f"the tokenizer has {vocab_size} ids but the model only {config.vocab_size} embeddings: "
+                         "use the model's own tokenizer, or a preset (its vocabulary follows the tokenizer)")
+    return config
+
+
+def _causal_types() -> set[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _load_config(source: str):
+    """A config.json, a model folder, or a hub id; one line saying why not."""
+    from transformers import AutoConfig
+
+    path = Path(source)
+    try:
+        if path.is_file():
+            return AutoConfig.from_pretrained(str(path.parent) if path.name == "config.json" else str(path),
+                                              local_files_only=True)
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ModelError(f"--model {source}: a folder without a config.json")
+            return AutoConfig.from_pretrained(str(path), local_files_only=True)
+        return AutoConfig.from_pretrained(source)
+    except ModelError:
+        raise
+    except Exception as e:  # offline, unknown id, a config transformers cannot read: all one line
+        where = "the hub could not provide it (offline?)" if not path.exists() else "transformers cannot read it"
+        raise ModelError(f"--model {source}: {where}: {str(e).splitlines()[0][:200]}") from None
+
+
+def build_model(config, seed: int, init_from: Optional[str] = None) -> CausalLM:
+    """Bit-identical on every peer: seeded on the CPU (or the same pretrained weights). `config`: a
+    `transformers` config, or a preset name (the byte vocabulary: tests and tools)."""
+    from transformers import AutoModelForCausalLM
+
+    if isinstance(config, str):
+        config = resolve_config(config, vocab_size=257)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            if init_from is not None:
+                hf = AutoModelForCausalLM.from_pretrained(init_from, config=config, dtype=torch.float32,
+                                                          attn_implementation="sdpa",
+                                                          local_files_only=Path(init_from).exists())
+            else:
+                hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    except (ValueError, TypeError, OSError, KeyError) as e:
+        raise ModelError(f"transformers cannot build this model: {str(e).splitlines()[0][:200]}") from None
+    hf.config.use_cache = False
+    return CausalLM(hf)
+
+
+def config_fingerprint(config) -> str:
+    """sha256 of what the config says about the function (not its transformers version or file name)."""
+    values = {k: v for k, v in config.to_dict().items() if k not in VOLATILE}
+    return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def rda_segments(model: nn.Module) -> list[tuple[int, int]]:
+    """[start, end) of every tensor in the flat parameter vector that RDA averages; embeddings and the output
+    head keep the plain weighted mean, as Decoupled DiLoCo does."""
     segments, offset = [], 0
     for name, p in model.named_parameters():
-        if not name.split(".")[0] in plain:
+        if not any(part in name for part in ("embed_tokens", "lm_head", "wte", "wpe")):
             segments.append((offset, offset + p.numel()))
         offset += p.numel()
     return segments

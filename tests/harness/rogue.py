@@ -19,7 +19,7 @@ import torch
 from hivemind import DHT, DecentralizedAverager
 
 # only to find the run's islands and their buffer size, as anyone reading p2pdiloco's source could
-from p2pdiloco.config import OuterConfig, SwarmConfig, model_config
+from p2pdiloco.config import OuterConfig, SwarmConfig
 from p2pdiloco.swarm.averager import AVERAGED_CHUNK
 from p2pdiloco.swarm.rounds import averager_prefix
 from p2pdiloco.training.model import build_model
@@ -33,7 +33,7 @@ def main() -> int:
     address, run_id, model, seconds = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
     swarm = SwarmConfig(run_id=run_id)
     with torch.device("meta"):
-        n_params = sum(p.numel() for p in build_model(model_config(model), 0).parameters())
+        n_params = sum(p.numel() for p in build_model(model, 0).parameters())
     dht = DHT(initial_peers=[address], start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
               auto_nat=False, use_relay=False)
     buffer = torch.randn(n_params)  # in the honest peers' chunks: hivemind's

@@ -55,8 +55,6 @@ def test_a_top_k_peer_alone_merges_what_its_codes_would_carry_not_its_whole_upda
     2 % of each block under top-k, so Θ moves only there (the rest rides along in error feedback). Merging its
     whole Δ at an outer lr tuned for 2 % of it moved a SparseLoCo run's val from 1.97 to 2.30 in one round."""
     import torch
-
-    from p2pdiloco.config import model_config
     from p2pdiloco.training import checkpoint
     from p2pdiloco.training.inner import flat_params
     from p2pdiloco.training.model import build_model
@@ -67,7 +65,7 @@ def test_a_top_k_peer_alone_merges_what_its_codes_would_carry_not_its_whole_upda
         swarm.wait_clean(["alone"], timeout=120)
         [solo] = [r for r in swarm.records("alone", "round") if r.applied]
         assert solo.outcome == "solo"
-    start = flat_params(build_model(model_config("tiny"), 0))
+    start = flat_params(build_model("tiny", 0))
     found = checkpoint.load_latest(tmp_path / "checkpoints" / "alone" / "alone", start.numel())
     assert found.meta["version"] == 1
     moved = int(torch.count_nonzero(found.tensors["global"] != start))

@@ -4,7 +4,7 @@ from the forward pass; the same bits, a fraction of the memory held between the 
 import pytest
 import torch
 
-from p2pdiloco.config import ConfigError, InnerConfig, model_config
+from p2pdiloco.config import ConfigError, InnerConfig
 from p2pdiloco.training.data import BatchStream
 from p2pdiloco.training.inner import InnerTrainer, flat_params
 from p2pdiloco.training.model import build_model
@@ -15,7 +15,7 @@ TEXT = torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(
 def trainer(recompute: bool, **overrides) -> InnerTrainer:
     cfg = InnerConfig(steps=3, batch_size=4, seq_len=32, warmup_steps=2, activation_checkpointing=recompute,
                       **overrides)
-    return InnerTrainer(build_model(model_config("tiny"), seed=0), BatchStream(TEXT, 4, 32, seed=1), cfg,
+    return InnerTrainer(build_model("tiny", seed=0), BatchStream(TEXT, 4, 32, seed=1), cfg,
                         torch.device("cpu"))
 
 

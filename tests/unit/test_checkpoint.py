@@ -89,7 +89,7 @@ def test_a_peer_restored_from_disk_goes_on_exactly_where_it_stopped(tmp_path, op
     """Θ, momentum, version, θ, the inner optimizer's state (AdamW's moments, or bitsandbytes' 8-bit moments
     with their quantization maps and block maxima) and step, the data stream's position and the unmerged
     counters all survive the disk: the restored peer's next inner steps are bit-identical to the original's."""
-    from p2pdiloco.config import InnerConfig, model_config
+    from p2pdiloco.config import InnerConfig
     from p2pdiloco.training.data import BatchStream
     from p2pdiloco.training.diloco import DiLoCo, SoloMerger
     from p2pdiloco.training.inner import InnerTrainer, flat_params
@@ -99,7 +99,7 @@ def test_a_peer_restored_from_disk_goes_on_exactly_where_it_stopped(tmp_path, op
     text = torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
 
     def peer(stream_seed):
-        model = build_model(model_config("tiny"), seed=0).to(device)
+        model = build_model("tiny", seed=0).to(device)
         cfg = InnerConfig(steps=3, batch_size=4, seq_len=16, warmup_steps=5, optimizer=optimizer)
         trainer = InnerTrainer(model, BatchStream(text, 4, 16, seed=stream_seed), cfg, torch.device(device))
         return DiLoCo(trainer, GlobalState(flat_params(model), lr=0.7, momentum=0.9), SoloMerger(), "p", "p")
@@ -159,7 +159,7 @@ def test_a_checkpoint_is_written_without_a_copy_of_the_model(tmp_path):
     """θ is written a parameter at a time and the inner optimizer's state from where it lives: the process's
     resident memory grows by far less than one model-sized vector while a checkpoint is made (a flat copy of θ
     alone would be 4 bytes per parameter; from a GPU, θ and AdamW's moments were copied to the host whole)."""
-    from p2pdiloco.config import InnerConfig, model_config
+    from p2pdiloco.config import InnerConfig
     from p2pdiloco.core.state import GlobalState
     from p2pdiloco.training.diloco import DiLoCo, SoloMerger
     from p2pdiloco.training.inner import InnerTrainer, flat_params
@@ -167,7 +167,7 @@ def test_a_checkpoint_is_written_without_a_copy_of_the_model(tmp_path):
     from tests.unit.test_decoupled import random_batches
 
     grew = PeakGrowth()
-    model = build_model(model_config("base"), seed=0)
+    model = build_model("base", seed=0)
     trainer = InnerTrainer(model, random_batches(0), InnerConfig(steps=1, batch_size=2, seq_len=8), torch.device("cpu"))
     d = DiLoCo(trainer, GlobalState(flat_params(model), lr=0.7, momentum=0.9), SoloMerger(), "p", "p")
     d.inner_step()  # AdamW's moments exist

@@ -16,7 +16,6 @@ from click.testing import CliRunner
 
 from p2pdiloco.training import checkpoint
 from p2pdiloco.cli import build_config, cli, swarm_options, train_options
-from p2pdiloco.config import model_config
 from p2pdiloco.training.model import build_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,7 +75,7 @@ def restartable_peer(tmp_path):
     return common, folder, checkpoint.load_latest(folder, TINY_PARAMS)
 
 
-TINY_PARAMS = sum(p.numel() for p in build_model(model_config("tiny"), 0).parameters())
+TINY_PARAMS = sum(p.numel() for p in build_model("tiny", 0).parameters())
 PEER_ID = "12D3KooWEBtXfqkCqYAic37BdvrUHGodu4Frq12EFaYar8u1Kp2d"
 
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from p2pdiloco.config import ConfigError, InnerConfig, model_config
+from p2pdiloco.config import ConfigError, InnerConfig
 from p2pdiloco.training.data import BatchStream
 from p2pdiloco.training.inner import InnerTrainer, flat_params, load_flat_params, make_optimizer
 from p2pdiloco.training.model import build_model
@@ -18,7 +18,7 @@ TEXT = torch.tensor(list(b"the quick brown fox jumps over the lazy dog. " * 500)
 
 
 def trainer_on(device: str, optimizer: str = "adamw", **options) -> InnerTrainer:
-    model = build_model(model_config("tiny"), seed=0).to(device)
+    model = build_model("tiny", seed=0).to(device)
     cfg = InnerConfig(steps=3, batch_size=4, seq_len=32, warmup_steps=0, optimizer=optimizer, **options)
     return InnerTrainer(model, BatchStream(TEXT, 4, 32, seed=1), cfg, torch.device(device))
 

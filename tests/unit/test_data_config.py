@@ -79,7 +79,7 @@ def test_unreadable_data_is_a_clear_error_not_a_traceback(tmp_path):
     (lambda: SwarmConfig(quorum=5, max_island=4), "quorum (5) cannot exceed"),
     (lambda: SwarmConfig(run_id="has space"), "run id must be"),
     (lambda: SwarmConfig(initial_peers=("localhost:1234",)), "is not a multiaddr"),
-    (lambda: PeerConfig(model="huge"), "unknown model size 'huge'"),
+    (lambda: PeerConfig(model="huge"), "--model huge: not a preset (tiny"),
     (lambda: PeerConfig(throttle=0.5), "throttle must be"),
     (lambda: PeerConfig(data="/does/not/exist"), "no such file"),
 ])

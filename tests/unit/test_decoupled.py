@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from p2pdiloco.config import InnerConfig, model_config
+from p2pdiloco.config import InnerConfig
 from p2pdiloco.training.diloco import DiLoCo, SoloMerger, train
 from p2pdiloco.training.inner import InnerTrainer, flat_params
 from p2pdiloco.training.model import build_model, rda_segments
@@ -28,7 +28,7 @@ def random_batches(seed=0, batch=4, seq=16):
 
 def make_diloco(merger, seed=0, keep=None):
     torch.manual_seed(seed)
-    model = build_model(model_config("tiny"), seed=0)
+    model = build_model("tiny", seed=0)
     cfg = InnerConfig(steps=4, batch_size=4, seq_len=16, warmup_steps=0)
     trainer = InnerTrainer(model, random_batches(seed), cfg, torch.device("cpu"))
     state = GlobalState(flat_params(model), lr=0.7, momentum=0.9)
@@ -278,7 +278,7 @@ def test_island_of_three_merges_with_tokens_squared_over_steps_weights():
 
 
 def test_rda_keeps_the_norm_that_a_plain_mean_of_orthogonal_updates_shrinks():
-    model = build_model(model_config("tiny"), seed=0)
+    model = build_model("tiny", seed=0)
     segments = rda_segments(model)
     n = sum(p.numel() for p in model.parameters())
     assert segments and segments[0][0] > 0  # the embeddings come first and keep the plain mean
@@ -474,7 +474,7 @@ def test_a_round_on_disk_never_holds_a_model_sized_delta_in_the_trainer(tmp_path
     from tests.harness.memory import PeakGrowth
 
     grew = PeakGrowth()
-    model = build_model(model_config("base"), seed=0)  # 44 MB of θ: above glibc's largest mmap threshold, so a
+    model = build_model("base", seed=0)  # 44 MB of θ: above glibc's largest mmap threshold, so a
     cfg = InnerConfig(steps=1, batch_size=2, seq_len=8)  # model-sized temporary shows in the peak
     state = GlobalState(flat_params(model), lr=0.7, momentum=0.9)
     buffer = torch.zeros(state.params.numel())  # the averaging buffer, there before the round

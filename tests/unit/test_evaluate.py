@@ -1,14 +1,12 @@
 """Validation of Θ runs through the training model's modules on views of Θ: no second model."""
 
 import torch
-
-from p2pdiloco.config import model_config
 from p2pdiloco.training.inner import evaluate, flat_params, load_flat_params
 from p2pdiloco.training.model import build_model
 
 
 def test_evaluating_a_flat_vector_equals_evaluating_a_model_that_holds_it_and_leaves_the_model_alone():
-    model = build_model(model_config("tiny"), 0)
+    model = build_model("tiny", 0)
     theta = flat_params(model)
     other = theta + 0.01 * torch.randn(theta.numel(), generator=torch.Generator().manual_seed(1))
     g = torch.Generator().manual_seed(2)
@@ -16,7 +14,7 @@ def test_evaluating_a_flat_vector_equals_evaluating_a_model_that_holds_it_and_le
                for _ in range(3)]
     grad_modes = []
     model.register_forward_pre_hook(lambda module, args: grad_modes.append(torch.is_grad_enabled()))
-    reference = build_model(model_config("tiny"), 0)
+    reference = build_model("tiny", 0)
     load_flat_params(reference, other)
     assert evaluate(model, batches, torch.device("cpu"), params=other) == evaluate(reference, batches,
                                                                                   torch.device("cpu"))

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from p2pdiloco.config import InnerConfig, model_config
+from p2pdiloco.config import InnerConfig
 from p2pdiloco.core.consensus import sketch
 from p2pdiloco.core.state import GlobalState
 from p2pdiloco.training import checkpoint
@@ -44,7 +44,7 @@ def test_parked_vectors_keep_their_values_and_leave_the_process_when_paged_out(t
 
 
 def make_peer(storage: str, folder, model_name: str = "tiny"):
-    model = build_model(model_config(model_name), seed=0)
+    model = build_model(model_name, seed=0)
     trainer = InnerTrainer(model, random_batches(0), InnerConfig(steps=3, batch_size=4, seq_len=16, warmup_steps=0),
                            torch.device("cpu"))
     vectors = global_vectors(sum(p.numel() for p in model.parameters()), folder if storage == "parked" else None)

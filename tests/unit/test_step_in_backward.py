@@ -4,7 +4,7 @@ gradient is complete, so the whole model's gradients are never held at once (doc
 import pytest
 import torch
 
-from p2pdiloco.config import ConfigError, InnerConfig, model_config
+from p2pdiloco.config import ConfigError, InnerConfig
 from p2pdiloco.training.data import BatchStream
 from p2pdiloco.training.inner import InnerTrainer, flat_params, optimizer_state
 from p2pdiloco.training.model import build_model
@@ -14,7 +14,7 @@ TEXT = torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(
 
 def trainer(optimizer: str, in_backward: bool) -> tuple[InnerTrainer, list]:
     """A trainer, and how many of its parameters hold a gradient each time one's gradient is complete."""
-    model = build_model(model_config("tiny"), seed=0)
+    model = build_model("tiny", seed=0)
     params, held = list(model.parameters()), []
     for p in params:  # registered before the trainer's hooks: runs first, while this gradient is still there
         p.register_post_accumulate_grad_hook(lambda _: held.append(sum(q.grad is not None for q in params)))
