@@ -270,6 +270,117 @@ def simulate(mode, as_json, plot, **options):
         click.echo(f"plot: {plot_png(params, modes, plot)}", err=as_json)
 
 
+@cli.group()
+def tokenizer():
+    """Tokenizers: train a BPE on your own text (offline)."""
+
+
+@tokenizer.command("train")
+@click.argument("sources", nargs=-1, required=True, metavar="SOURCES...")
+@click.option("--vocab-size", type=int, default=8192, show_default=True, help="Ids in all, the end-of-text mark "
+              "and the 256 bytes included.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Folder for the tokenizer's files (what --tokenizer and AutoTokenizer load).")
+@click.option("--text-field", default="text", show_default=True, help="The text's field in JSONL and Parquet.")
+@click.option("--max-documents", type=click.IntRange(min=1), help="Train on at most this many documents.")
+def tokenizer_train(sources, vocab_size, out, text_field, max_documents):
+    """Train a byte-level BPE tokenizer on SOURCES (text files or folders, JSONL, Parquet, a hub dataset id, or
+    builtin:shakespeare)."""
+    import itertools
+
+    from p2pdiloco.training.prepare import iter_texts
+    from p2pdiloco.training.shards import DataError
+    from p2pdiloco.training.tokenizer import TokenizerError, train_bpe
+
+    if (out / "tokenizer.json").exists():
+        raise click.ClickException(f"{out} already holds a tokenizer; choose another --out")
+    try:
+        texts = itertools.islice(iter_texts(sources, text_field), max_documents)
+        tok = train_bpe(texts, vocab_size, show_progress=sys.stderr.isatty())
+    except (DataError, TokenizerError) as e:
+        raise click.ClickException(str(e)) from None
+    tok.save_pretrained(str(out))
+    click.echo(f"tokenizer of {len(tok)} ids in {out}")
+
+
+@cli.group()
+def data():
+    """Token datasets: prepare shards that peers memory-map."""
+
+
+@data.command("prepare")
+@click.argument("sources", nargs=-1, required=True, metavar="SOURCES...")
+@click.option("--tokenizer", "tokenizer_spec", default="bytes", show_default=True,
+              help="bytes, a tokenizer folder, or a hub id.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="The dataset's folder (an interrupted prepare into it resumes).")
+@click.option("--shard-tokens", type=click.IntRange(min=1024), default=1 << 26, show_default=True,
+              help="Tokens per training shard (whole documents: a shard ends after the one that fills it).")
+@click.option("--val-tokens", type=click.IntRange(min=1), default=1 << 20, show_default=True,
+              help="Tokens held out for the fixed validation shard (every 20th document, until it holds this).")
+@click.option("--text-field", default="text", show_default=True, help="The text's field in JSONL and Parquet.")
+@click.option("--subset", help="A hub dataset's configuration (e.g. sample-10BT).")
+def data_prepare(sources, tokenizer_spec, out, shard_tokens, val_tokens, text_field, subset):
+    """Tokenize SOURCES (text files or folders, JSONL, Parquet, a hub dataset id, or builtin:shakespeare) into
+    token shards in OUT."""
+    import time
+
+    from tqdm import tqdm
+
+    from p2pdiloco.training.prepare import Plan, prepare, source_bytes
+    from p2pdiloco.training.shards import DataError
+    from p2pdiloco.training.tokenizer import TokenizerError
+
+    plan = Plan(sources=tuple(sources), tokenizer=tokenizer_spec, out=out, shard_tokens=shard_tokens,
+                val_tokens=val_tokens, text_field=text_field, subset=subset)
+    started = time.monotonic()
+    try:
+        with tqdm(total=source_bytes(sources), unit="B", unit_scale=True, desc="prepare", mininterval=1,
+                  disable=None) as bar:
+            manifest = prepare(plan, on_bytes=bar.update)
+    except (DataError, TokenizerError) as e:
+        raise click.ClickException(str(e)) from None
+    seconds = time.monotonic() - started
+    click.echo(f"{manifest['train_tokens']:,} training tokens in {len(manifest['shards'])} shards, "
+               f"{manifest['val']['tokens']:,} validation tokens, from {manifest['text_bytes'] / 1e6:.1f} MB of "
+               f"text in {seconds:.1f} s ({manifest['text_bytes'] / 1e6 / max(seconds, 1e-9):.2f} MB/s): {out}")
+
+
+@cli.command("export")
+@click.argument("checkpoint", type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="The Hugging Face folder to write (config.json, model.safetensors, the tokenizer).")
+def export_command(checkpoint, out):
+    """Write the global model of CHECKPOINT (a checkpoint, a peer's or a run's folder: the newest) for transformers."""
+    from p2pdiloco.training.export import ExportError, export
+
+    try:
+        exported = export(checkpoint, out)
+    except ExportError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"version {exported.version} of {exported.checkpoint} written to {out}: load it with "
+               f"AutoModelForCausalLM.from_pretrained({str(out)!r})")
+
+
+@cli.command("sample")
+@click.argument("checkpoint", type=click.Path(path_type=Path))
+@click.option("--prompt", default="", help="Text to continue.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=100, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.8, show_default=True,
+              help="0: the likeliest token each time.")
+@click.option("--seed", type=int, default=0, show_default=True)
+def sample_command(checkpoint, prompt, max_new_tokens, temperature, seed):
+    """Print a continuation of --prompt by the global model of CHECKPOINT (as `export` finds it), or by a folder
+    `export` wrote."""
+    from p2pdiloco.training.export import ExportError, load_exported, sample
+
+    try:
+        exported = load_exported(checkpoint)
+    except ExportError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(prompt + sample(exported, prompt, max_new_tokens, temperature, seed=seed))
+
+
 def main():
     cli(prog_name="p2pdiloco")
 

@@ -387,14 +387,14 @@ class PeerConfig:
     def replace(self, **changes) -> "PeerConfig":
         return dataclasses.replace(self, **changes)
 
-    def merge_settings(self, n_params: int, fingerprints: dict[str, str]) -> dict[str, str]:
+    def merge_settings(self, n_params: int, fingerprints: Optional[dict[str, str]] = None) -> dict[str, str]:
         """What every member of an island must share, published with our record and checked when others join: the
         model, its tokenizer and data (`fingerprints`: their hashes), the wire format, the merge rule and the outer
         step (members with another outer lr or momentum would each apply another Θ' to the same merged Δ: a fork
         at the first round)."""
         swarm, outer = self.swarm, self.outer
         on = {True: "on", False: "off"}
-        return dict(model=self.model, parameters=str(n_params), **fingerprints, compression=swarm.compression,
+        return dict(model=self.model, parameters=str(n_params), **(fingerprints or {}), compression=swarm.compression,
                     topk="off" if swarm.topk is None else f"{swarm.topk:g}", weighting=outer.weighting,
                     rda=on[outer.rda], outer_lr=f"{outer.lr:g}", outer_momentum=f"{outer.momentum:g}",
                     max_weight_ratio=f"{outer.max_weight_ratio:g}", max_scale_ratio=f"{outer.max_scale_ratio:g}",

@@ -2,11 +2,12 @@
 tokenized in memory, a validation split every peer shares, and a per-peer stream of windows that needs no
 rank, world size or coordinator.
 
-Windows are the non-overlapping `seq_len + 1`-token spans of each shard, walked in one order every peer of a
-run shares (`WindowOrder`, a permutation seeded by the run id). Each peer starts at its own place in that order
-(seeded by its key) and walks on from there, so two live peers draw the same window only once their walks meet:
-with P peers that each drew n of W windows, the expected duplicate rate is about (P − 1)·n / (2W)
-(docs/data.md, measured by tests/unit/test_tokens.py).
+Windows are the non-overlapping `seq_len + 1`-token spans of each shard, in one order every peer of a run
+shares (`WindowOrder`, a permutation seeded by the run id). A peer walks that order in segments of `SEGMENT`
+windows, each segment from a place hashed from its own seed and the segment's number: no rank, no coordinator,
+and no two peers in lockstep (a walk from one start would repeat a neighbour's windows for the whole run).
+Windows repeat only where segments overlap: a swarm that has drawn a fraction f of the windows has drawn about
+f/2 of its windows twice (docs/data.md, measured by tests/unit/test_tokens.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from p2pdiloco.training.shards import TOKENIZER_DIR, DataError, is_dataset, open
 TEXT_SUFFIXES = (".txt", ".md", ".text", ".rst")
 VAL_EVERY = 20  # text corpora: every 20th chunk is held out for validation
 CHUNK_TOKENS = 1 << 16
+SEGMENT = 1 << 14  # windows walked in a row from one hashed place (2M tokens at seq_len 128)
 
 __all__ = ["DataError", "TrainingData", "load_data", "load_corpus", "BatchStream", "validation_batches"]
 
@@ -214,11 +216,12 @@ class WindowOrder:
 
 
 class BatchStream:
-    """This peer's batches: draw d of the stream takes window (start + d) of its source's order, the source
-    chosen by weight; (seed, position) fixes every batch, so a restarted peer resumes where it was."""
+    """This peer's batches: draw d of the stream takes the window at (start of its segment + d mod SEGMENT) of its
+    source's order, the source chosen by weight; (seed, position) fixes every batch, so a restarted peer resumes
+    where it was."""
 
     def __init__(self, data: Union[Tokens, Sequence[Source]], batch_size: int, seq_len: int, seed: int,
-                 position: int = 0, run_seed: int = 0):
+                 position: int = 0, run_seed: int = 0, segment: int = SEGMENT):
         sources = (Source((data,)),) if isinstance(data, (np.ndarray, torch.Tensor)) else tuple(data)
         for source in sources:
             if sum(len(s) for s in source.shards) <= seq_len + 1:
@@ -227,8 +230,9 @@ class BatchStream:
         self.orders = [WindowOrder(s.shards, seq_len, run_seed) for s in sources]
         weights = np.array([s.weight for s in sources], dtype=np.float64)
         self.weights = weights / weights.sum()
-        self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
+        self.batch_size, self.seq_len, self.seed, self.segment = batch_size, seq_len, seed, segment
         self.position = position  # batches drawn so far
+        self._start = (-1, 0)  # the last segment's number and start, as hashing one costs microseconds
 
     def draws_at(self, position: int) -> list[tuple[int, int]]:
         """(source, index in its order) of each row of batch `position`."""
@@ -238,7 +242,14 @@ class BatchStream:
         else:
             picks = np.random.default_rng([self.seed, position]).choice(len(self.orders), self.batch_size,
                                                                         p=self.weights)
-        return [(int(k), self.seed + first + j) for j, k in enumerate(picks)]
+        return [(int(k), self.index(first + j)) for j, k in enumerate(picks)]
+
+    def index(self, draw: int) -> int:
+        """Where the `draw`-th window drawn lies in the run's order."""
+        number, offset = divmod(draw, self.segment)
+        if self._start[0] != number:
+            self._start = (number, _seed(f"{self.seed}/{number}"))
+        return self._start[1] + offset
 
     def batch_at(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows = [self.orders[k].window(i) for k, i in self.draws_at(position)]

@@ -130,10 +130,25 @@ def build_model(config, seed: int, init_from: Optional[str] = None) -> CausalLM:
                                                           local_files_only=Path(init_from).exists())
             else:
                 hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+                scale_residual_init(hf, config)
     except (ValueError, TypeError, OSError, KeyError) as e:
         raise ModelError(f"transformers cannot build this model: {str(e).splitlines()[0][:200]}") from None
     hf.config.use_cache = False
     return CausalLM(hf)
+
+
+RESIDUAL_WRITES = ("o_proj.weight", "down_proj.weight")  # the layers that add to the residual stream
+
+
+@torch.no_grad()
+def scale_residual_init(hf: nn.Module, config) -> None:
+    """Draw the residual stream's writers at std / √(2·layers) (GPT-2's rule, as nanoGPT and OLMo do), so the
+    stream's variance does not grow with depth. transformers draws them at the plain std; on the tiny preset
+    that left the global model 0.41 nats behind after 80 steps of DiLoCo (2.97 against 2.57, M = 1, H = 20)."""
+    std = getattr(config, "initializer_range", 0.02) / (2 * max(1, config.num_hidden_layers)) ** 0.5
+    for name, p in hf.named_parameters():
+        if name.endswith(RESIDUAL_WRITES) and p.device.type != "meta":
+            p.normal_(0.0, std)
 
 
 def config_fingerprint(config) -> str:

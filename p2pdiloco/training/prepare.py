@@ -31,6 +31,7 @@ PARQUET_SUFFIXES = (".parquet",)
 VAL_EVERY = 20
 BATCH_DOCS = 256  # documents per tokenizer call
 PARTIAL = ".partial"
+BUILTIN = "builtin:shakespeare"  # the built-in corpus as a source (p2pdiloco.training.data.builtin_corpus_dir)
 MIN_VAL_TOKENS = 4096
 
 
@@ -89,10 +90,19 @@ def _supported(path: Path) -> bool:
         return False
 
 
+def local_path(source: str) -> Path:
+    """A source's path on this machine (the built-in corpus by its name)."""
+    if source == BUILTIN:
+        from p2pdiloco.training.data import builtin_corpus_dir
+
+        return builtin_corpus_dir()
+    return Path(source)
+
+
 def source_bytes(sources: Iterable[str]) -> Optional[int]:
     """The local sources' size on disk (the progress bar's total), or None with a hub dataset among them."""
     total = 0
-    for source in sources:
+    for source in map(str, map(local_path, sources)):
         if not Path(source).exists():
             return None
         total += sum(f.stat().st_size for f in _files(Path(source)))
@@ -102,7 +112,7 @@ def source_bytes(sources: Iterable[str]) -> Optional[int]:
 def iter_texts(sources: Iterable[str], text_field: str = "text", subset: Optional[str] = None) -> Iterator[str]:
     """Every document of every source, in order, streamed through `datasets`."""
     for source in sources:
-        path = Path(source)
+        path = local_path(source)
         if path.exists():
             files = _files(path)
             for kind in ("text", "json", "parquet"):

@@ -64,7 +64,10 @@ class Dataset:
 
 
 def is_dataset(folder: Path) -> bool:
-    return (Path(folder) / MANIFEST).is_file()
+    """A prepared dataset, finished or not (an unfinished one is refused by `open_dataset`, saying so)."""
+    folder = Path(folder)
+    return (folder / MANIFEST).is_file() or (folder.is_dir() and (
+        (folder / ".partial").is_dir() or any(folder.glob("train-*.bin"))))
 
 
 def open_dataset(folder: Path, verify: bool = True) -> Dataset:
@@ -80,9 +83,10 @@ def open_dataset(folder: Path, verify: bool = True) -> Dataset:
 def read_manifest(folder: Path) -> dict:
     path = folder / MANIFEST
     if not path.is_file():
-        unfinished = any(folder.glob(".partial*")) or any(folder.glob("train-*.bin"))
-        raise DataError(f"{folder}: {'an unfinished prepare (run it again to resume)' if unfinished else 'no '}"
-                        f"{'' if unfinished else MANIFEST + ': not a dataset from p2pdiloco data prepare'}")
+        if is_dataset(folder):
+            raise DataError(f"{folder}: an unfinished prepare (no {MANIFEST} yet): run the same "
+                            "'p2pdiloco data prepare' again to resume it")
+        raise DataError(f"{folder}: no {MANIFEST}: not a dataset from 'p2pdiloco data prepare'")
     try:
         manifest = json.loads(path.read_text())
         if manifest.get("format") != FORMAT or np.dtype(manifest["dtype"]).kind != "u":
