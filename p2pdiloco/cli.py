@@ -305,7 +305,7 @@ def tokenizer_train(sources, vocab_size, out, text_field, max_documents):
 
 @cli.group()
 def data():
-    """Token datasets: prepare shards that peers memory-map."""
+    """Token datasets: prepare shards that peers read a window at a time."""
 
 
 @data.command("prepare")

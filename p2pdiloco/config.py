@@ -321,7 +321,7 @@ class PeerConfig:
         None, "bytes, a tokenizer folder (p2pdiloco tokenizer train), or a hub id. Default: the prepared "
         "dataset's, or bytes for text.")
     data: tuple[str, ...] = option(
-        (), "A dataset folder written by 'p2pdiloco data prepare' (memory-mapped), or a text file or folder of "
+        (), "A dataset folder written by 'p2pdiloco data prepare' (read a window at a time), or a text file or folder of "
         "text files (tokenized in memory). Repeat with DIR:WEIGHT to mix prepared datasets by weight. Default: "
         "the built-in Shakespeare corpus.", metavar="PATH[:WEIGHT]")
     seed: int = option(0, "Initial weights (the same for every peer of a run).")

@@ -118,7 +118,7 @@ class Peer:
         self.device = pick_device(cfg.device)
         if cfg.inner.optimizer == "adamw8bit":
             bitsandbytes()
-        # memory-mapped shards, or text tokenized now: read-only once loaded, so forked helpers share its pages
+        # shards read a window at a time, or text tokenized now: read-only once loaded, so forked helpers share it
         self.data = load_data(cfg.data, cfg.tokenizer)
         self.model_config = resolve_config(cfg.model, vocab_size(self.data.tokenizer), cfg.inner.seq_len,
                                            cfg.init_from)

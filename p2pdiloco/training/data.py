@@ -1,4 +1,4 @@
-"""Token data for the inner steps: prepared datasets (memory-mapped shards, mixed by weight) or text files
+"""Token data for the inner steps: prepared datasets (shards read a window at a time, mixed by weight) or text files
 tokenized in memory, a validation split every peer shares, and a per-peer stream of windows that needs no
 rank, world size or coordinator.
 
@@ -24,7 +24,7 @@ import torch
 
 from p2pdiloco.config import data_entry
 from p2pdiloco.training import tokenizer as tokenizers
-from p2pdiloco.training.shards import TOKENIZER_DIR, DataError, is_dataset, open_dataset, token_dtype
+from p2pdiloco.training.shards import TOKENIZER_DIR, DataError, TokenFile, is_dataset, open_dataset, token_dtype
 
 TEXT_SUFFIXES = (".txt", ".md", ".text", ".rst")
 VAL_EVERY = 20  # text corpora: every 20th chunk is held out for validation
@@ -33,7 +33,7 @@ SEGMENT = 1 << 14  # windows walked in a row from one hashed place (2M tokens at
 
 __all__ = ["DataError", "TrainingData", "load_data", "load_corpus", "BatchStream", "validation_batches"]
 
-Tokens = Union[np.ndarray, torch.Tensor]
+Tokens = Union[np.ndarray, torch.Tensor, TokenFile]
 
 
 @dataclass(frozen=True)
@@ -222,7 +222,7 @@ class BatchStream:
 
     def __init__(self, data: Union[Tokens, Sequence[Source]], batch_size: int, seq_len: int, seed: int,
                  position: int = 0, run_seed: int = 0, segment: int = SEGMENT):
-        sources = (Source((data,)),) if isinstance(data, (np.ndarray, torch.Tensor)) else tuple(data)
+        sources = (Source((data,)),) if isinstance(data, (np.ndarray, torch.Tensor, TokenFile)) else tuple(data)
         for source in sources:
             if sum(len(s) for s in source.shards) <= seq_len + 1:
                 raise DataError(f"training data ({sum(len(s) for s in source.shards)} tokens) is shorter than one "

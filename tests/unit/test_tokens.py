@@ -69,13 +69,13 @@ def test_shards_from_text_jsonl_and_parquet_hold_every_document_once(texts, bpe,
     assert manifest["documents"] == 8 and manifest["dtype"] == "<u2" and len(data.train) >= 3
     tok = tokenizers.load_tokenizer(str(bpe))
     eos = tokenizers.eos_id(tok)
-    train = np.concatenate(data.train)
-    assert manifest["train_tokens"] == len(train) and manifest["val"]["tokens"] == len(data.val)
+    train, val = np.concatenate([np.asarray(s) for s in data.train]), np.asarray(data.val)
+    assert manifest["train_tokens"] == len(train) and manifest["val"]["tokens"] == len(val)
     expected = [len(ids) + 1 for ids in tokenizers.encode_batch(tok, texts)]
-    assert len(train) + len(data.val) == sum(expected)  # every document, once, with its end-of-text mark
-    assert int((train == eos).sum()) + int((data.val == eos).sum()) == 8
-    assert len(data.val) == expected[0]  # document 0 went to validation (every 20th, from the first)
-    assert tok.decode(np.asarray(data.val[:50]).tolist()) == tok.decode(next(tokenizers.encode_batch(tok, [texts[0]]))[:50])
+    assert len(train) + len(val) == sum(expected)  # every document, once, with its end-of-text mark
+    assert int((train == eos).sum()) + int((val == eos).sum()) == 8
+    assert len(val) == expected[0]  # document 0 went to validation (every 20th, from the first)
+    assert tok.decode(val[:50].tolist()) == tok.decode(next(tokenizers.encode_batch(tok, [texts[0]]))[:50])
     assert manifest["tokenizer"]["sha256"] == tokenizers.fingerprint(tok)
 
 
