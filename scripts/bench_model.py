@@ -30,10 +30,11 @@ SHAPES = {"small": (256, 4, 4), "medium": (512, 8, 8), "large": (768, 14, 12)}  
 
 
 # ---- the baseline: the byte-level GPT as it was ------------------------------------------------------------
-def legacy_gpt(width: int, depth: int, heads: int, vocab: int = 256, positions: int = 1024):
+def legacy_gpt(width: int, depth: int, heads: int, vocab: int = 256, positions: int = 1024, recompute: bool = False):
     import torch
     import torch.nn.functional as F
     from torch import nn
+    from torch.utils.checkpoint import checkpoint
 
     class Block(nn.Module):
         def __init__(self):
@@ -61,7 +62,7 @@ def legacy_gpt(width: int, depth: int, heads: int, vocab: int = 256, positions: 
         def forward(self, tokens, targets):
             x = self.embed(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
             for block in self.blocks:
-                x = block(x)
+                x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
             logits = self.norm(x) @ self.embed.weight.T
             return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
@@ -97,16 +98,17 @@ def peak_rss() -> int:
 
 
 # ---- workers (one fresh process each) -----------------------------------------------------------------------
-def speed_worker(kind: str, size: str, device: str, batch: int, seq_len: int, steps: int) -> dict:
+def speed_worker(kind: str, size: str, device: str, batch: int, seq_len: int, steps: int, recompute: bool) -> dict:
     import torch
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     width, depth, heads = SHAPES[size]
-    gpt = legacy_gpt(width, depth, heads)
+    gpt = legacy_gpt(width, depth, heads, recompute=recompute)
     n_gpt = sum(p.numel() for p in gpt.parameters())
     model = gpt if kind == "gpt" else matched_llama(width, depth, heads, n_gpt)
     if kind != "gpt":
         del gpt
+        model.checkpoint_blocks = recompute  # transformers' own, per decoder layer
     model = model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device == "cuda" or None)
@@ -125,7 +127,8 @@ def speed_worker(kind: str, size: str, device: str, batch: int, seq_len: int, st
         times.append(time.perf_counter() - start)
     step = statistics.median(times[2:])  # the first steps pay for allocations and kernel choices
     peak = peak_rss()
-    return dict(kind=kind, size=size, device=device, params=n_params, tokens_per_s=batch * seq_len / step,
+    return dict(kind=kind, size=size, device=device, recompute=recompute, params=n_params,
+                tokens_per_s=batch * seq_len / step,
                 host_peak_bytes=peak, host_bytes_per_param=peak / n_params,
                 device_peak_bytes=torch.cuda.max_memory_allocated() if device == "cuda" else None)
 
@@ -191,6 +194,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--recompute", action="store_true",
+                        help="Both models recompute each block's activations in the backward pass.")
+    parser.add_argument("--no-datasets", action="store_true", help="Leave out the dataset-size part.")
     parser.add_argument("--repeats", type=int, default=2, help="Alternating runs of each model; the best is kept.")
     parser.add_argument("--small-tokens", type=int, default=10_000_000)
     parser.add_argument("--large-tokens", type=int, default=1_000_000_000)
@@ -200,7 +206,7 @@ def main() -> None:
     if a.worker:
         kind, *rest = a.worker
         result = dataset_worker(rest[0], int(rest[1])) if kind == "dataset" else speed_worker(
-            kind, rest[0], rest[1], int(rest[2]), int(rest[3]), int(rest[4]))
+            kind, rest[0], rest[1], int(rest[2]), int(rest[3]), int(rest[4]), rest[5] == "1")
         print(json.dumps(result))
         return
     rows = []
@@ -208,23 +214,28 @@ def main() -> None:
         best = {}
         for _ in range(a.repeats):
             for kind in ("gpt", "llama"):
-                r = run_worker(kind, size, a.device, str(a.batch_size), str(a.seq_len), str(a.steps))
+                r = run_worker(kind, size, a.device, str(a.batch_size), str(a.seq_len), str(a.steps),
+                               str(int(a.recompute)))
                 if kind not in best or r["tokens_per_s"] > best[kind]["tokens_per_s"]:
                     best[kind] = dict(r, host_peak_bytes=min(r["host_peak_bytes"],
                                                              best.get(kind, r)["host_peak_bytes"]))
         g, l = best["gpt"], best["llama"]
         rows.append(dict(size=size, gpt=g, llama=l, speed_ratio=l["tokens_per_s"] / g["tokens_per_s"],
                          host_ratio=l["host_peak_bytes"] / g["host_peak_bytes"]))
-        print(f"{size:<7} {a.device}: params GPT {g['params'] / 1e6:.2f}M, Llama {l['params'] / 1e6:.2f}M | tokens/s "
+        mode = " recompute" if a.recompute else ""
+        print(f"{size:<7} {a.device}{mode}: params GPT {g['params'] / 1e6:.2f}M, Llama {l['params'] / 1e6:.2f}M | tokens/s "
               f"GPT {g['tokens_per_s']:.0f}, Llama {l['tokens_per_s']:.0f} (x{rows[-1]['speed_ratio']:.3f}) | host "
               f"peak GPT {g['host_peak_bytes'] / 1e9:.3f} GB ({g['host_bytes_per_param']:.1f} B/param), Llama "
               f"{l['host_peak_bytes'] / 1e9:.3f} GB ({l['host_bytes_per_param']:.1f} B/param) "
               f"(x{rows[-1]['host_ratio']:.3f})", flush=True)
+    sizes, ratio = {}, None
     with tempfile.TemporaryDirectory(dir=ROOT / "runs" if (ROOT / "runs").is_dir() else None) as tmp:
-        sizes = {}
-        for label, tokens in (("small", a.small_tokens), ("large", a.large_tokens)):
+        if a.no_datasets:
+            tmp = None
+        for label, tokens in (("small", a.small_tokens), ("large", a.large_tokens)) if tmp else ():
             write_random_dataset(Path(tmp) / label, tokens, shard_tokens=min(tokens, 1 << 26))
             sizes[label] = run_worker("dataset", str(Path(tmp) / label), "50")
+    if sizes:
         ratio = sizes["large"]["host_peak_bytes"] / sizes["small"]["host_peak_bytes"]
         s, l = sizes["small"], sizes["large"]
         print(f"dataset: peak {s['host_peak_bytes'] / 1e9:.3f} GB on {s['tokens'] / 1e6:.0f}M tokens, "

@@ -79,7 +79,7 @@ def resolve_config(model: str, vocab_size: int, max_positions: int = MIN_POSITIO
         config = preset_config(model_preset(model), vocab_size, max_positions)
     else:
         config = _load_config(model)
-    if not getattr(config, "is_decoder", True) and config.model_type not in _causal_types():
+    if config.model_type not in _causal_types():
         raise ModelError(f"--model {model}: a {config.model_type} config is not a causal language model")
     if vocab_size > config.vocab_size:
         raise ModelError(f"the tokenizer has {vocab_size} ids but the model only {config.vocab_size} embeddings: "

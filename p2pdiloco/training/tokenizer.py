@@ -96,7 +96,7 @@ def _load_folder(path: Path):
                              f"'p2pdiloco tokenizer train')")
     try:
         return _fast(AutoTokenizer.from_pretrained(str(path), local_files_only=True), str(path))
-    except (OSError, ValueError, json.JSONDecodeError, Exception) as e:  # tokenizers raises its own exceptions
+    except Exception as e:  # OSError, ValueError, and the tokenizers library's own exceptions: all one line
         raise TokenizerError(f"--tokenizer {path}: cannot load it: {str(e).splitlines()[0]}") from None
 
 
