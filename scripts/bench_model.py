@@ -160,7 +160,8 @@ def write_random_dataset(folder: Path, tokens: int, shard_tokens: int) -> None:
     import numpy as np
 
     from p2pdiloco.training import tokenizer as tokenizers
-    from p2pdiloco.training.shards import FORMAT, MANIFEST, TOKENIZER_DIR, sha256_file
+    from p2pdiloco.runtime.files import sha256_file
+    from p2pdiloco.training.shards import FORMAT, MANIFEST, TOKENIZER_DIR
 
     folder.mkdir(parents=True)
     tok = tokenizers.byte_tokenizer()

@@ -9,7 +9,6 @@ and the digest; a damaged checkpoint is reported and the next older one is tried
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -24,6 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from p2pdiloco.core.exact import chunks, digest
+from p2pdiloco.runtime.files import sha256_file
 
 TENSORS, META = "tensors.safetensors", "meta.json"
 TOKENIZER_DIR = "tokenizer"  # beside a peer's checkpoints: the tokenizer its model reads (export, sample)
@@ -45,14 +45,6 @@ class Checkpoint:
     tensors: dict[str, torch.Tensor]
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def save(folder: Path, meta: dict, tensors: dict[str, Entry], keep: int = 3) -> Path:
     """Write one checkpoint atomically and prune all but the newest `keep`."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -60,7 +52,7 @@ def save(folder: Path, meta: dict, tensors: dict[str, Entry], keep: int = 3) -> 
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder))
     try:
         write_safetensors(tmp / TENSORS, tensors)
-        full = dict(meta, format=FORMAT, sha256=_sha256(tmp / TENSORS))
+        full = dict(meta, format=FORMAT, sha256=sha256_file(tmp / TENSORS))
         (tmp / META).write_text(json.dumps(full, indent=1))
         for f in (tmp / TENSORS, tmp / META):
             with f.open("rb") as handle:
@@ -155,7 +147,7 @@ def load_one(path: Path, n_params: int) -> Checkpoint:
         raise CheckpointError(f"{path}: unreadable metadata ({e})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a p2pdiloco checkpoint of format {FORMAT}")
-    if not (path / TENSORS).exists() or _sha256(path / TENSORS) != meta.get("sha256"):
+    if not (path / TENSORS).exists() or sha256_file(path / TENSORS) != meta.get("sha256"):
         raise CheckpointError(f"{path}: tensor file is missing, truncated or corrupt (hash mismatch)")
     try:
         tensors = load_file(str(path / TENSORS))

@@ -2,8 +2,9 @@
 
 Sources are read through `datasets`, streaming, so a corpus larger than memory passes through a batch at a
 time. Documents are tokenized in batches by the Rust tokenizer (every core), each ended by the end-of-text mark,
-and packed into shards of whole documents. Every `VAL_EVERY`-th document goes to the validation split until it
-holds `val_tokens`.
+and packed into shards of whole documents. Documents are cut into pieces of at most `PIECE` tokens for the split
+(a short document is one piece): every `VAL_EVERY`-th piece goes to the validation split until it holds
+`val_tokens`, so a source of one long document is split too.
 
 Interrupted, it resumes: a shard is sealed (written under a temporary name, renamed, hashed) together with a
 progress record of the documents it holds, and a rerun skips those documents. The manifest is written last, so
@@ -23,12 +24,15 @@ from typing import Callable, Iterable, Iterator, Optional
 import numpy as np
 
 from p2pdiloco.training import tokenizer as tokenizers
-from p2pdiloco.training.shards import FORMAT, MANIFEST, TOKENIZER_DIR, DataError, sha256_file, token_dtype
+from p2pdiloco.runtime.files import sha256_file
+from p2pdiloco.training.shards import FORMAT, MANIFEST, TOKENIZER_DIR, DataError, token_dtype
 
 TEXT_SUFFIXES = (".txt", ".md", ".text", ".rst")
 JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
 PARQUET_SUFFIXES = (".parquet",)
 VAL_EVERY = 20
+PIECE = 1 << 16  # tokens: the unit of the train/validation split
+BIG_TEXT_FILE = 16 << 20  # bytes: a text file larger than this is read a paragraph (blank-line block) at a time
 BATCH_DOCS = 256  # documents per tokenizer call
 PARTIAL = ".partial"
 BUILTIN = "builtin:shakespeare"  # the built-in corpus as a source (p2pdiloco.training.data.builtin_corpus_dir)
@@ -52,6 +56,7 @@ class Progress:
 
     settings: dict
     documents: int = 0
+    pieces: int = 0  # of the documents above, for the split
     bytes: int = 0
     shards: list = field(default_factory=list)
     val_tokens: int = 0
@@ -116,9 +121,14 @@ def iter_texts(sources: Iterable[str], text_field: str = "text", subset: Optiona
         if path.exists():
             files = _files(path)
             for kind in ("text", "json", "parquet"):
-                group = [str(f) for f in files if _kind(f) == kind]
-                if group:
-                    yield from _stream(kind, dict(data_files=group), text_field, source)
+                group = [f for f in files if _kind(f) == kind]
+                if kind == "text":  # a file is a document, but a big one is read a paragraph at a time
+                    small = [str(f) for f in group if f.stat().st_size <= BIG_TEXT_FILE]
+                    big = [str(f) for f in group if f.stat().st_size > BIG_TEXT_FILE]
+                    yield from _stream(kind, dict(data_files=small, sample_by="document"), text_field, source)
+                    yield from _stream(kind, dict(data_files=big, sample_by="paragraph"), text_field, source)
+                elif group:
+                    yield from _stream(kind, dict(data_files=[str(f) for f in group]), text_field, source)
         else:
             yield from _stream_hub(source, subset, text_field)
 
@@ -126,8 +136,8 @@ def iter_texts(sources: Iterable[str], text_field: str = "text", subset: Optiona
 def _stream(builder: str, kwargs: dict, text_field: str, where: str) -> Iterator[str]:
     from datasets import load_dataset
 
-    if builder == "text":
-        kwargs = dict(kwargs, sample_by="document")  # a file is a document
+    if not kwargs["data_files"]:
+        return
     field_name = "text" if builder == "text" else text_field
     try:
         rows = load_dataset(builder, split="train", streaming=True, **kwargs)
@@ -173,7 +183,7 @@ def prepare(plan: Plan, on_bytes: Callable[[int], None] = lambda n: None) -> dic
                     subset=plan.subset)
     dtype = token_dtype(tokenizers.vocab_size(tok))
     progress = _resume(out / PARTIAL, settings, dtype)
-    writer = _Writer(out, progress, dtype, plan)
+    writer = _Writer(out, progress, dtype, plan, tokenizers.token_bytes(tok))
     eos = tokenizers.eos_id(tok)
     texts = iter_texts(plan.sources, plan.text_field, plan.subset)
     skipped = 0
@@ -222,8 +232,8 @@ def _resume(partial: Path, settings: dict, dtype: np.dtype) -> Progress:
 class _Writer:
     """Packs documents into shards; seals each with a progress record, so a rerun resumes after it."""
 
-    def __init__(self, out: Path, progress: Progress, dtype: np.dtype, plan: Plan):
-        self.out, self.progress, self.dtype, self.plan = out, progress, dtype, plan
+    def __init__(self, out: Path, progress: Progress, dtype: np.dtype, plan: Plan, token_bytes: np.ndarray):
+        self.out, self.progress, self.dtype, self.plan, self.token_bytes = out, progress, dtype, plan, token_bytes
         self.partial = out / PARTIAL
         (self.partial / "val.bin").touch()
         self.buffer: list[np.ndarray] = []
@@ -231,20 +241,26 @@ class _Writer:
         self.val: list[np.ndarray] = []
         self.val_pending = self.val_pending_bytes = 0
         self.seen = progress.documents  # documents routed so far (sealed or buffered)
+        self.pieces = progress.pieces
 
     def add(self, ids: np.ndarray, n_bytes: int) -> None:
         ids = ids.astype(self.dtype)
-        to_val = self.seen % VAL_EVERY == 0 and self.progress.val_tokens + self.val_pending < self.plan.val_tokens
         self.seen += 1
         self.buffered_docs += 1
         self.buffered_bytes += n_bytes
-        if to_val:
-            self.val.append(ids)
-            self.val_pending += len(ids)
-            self.val_pending_bytes += n_bytes
-        else:
-            self.buffer.append(ids)
-            self.buffered += len(ids)
+        for start in range(0, len(ids), PIECE):
+            piece = ids[start:start + PIECE]
+            held = 0  # what the validation split takes of it: all of it, or what is left of its budget
+            if self.pieces % VAL_EVERY == 0:
+                held = max(0, min(len(piece), self.plan.val_tokens - self.progress.val_tokens - self.val_pending))
+            self.pieces += 1
+            if held:
+                self.val.append(piece[:held])
+                self.val_pending += held
+                self.val_pending_bytes += int(self.token_bytes[piece[:held]].sum())
+            if held < len(piece):
+                self.buffer.append(piece[held:])
+                self.buffered += len(piece) - held
         if self.buffered >= self.plan.shard_tokens:
             self.seal()
 
@@ -262,7 +278,7 @@ class _Writer:
         if self.val:
             with (self.partial / "val.bin").open("ab") as f:
                 np.concatenate(self.val).tofile(f)
-        p.documents, p.bytes = self.seen, p.bytes + self.buffered_bytes
+        p.documents, p.pieces, p.bytes = self.seen, self.pieces, p.bytes + self.buffered_bytes
         p.val_tokens, p.val_bytes = p.val_tokens + self.val_pending, p.val_bytes + self.val_pending_bytes
         _write_json(self.partial / "progress.json", p.__dict__)
         self.buffer, self.val = [], []
@@ -272,8 +288,9 @@ class _Writer:
         self.seal()
         p = self.progress
         if p.val_tokens < MIN_VAL_TOKENS or not p.shards:
-            raise DataError(f"the sources hold too little text for a validation shard ({p.val_tokens} held-out "
-                            f"tokens, at least {MIN_VAL_TOKENS}) and training shards; give more text")
+            raise DataError(f"the sources hold too little text for a dataset: {p.val_tokens} validation tokens "
+                            f"(at least {MIN_VAL_TOKENS}) and {sum(s['tokens'] for s in p.shards)} training tokens; "
+                            "give more text")
         os.replace(self.partial / "val.bin", self.out / "val.bin")
         tok.save_pretrained(str(self.out / TOKENIZER_DIR))
         manifest = dict(
@@ -282,7 +299,8 @@ class _Writer:
                      bytes=p.val_bytes),
             tokenizer=dict(sha256=p.settings["tokenizer"], vocab_size=tokenizers.vocab_size(tok),
                            eos_id=tokenizers.eos_id(tok), source=self.plan.tokenizer),
-            split=dict(rule=f"every {VAL_EVERY}th document to validation, up to {self.plan.val_tokens} tokens"),
+            split=dict(rule=f"every {VAL_EVERY}th piece (a document, cut at {PIECE} tokens) to validation, up to "
+                            f"{self.plan.val_tokens} tokens"),
             sources=p.settings["sources"], documents=p.documents, text_bytes=p.bytes,
             train_tokens=sum(s["tokens"] for s in p.shards), made=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         _write_json(self.out / MANIFEST, manifest)  # last: the folder is a dataset from here on

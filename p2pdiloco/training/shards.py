@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from p2pdiloco.runtime.files import sha256_file
+
 MANIFEST = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 FORMAT = 1
@@ -30,14 +32,6 @@ class DataError(ValueError):
 
 def token_dtype(vocab: int) -> np.dtype:
     return np.dtype("<u2") if vocab <= 1 << 16 else np.dtype("<u4")
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 @dataclass(frozen=True)

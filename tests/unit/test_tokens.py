@@ -74,7 +74,8 @@ def test_shards_from_text_jsonl_and_parquet_hold_every_document_once(texts, bpe,
     expected = [len(ids) + 1 for ids in tokenizers.encode_batch(tok, texts)]
     assert len(train) + len(val) == sum(expected)  # every document, once, with its end-of-text mark
     assert int((train == eos).sum()) + int((val == eos).sum()) == 8
-    assert len(val) == expected[0]  # document 0 went to validation (every 20th, from the first)
+    # document 0 went to validation (every 20th piece, from the first), up to the validation budget
+    assert len(val) == min(expected[0], 40_000) == manifest["val"]["tokens"]
     assert tok.decode(val[:50].tolist()) == tok.decode(next(tokenizers.encode_batch(tok, [texts[0]]))[:50])
     assert manifest["tokenizer"]["sha256"] == tokenizers.fingerprint(tok)
 
@@ -115,7 +116,7 @@ def test_bad_data_gets_one_line(dataset, bpe, tmp_path):
     with pytest.raises(DataError, match="train-00001.bin: its sha256 does not match the manifest"):
         load_data((str(copy),))
     (tmp_path / "small.txt").write_text("too little text " * 100)
-    with pytest.raises(DataError, match="too little text for a validation shard"):
+    with pytest.raises(DataError, match="too little text for a dataset"):
         prepare(Plan(sources=(str(tmp_path / "small.txt"),), tokenizer=str(bpe), out=tmp_path / "small"))
     (tmp_path / "table.xlsx").write_bytes(b"x")
     with pytest.raises(DataError, match="unsupported source format"):
@@ -264,3 +265,23 @@ def test_bits_per_byte_of_bytes_is_the_loss_over_ln_2():
     eos = tokenizers.eos_id(data.tokenizer)
     has_eos = any(bool((y == eos).any()) for _, y in batches)
     assert bits_per_byte_factor(batches, data.tokenizer) == pytest.approx(1 / math.log(2), rel=0.02 if has_eos else 1e-9)
+
+
+def test_prepared_datasets_mix_by_weight_and_only_with_one_tokenizer(dataset, bpe, tmp_path):
+    (tmp_path / "t.txt").write_text(read_text(text_files(builtin_corpus_dir())[9]))
+    other = tmp_path / "other"
+    prepare(Plan(sources=(str(tmp_path / "t.txt"),), tokenizer=str(bpe), out=other, val_tokens=5_000))
+    one = open_dataset(other)  # one long document: cut for the split, the validation shard at its budget
+    assert len(one.val) == 5_000 and len(one.train) == 1 and len(one.train[0]) > 50_000
+    mixed = load_data((str(dataset), f"{other}:0.25"))
+    assert [s.weight for s in mixed.sources] == [1.0, 0.25] and "mixed 1:0.25" in mixed.description
+    stream = BatchStream(mixed.sources, 8, 32, stream_seed("p", "run"), run_seed=order_seed("run"))
+    picks = [source for position in range(400) for source, _ in stream.draws_at(position)]
+    assert abs(picks.count(1) / len(picks) - 0.2) < 0.02  # 0.25 of 1.25
+    assert np.array_equal(mixed.val, open_dataset(dataset).val[:])  # the first dataset's validation shard
+    bytes_cut = tmp_path / "bytes-cut"
+    prepare(Plan(sources=(str(tmp_path / "t.txt"),), tokenizer="bytes", out=bytes_cut, val_tokens=5_000))
+    with pytest.raises(DataError, match="cut by another tokenizer"):
+        load_data((str(dataset), str(bytes_cut)))
+    with pytest.raises(ConfigError, match="must be a weight"):
+        PeerConfig(data=(f"{dataset}:lots",))
