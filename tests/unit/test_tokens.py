@@ -285,3 +285,14 @@ def test_prepared_datasets_mix_by_weight_and_only_with_one_tokenizer(dataset, bp
         load_data((str(dataset), str(bytes_cut)))
     with pytest.raises(ConfigError, match="must be a weight"):
         PeerConfig(data=(f"{dataset}:lots",))
+
+
+def test_init_from_starts_every_peer_from_the_same_pretrained_weights(tmp_path):
+    pretrained = build_model(resolve_config("tiny", vocab_size=300), seed=11)
+    pretrained.hf.save_pretrained(str(tmp_path / "pre"))
+    config = resolve_config("small", vocab_size=300, init_from=str(tmp_path / "pre"))  # its config wins
+    assert config.hidden_size == 128 and config_fingerprint(config) == config_fingerprint(pretrained.hf.config)
+    loaded = build_model(config, seed=0, init_from=str(tmp_path / "pre"))
+    assert all(torch.equal(p, q) for p, q in zip(loaded.parameters(), pretrained.parameters()))
+    with pytest.raises(ModelError, match="the tokenizer has 1000 ids but the model only 320"):
+        resolve_config("tiny", vocab_size=1000, init_from=str(tmp_path / "pre"))
