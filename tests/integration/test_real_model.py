@@ -36,7 +36,10 @@ def prepared(tmp_path_factory):
 def test_peers_train_a_llama_on_prepared_shards_and_its_export_gives_their_logits(prepared, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from p2pdiloco.training.data import load_data, validation_batches
     from p2pdiloco.training.export import load_exported
+    from p2pdiloco.training.inner import evaluate
+    from p2pdiloco.training.model import CausalLM
 
     data = ["--data", str(prepared / "ds"), "-H", "10", "--batch-size", "4", "--seq-len", "32", "--quorum", "2"]
     with local_swarm(tmp_path, "real") as swarm:
@@ -68,6 +71,12 @@ def test_peers_train_a_llama_on_prepared_shards_and_its_export_gives_their_logit
     ids = tok("To be, or not to be", return_tensors="pt")["input_ids"]
     ours = load_exported(tmp_path / "checkpoints")
     assert ours.version == rounds[-1].version and torch.equal(hf(input_ids=ids).logits, ours.model(ids))
+    # and it is the global model the peer itself evaluated on leaving (not its local one): the same loss on the
+    # same fixed validation windows, computed by transformers' model from the exported folder
+    peer = ours.checkpoint.parent.name
+    batches = validation_batches(load_data((str(prepared / "ds"),)).val, 8, 4, 32)
+    exported_loss = evaluate(CausalLM(hf), batches, torch.device("cpu"))
+    assert exported_loss == pytest.approx(swarm.records(peer, "summary")[-1].final_val, rel=1e-5)
     sampled = cli("sample", str(out), "--prompt", "ROMEO.", "--max-new-tokens", "12")
     assert sampled.returncode == 0 and sampled.stdout.startswith("ROMEO.") and len(sampled.stdout) > 10
 

@@ -296,3 +296,11 @@ def test_init_from_starts_every_peer_from_the_same_pretrained_weights(tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(loaded.parameters(), pretrained.parameters()))
     with pytest.raises(ModelError, match="the tokenizer has 1000 ids but the model only 320"):
         resolve_config("tiny", vocab_size=1000, init_from=str(tmp_path / "pre"))
+
+
+def test_a_presets_residual_writers_start_smaller_by_depth():
+    model = build_model(resolve_config("base", vocab_size=320), seed=0)  # 6 layers
+    stds = {name.rsplit(".", 2)[-2]: float(p.std()) for name, p in model.named_parameters() if "layers.0." in name}
+    assert stds["q_proj"] == pytest.approx(0.02, rel=0.05)
+    for writer in ("o_proj", "down_proj"):
+        assert stds[writer] == pytest.approx(0.02 / (2 * 6) ** 0.5, rel=0.05), writer
