@@ -290,10 +290,11 @@ class Peer:
 
     def _refuse_a_mismatch(self) -> None:
         """At join: a setting that cannot merge with the live peers' ends this peer now, saying which."""
-        from p2pdiloco.protocol.compat import mismatch
+        from p2pdiloco.protocol.compat import mismatch, wire_mismatch
         from p2pdiloco.swarm.node import SwarmConnectError
 
-        why = mismatch(self._settings(), self.merger.live_others())
+        live = self.merger.live_others()
+        why = wire_mismatch(self.merger.other_wires(), len(live)) or mismatch(self._settings(), live)
         if why is not None:
             raise SwarmConnectError(f"cannot merge with this swarm: {why}")
 

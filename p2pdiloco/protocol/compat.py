@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Optional, Sequence
 
-from p2pdiloco.protocol.remote import PeerRecord
+from p2pdiloco.protocol.remote import WIRE_VERSION, PeerRecord
 
 
 def mismatch(mine: dict[str, str], others: Sequence[PeerRecord]) -> Optional[str]:
@@ -27,3 +27,18 @@ def mismatch(mine: dict[str, str], others: Sequence[PeerRecord]) -> Optional[str
                     f"{len(published)} live peers): join with the swarm's {key}, or start another swarm with "
                     f"another --run-id")
     return None
+
+
+def wire_mismatch(other_wires: Counter, live: int) -> Optional[str]:
+    """Why we cannot merge where most live peers speak another wire version (`other_wires`: version → peers;
+    `live`: the peers of our version), naming both versions, or None. Another version's records and parts may
+    mean other things, so nothing else of theirs is read."""
+    if not other_wires:
+        return None
+    theirs, count = other_wires.most_common(1)[0]
+    if count <= live:
+        return None
+    said = "an unreadable version" if theirs < 0 else f"wire version {theirs}"
+    hint = "upgrade p2pdiloco" if theirs > WIRE_VERSION else "the swarm runs an older p2pdiloco: run the same release"
+    return (f"this peer speaks wire version {WIRE_VERSION} but {count} of {count + live} live peers speak {said}: "
+            f"{hint}, or start another swarm with another --run-id")

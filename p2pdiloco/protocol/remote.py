@@ -24,6 +24,13 @@ MAX_VERSION = 1 << 53  # versions, steps and tokens stay exact as JSON numbers a
 MAX_NORMS = 1 << 16  # one RDA norm per tensor
 MAX_ISLAND = 1 << 16
 MAX_BLAME = 64  # peers one member may blame at once
+# The version of everything a peer puts on the wire or in the DHT: the codec's parts and sums, gathered member
+# records and peer records, pinned byte for byte by tests/golden/v<N>/. A change to any of them adds a folder
+# there and raises this number. Peers publish it in their records; a record of another version is not parsed
+# (its fields may mean other things), only counted, so a joiner can say which versions it met
+# (p2pdiloco.protocol.compat.wire_mismatch), and islands of two versions never form (the averager's prefix).
+# Version 0: peers from before versions were published.
+WIRE_VERSION = 1
 
 
 @dataclass
@@ -46,6 +53,7 @@ class PeerRecord:
     bytes_sent: int = 0  # by its averager, over all its rounds
     client_mode: bool = False  # reachable only through others (cannot accept connections)
     settings: dict = field(default_factory=dict)  # what must match to merge (p2pdiloco.protocol.compat)
+    wire: int = WIRE_VERSION
 
     @property
     def key(self) -> tuple[int, str]:
@@ -90,6 +98,14 @@ class Member:
 
 class Malformed(ValueError):
     """A remote value failed validation; the message names the field and what was wrong."""
+
+
+class OtherWire(Malformed):
+    """A record of another wire version (`version`; -1 where it is not a number we can read)."""
+
+    def __init__(self, version: int):
+        self.version = version
+        super().__init__(f"wire version {version}, not this peer's {WIRE_VERSION}")
 
 
 def _str(value: Any, name: str, lo: int, hi: int) -> str:
@@ -141,7 +157,7 @@ def _fields(value: Any, known: Sequence[str], required: Sequence[str]) -> dict:
 
 
 _PEER_FIELDS = ("peer", "name", "version", "digest", "ready", "merging", "inner_step", "tokens_per_s", "sketch", "loss",
-                "rounds", "island", "bytes_sent", "client_mode", "settings")
+                "rounds", "island", "bytes_sent", "client_mode", "settings", "wire")
 MAX_SETTINGS = 32
 
 
@@ -153,8 +169,19 @@ def parse_peer_record(value: Any) -> Optional[PeerRecord]:
         return None
 
 
+def record_wire(value: Any) -> int:
+    """The wire version a DHT record announces: first, since every other field may differ between versions."""
+    if not isinstance(value, dict):
+        return WIRE_VERSION  # not a record at all: malformed, not another version
+    wire = value.get("wire", 0)
+    return wire if isinstance(wire, int) and not isinstance(wire, bool) and 0 <= wire < 1 << 16 else -1
+
+
 def _peer_record(value: Any) -> PeerRecord:
-    v = _fields(value, _PEER_FIELDS, ("peer", "name", "version", "digest"))
+    wire = record_wire(value)
+    if wire != WIRE_VERSION:
+        raise OtherWire(wire)
+    v = _fields(value, _PEER_FIELDS, ("peer", "name", "version", "digest", "wire"))
     return PeerRecord(peer=_str(v["peer"], "peer", 1, MAX_ID), name=_str(v["name"], "name", 0, MAX_NAME),
                       version=_int(v["version"], "version"), digest=_str(v["digest"], "digest", MIN_DIGEST, MAX_DIGEST),
                       ready=_int(v.get("ready", -1), "ready", lo=-1),

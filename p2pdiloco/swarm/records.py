@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections import Counter
 from typing import Optional
 
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
-from p2pdiloco.protocol.remote import PeerRecord, parse_peer_record
+from p2pdiloco.protocol.remote import WIRE_VERSION, PeerRecord, parse_peer_record, record_wire
 
 HEARTBEAT = 2.0  # seconds between re-publications
 TTL = 3 * HEARTBEAT  # a peer silent for this long is considered gone
@@ -49,6 +50,15 @@ def fetch_records_seen(dht: DHT, run_id: str,
             age = max(0.0, now - (expiration - TTL)) if isinstance(expiration, (int, float)) else None
             seen.append((record, age))
     return seen
+
+
+def other_wires(dht: DHT, run_id: str, timeout: float = DHT_CALL_TIMEOUT) -> Counter:
+    """Wire version → live peers announcing it, for the versions other than ours (their records are not parsed)."""
+    found = bounded(dht.get(records_key(run_id), latest=True, return_future=True), timeout)
+    if found is None or not isinstance(found.value, dict):
+        return Counter()
+    versions = (record_wire(getattr(item, "value", None)) for item in found.value.values())
+    return Counter(v for v in versions if v != WIRE_VERSION)
 
 
 class Heartbeat:

@@ -12,6 +12,7 @@ import dataclasses
 import math
 import threading
 import time
+from collections import Counter
 from concurrent.futures import InvalidStateError
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -29,7 +30,7 @@ from p2pdiloco.core.reach import RefusedKeys
 from p2pdiloco.core.state import sharing_priority, validate_state
 from p2pdiloco.protocol.outcomes import Contribution, RoundOutcome, Solo, StateTuple
 from p2pdiloco.protocol.island import Bounds, PenaltyBox
-from p2pdiloco.protocol.remote import MAX_VERSION, Expect, PeerRecord
+from p2pdiloco.protocol.remote import MAX_VERSION, WIRE_VERSION, Expect, PeerRecord
 from p2pdiloco.protocol.round import (Done, Download, FormIsland, IslandFailed, IslandReduced, IslandResult,
                                       NoIsland, RefreshPeers, Round, RoundRules, WaitForPeers, state_may_come)
 from p2pdiloco.protocol.timing import GracePolicy, RoundClock
@@ -41,7 +42,7 @@ from p2pdiloco.runtime.waiting import result_unless_closed
 from p2pdiloco.swarm.auth import MemberPasses, load_swarm_key
 from p2pdiloco.swarm.averager import BodyStatistics, ExactAverager, averager_limits, gather_record
 from p2pdiloco.swarm.node import STOP_WAIT
-from p2pdiloco.swarm.records import TTL, Heartbeat, fetch_records
+from p2pdiloco.swarm.records import TTL, Heartbeat, fetch_records, other_wires
 from p2pdiloco.swarm.statefetch import StateFetcher
 from p2pdiloco.swarm.transfer import MAX_PART
 
@@ -55,7 +56,7 @@ def averager_prefix(cfg: SwarmConfig, outer: OuterConfig) -> str:
                   f"_w{outer.max_weight_ratio:g}_s{outer.max_scale_ratio:g}_n{outer.max_norm_ratio:g}"
                   f"_a{outer.stale_factor:g}{'_robust' if cfg.robust_merge else ''}"
                   f"_o{outer.lr:g}m{outer.momentum:g}").replace(".", "p")  # hivemind: no '.' in a prefix
-    return f"{cfg.run_id}_{merge_rule}"
+    return f"{cfg.run_id}_v{WIRE_VERSION}_{merge_rule}"
 
 
 class SwarmMerger:
@@ -163,6 +164,10 @@ class SwarmMerger:
             if not isinstance(decision, WaitForPeers):
                 return decision
             time.sleep(max(0.0, min(decision.poll, decision.until - time.monotonic())))
+
+    def other_wires(self) -> Counter:
+        """Live peers of another wire version, by version (p2pdiloco.protocol.compat.wire_mismatch)."""
+        return other_wires(self.dht, self.cfg.run_id)
 
     def live_others(self) -> list[PeerRecord]:
         """Every other live peer's record, but those announcing a state we refused: not donors, and no reason to

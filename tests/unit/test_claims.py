@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from p2pdiloco.core import codec, exact
-from p2pdiloco.core.claims import block_norms, claims_in_codes
+from p2pdiloco.core.claims import block_norms, claims_in_codes, sum_why_not
 from p2pdiloco.protocol.island import Bounds, plan_island
 from p2pdiloco.protocol.remote import Expect, parse_island
 
@@ -144,3 +144,21 @@ def test_a_sum_is_held_to_what_its_senders_claimed_by_maxima_and_by_norm(bits):
     at_the_maxima = top * total.sign()
     assert "norm" in sum_why_not(at_the_maxima, 0, claims)
     assert "maxima" in sum_why_not(at_the_maxima + total.sign(), 0, claims)
+
+
+@pytest.mark.parametrize("sign", [1, -1], ids=["positive", "negative"])
+def test_a_code_beyond_its_claim_in_a_short_last_block_is_caught_whatever_its_sign(sign):
+    """The last block of a model is short; its maximum is reduced on its own, and a −7 passes a claimed 2 if its
+    sign is not taken off. A reducer's sum of such a block is held the same way."""
+    n = 2 * codec.BLOCK + 5
+    claims = claims_in_codes(torch.full((3,), 2.0), torch.zeros(3, dtype=torch.bool), torch.full((3,), 1e9), 1.0,
+                             torch.ones(3), limit=7)
+    codes = torch.zeros(n, dtype=torch.int32)
+    codes[-1] = sign * 7
+    assert "beyond the block maxima" in claims.why_not(codes, 0)
+    codes[-1] = sign * 2
+    assert claims.why_not(codes, 0) == ""
+    codes[-1] = sign * 5  # two senders that each claimed 2: a sum of 4 at most
+    assert "block maxima" in sum_why_not(codes, 0, [claims, claims])
+    codes[-1] = sign * 4
+    assert sum_why_not(codes, 0, [claims, claims]) == ""

@@ -24,7 +24,7 @@ def test_peers_that_publish_no_settings_are_not_compared():
 
 
 def test_published_settings_are_validated_like_any_remote_field():
-    base = dict(peer="p", name="n", version=1, digest="abcdef")
+    base = dict(peer="p", name="n", version=1, digest="abcdef", wire=1)
     assert parse_peer_record(dict(base, settings=SWARM)).settings == SWARM
     for bad in ([1], {"k": 1}, {"": "v"}, {"k" * 40: "v"}, {"k": "v" * 100}, {str(i): "v" for i in range(40)}):
         assert parse_peer_record(dict(base, settings=bad)) is None
@@ -37,3 +37,44 @@ def test_peers_with_another_outer_step_are_refused_as_they_would_fork_at_the_fir
     sparseloco = PeerConfig(outer=OuterConfig(lr=1.0, momentum=0.0)).merge_settings(1000)
     assert "outer_lr is '1' but the swarm's is '0.7'" in mismatch(sparseloco, swarm)
     assert "outer_momentum is '0' but the swarm's is '0.9'" in mismatch(dict(sparseloco, outer_lr="0.7"), swarm)
+
+
+def test_a_record_of_another_wire_version_is_counted_not_parsed_and_named_at_join():
+    from collections import Counter
+
+    from p2pdiloco.protocol.compat import wire_mismatch
+    from p2pdiloco.protocol.remote import WIRE_VERSION, record_wire
+
+    ours = dict(peer="p", name="n", version=1, digest="abcdef", wire=WIRE_VERSION)
+    assert parse_peer_record(ours).wire == WIRE_VERSION
+    for other, version in ((dict(ours, wire=WIRE_VERSION + 1), WIRE_VERSION + 1), ({**ours, "wire": "2"}, -1),
+                           ({k: v for k, v in ours.items() if k != "wire"}, 0)):  # 0: from before versions
+        assert parse_peer_record(other) is None and record_wire(other) == version
+    why = wire_mismatch(Counter({WIRE_VERSION + 1: 3}), live=1)
+    assert (f"this peer speaks wire version {WIRE_VERSION} but 3 of 4 live peers speak wire version "
+            f"{WIRE_VERSION + 1}: upgrade p2pdiloco") in why and "\n" not in why
+    assert "older p2pdiloco" in wire_mismatch(Counter({0: 2}), live=0)
+    assert wire_mismatch(Counter({WIRE_VERSION + 1: 1}), live=2) is None  # most speak ours: join them
+    assert wire_mismatch(Counter(), live=0) is None
+
+
+def test_the_swarm_driver_counts_the_other_wire_versions_it_finds_on_the_dht():
+    import concurrent.futures
+    import dataclasses
+    from types import SimpleNamespace
+
+    from p2pdiloco.protocol.remote import WIRE_VERSION
+    from p2pdiloco.swarm.records import fetch_records, other_wires
+
+    mine = dataclasses.asdict(live(SWARM, "a"))
+    table = {"a": mine, "b": dict(mine, peer="b", wire=WIRE_VERSION + 1), "c": dict(mine, peer="c", wire=7),
+             "d": dict(mine, peer="d", wire=WIRE_VERSION + 1), "e": "not a record"}
+
+    class TableDHT:
+        def get(self, key, latest=True, return_future=False):
+            future = concurrent.futures.Future()
+            future.set_result(SimpleNamespace(value={k: SimpleNamespace(value=v) for k, v in table.items()}))
+            return future
+
+    assert other_wires(TableDHT(), "run") == {WIRE_VERSION + 1: 2, 7: 1}
+    assert [r.peer for r in fetch_records(TableDHT(), "run")] == ["a"]

@@ -18,12 +18,20 @@ def test_builtin_corpus_is_megabytes_of_text_with_a_disjoint_validation_split(co
     assert len(corpus.train) > 4_000_000 and len(corpus.val) > 200_000
     text = bytes(corpus.val[:2000].tolist()).decode("utf-8", errors="replace")
     assert sum(c.isalpha() for c in text) > 1000  # natural language, not noise
+    # disjoint: no 64-token span of the validation split (one every 4,096 tokens) occurs in the training split
+    train = bytes(corpus.train.astype(np.uint8))
+    spans = [bytes(corpus.val[i:i + 64].astype(np.uint8)) for i in range(0, len(corpus.val) - 64, 4096)]
+    assert len(spans) > 40 and sum(span in train for span in spans) <= len(spans) // 20  # plays repeat a few lines
 
 
 def test_split_interleaves_every_twentieth_chunk():
-    data = np.arange(40 * 65536, dtype=np.uint64).astype(np.uint8)
+    """Chunk i holds the value i: validation takes chunks 19, 39, 59 and 79, in order, and training every other
+    one, so both halves span the whole corpus (the first 5 % would be one play, or one source file)."""
+    size = 16384  # a small corpus is cut into 4 × VAL_EVERY chunks
+    data = np.repeat(np.arange(80, dtype=np.uint8), size)
     c = split_corpus(data)
-    assert len(c.val) == 2 * 65536 and len(c.train) == 38 * 65536
+    assert np.array_equal(c.val, np.repeat(np.array([19, 39, 59, 79], dtype=np.uint8), size))
+    assert np.array_equal(c.train, np.repeat(np.array([i for i in range(80) if i % 20 != 19], dtype=np.uint8), size))
 
 
 def test_streams_of_two_peers_differ_and_are_reproducible(corpus):

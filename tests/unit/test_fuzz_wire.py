@@ -76,18 +76,35 @@ def test_expanding_never_goes_beyond_its_bound():
 
 
 def test_codes_headers_and_reducer_replies_raise_only_codes_errors():
+    """What parses is what the stream code relies on: a request header is a dict naming a group of at most 64
+    bytes, and a reducer's left-out senders are members of the group; anything else is a CodesError."""
     rng = random.Random(2)
     members = {"a", "b"}
-    goods = [MSGPackSerializer.dumps(dict(group=b"g" * 16)), MSGPackSerializer.dumps(dict(dropped=["a"])),
-             MSGPackSerializer.dumps(dict(error="x"))]
+    header = MSGPackSerializer.dumps(dict(group=b"g" * 16))
+    assert _header(header)["group"] == b"g" * 16
+    assert _left_out(_reply(MSGPackSerializer.dumps(dict(dropped=["a"]))).get("dropped"), members) == {"a"}
+    for bad in (MSGPackSerializer.dumps(dict(group=b"g" * 65)), MSGPackSerializer.dumps(dict(group="g")),
+                MSGPackSerializer.dumps([b"g"]), b""):
+        with pytest.raises(CodesError):
+            _header(bad)
+    with pytest.raises(CodesError):
+        _left_out(["a", "stranger"], members)
+    goods = [header, MSGPackSerializer.dumps(dict(dropped=["a"])), MSGPackSerializer.dumps(dict(error="x"))]
+    parsed = refused = 0
     for good in goods:
         for _ in range(ROUNDS):
             blob = mutations(rng, good)
-            for parse in (_header, lambda b: _left_out(_reply(b).get("dropped"), members)):
-                try:
-                    parse(blob)
-                except CodesError:
-                    pass
+            try:
+                group = _header(blob)["group"]
+                assert isinstance(group, bytes) and len(group) <= 64
+                parsed += 1
+            except CodesError:
+                refused += 1
+            try:
+                assert _left_out(_reply(blob).get("dropped"), members) <= members
+            except CodesError:
+                pass
+    assert parsed and refused  # both happened: the run exercised the checks
 
 
 def test_state_part_requests_raise_only_value_errors():
@@ -135,3 +152,34 @@ def test_fuzzed_state_parts_never_enter_an_accepted_state():
         accepted += why is None
         refused += why is not None
     assert accepted and refused  # both happened: the run exercised the digest check
+
+
+def _served_state(**change):
+    from p2pdiloco.core.exact import digest
+
+    params, momentum = torch.arange(64, dtype=torch.float32), torch.zeros(64)
+    tensors = change.pop("tensors", [params, momentum])
+    if change.pop("nan", False):
+        tensors = [params.clone(), momentum]
+        tensors[0][7] = float("nan")
+    meta = dict(version=5, digest=digest(*tensors) if all(isinstance(t, torch.Tensor) for t in tensors) else "x")
+    return {**meta, **change}, tensors
+
+
+@pytest.mark.parametrize("change, why", [
+    (dict(), None),
+    (dict(version="5"), "integer version"), (dict(version=4), "older than ours"),
+    (dict(tensors=[torch.zeros(64)]), "parameters and momentum"),
+    (dict(tensors=[torch.zeros(64, dtype=torch.float64), torch.zeros(64)]), "do not match this model"),
+    (dict(tensors=[torch.zeros(63), torch.zeros(63)]), "do not match this model"),
+    (dict(tensors=[torch.zeros(64), "x"]), "do not match this model"),
+    (dict(nan=True), "NaN or infinity"),  # served with its true digest: only the finiteness check refuses it
+    (dict(digest="0" * 16), "announced digest"),
+], ids=["honest", "version-type", "older", "one-tensor", "float64", "shape", "not-a-tensor", "nan", "digest"])
+def test_a_downloaded_state_is_refused_for_each_reason_with_it(change, why):
+    from p2pdiloco.core.state import validate_state
+
+    meta, tensors = _served_state(**change)
+    said = validate_state(meta, tensors, 64, 5)
+    assert said is None if why is None else why in said, said
+    assert validate_state([meta], tensors, 64, 5) == "metadata is not a dict with an integer version"

@@ -6,7 +6,8 @@ import torch
 
 from p2pdiloco.core import codec, exact
 from p2pdiloco.core.claims import block_norms
-from p2pdiloco.protocol.island import Bounds, cap_to_median, clip_to_block_median, plan_island
+from p2pdiloco.protocol.island import (Bounds, cap_to_median, clip_to_block_median, cut_to_median_norm, member_weights,
+                                       plan_island)
 from p2pdiloco.protocol.remote import Expect, parse_island
 
 N = 4 * codec.BLOCK
@@ -246,3 +247,14 @@ def test_a_liar_blaming_everyone_relieves_nobody_and_never_all_dialable_members_
     mutual = [dict(honest[0], blame=["h1"]), dict(honest[1], blame=["h0"]), honest[2]]
     plan = plan_island(parse_island(mutual, Expect(N)), "tokens2", 60.0, N, clients=frozenset({2}))
     assert plan.included == [0, 1, 2] and plan.reducers == [0, 1]
+
+
+def test_a_norm_cut_is_renormalised_so_the_island_still_takes_a_whole_step():
+    """Norms [1, 1, 10] with the bound at 2× the median: the outlier keeps 0.2 of its weight, and the weights are
+    renormalised. Left at 1/3, 1/3, 1/15, the island would merge 0.73 of a step, a silent slow-down of every round
+    such a member joins."""
+    weights, notes = cut_to_median_norm([1 / 3] * 3, [1.0, 1.0, 10.0], 2.0)
+    assert weights == pytest.approx([5 / 11, 5 / 11, 1 / 11], rel=1e-12) and sum(weights) == pytest.approx(1.0)
+    assert set(notes) == {2} and "0.2×" in notes[2]
+    merged, bounded = member_weights([4096] * 3, [32] * 3, [1.0, 1.0, 10.0], [3, 3, 3], "tokens2", Bounds())
+    assert sum(merged) == pytest.approx(1.0) and merged[2] < merged[0] and [k for k, _ in bounded] == [2]

@@ -289,6 +289,21 @@ def test_a_stale_member_fetches_the_groups_newer_state_after_committing():
         assert isinstance(o, Committed) and o.stale and o.state is fetched and o.merged is not None
 
 
+def test_a_member_on_a_same_version_fork_fetches_the_state_the_merge_was_applied_to():
+    """The merge is applied to the state of the highest (version, digest) among the members: a member whose
+    state has that version but another digest (a fork) must not apply it to its own state, which would split the
+    island's outcome in two; it fetches the state the others made, as a stale member does. (A fork its records
+    showed at the start is settled before the round; this one is seen only in the gathered records.)"""
+    rnd = new_round()  # our contribution: version 3, digest aaaaaa
+    to_island(rnd, [record("b", version=3, ready=3)])
+    decision = rnd.on_island(reduced(member(ME), member("b", version=3, digest="bbbbbb")), 110.0)
+    assert decision == Download(4, "stale contribution")
+    assert isinstance(rnd.on_state(None, 112.0).outcome, Committed)
+    ours = new_round()  # where ours is the highest, we commit onto our own state
+    to_island(ours, [record("b", version=3, ready=3)])
+    assert isinstance(ours.on_island(reduced(member(ME), member("b", version=3, digest="000000")), 110.0), Done)
+
+
 def test_the_sync_barrier_waits_for_every_peer_at_our_version_or_one_ahead():
     rnd = new_round(mode="sync", sync_wait=30.0)
     waiting = rnd.start([record("b"), record("c")], 100.0)

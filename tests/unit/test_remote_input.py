@@ -84,7 +84,7 @@ def test_fuzzed_member_and_peer_records_never_raise_out_of_the_parser():
     specials = [None, -1, 0, 2 ** 70, math.nan, math.inf, "", "x" * 10_000, b"\xff" * 7, [], {}, [math.nan],
                 True, 1.5, object()]
     base_peer = dict(peer="p", name="n", version=1, digest="abcdef", ready=-1, inner_step=0, tokens_per_s=1.0,
-                     sketch=[0.0] * 4)
+                     sketch=[0.0] * 4, wire=1)
     for _ in range(3000):
         member, peer = good(), dict(base_peer)
         for record in (member, peer):
@@ -113,3 +113,17 @@ def test_the_averager_turns_an_undecodable_gathered_record_into_an_excluded_memb
     for garbage in (b"\xff\x00garbage", MSGPackSerializer.dumps((1.0, 0, b"\xc1")), MSGPackSerializer.dumps(7)):
         island = parse_island([ExactAverager._user_record(host, garbage), record], EXPECT)
         assert island.members[0] is None and island.members[1] is not None
+
+
+@pytest.mark.parametrize("field", ["maxabs", "block_norms"])
+@pytest.mark.parametrize("blocks", [3, 5, 400], ids=["one-short", "one-over", "many-over"])
+def test_a_block_statistic_of_another_length_is_excluded_and_the_island_still_plans(field, blocks):
+    """N spans 4 blocks. A statistic a block longer (or shorter) is refused at the parser: accepted, it made
+    `plan_island` raise, and one stranger could fail every island it joined."""
+    with pytest.raises(Malformed, match=field):
+        parse_member(good(**{field: torch.ones(blocks).numpy().tobytes()}), EXPECT)
+    island = parse_island([good(peer="12D3KooWa"), good(peer="12D3KooWb", **{field: torch.ones(blocks).numpy().tobytes()}),
+                           good(peer="12D3KooWc")], EXPECT)
+    assert island.members[1] is None and field in island.rejected[1]
+    plan = plan_island(island, "tokens2", 60.0, N)
+    assert plan.weights[1] == 0.0 and plan.weights[0] == plan.weights[2] == pytest.approx(0.5)

@@ -304,3 +304,20 @@ def test_a_presets_residual_writers_start_smaller_by_depth():
     assert stds["q_proj"] == pytest.approx(0.02, rel=0.05)
     for writer in ("o_proj", "down_proj"):
         assert stds[writer] == pytest.approx(0.02 / (2 * 6) ** 0.5, rel=0.05), writer
+
+
+def test_validation_takes_every_twentieth_piece_from_the_first(tmp_path):
+    """45 short documents, a piece each: validation holds documents 0, 20 and 40, in order, and training the 42
+    others, so the validation split spans the corpus (its first 5 % would be one source's opening)."""
+    docs = tmp_path / "docs.jsonl"
+    texts = [f"document {i:03d}: " + "word " * (400 + i) for i in range(45)]
+    docs.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    prepare(Plan(sources=(str(docs),), tokenizer="bytes", out=tmp_path / "out", shard_tokens=4096,
+                 val_tokens=1 << 20))
+    data = open_dataset(tmp_path / "out")
+    eos = 256
+    val = np.asarray(data.val)
+    held = [bytes(d[:-1].tolist()).decode() for d in np.split(val, np.flatnonzero(val == eos) + 1) if len(d)]
+    assert held == [texts[0], texts[20], texts[40]]
+    train = np.concatenate([np.asarray(s) for s in data.train])
+    assert int((train == eos).sum()) == 42 and b"document 020" not in bytes(train[train < 256].astype(np.uint8))
