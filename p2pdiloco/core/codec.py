@@ -121,17 +121,21 @@ def _pack_slice(values: torch.Tensor, width: int, per: int, nbytes: int) -> byte
 
 def unpack(data: bytes, width: int, n: int) -> torch.Tensor:
     """The inverse of `pack`: n signed integers (int32: every packable width fits), a slice at a time. Raises
-    ValueError if `data` has the wrong length."""
+    ValueError if `data` has the wrong length, or padding bits that are not 0 (what `pack` writes): one part has
+    one encoding, and a peer cannot carry anything in bits nobody reads."""
     per, nbytes = _group(width)
     groups = -(-n // per)
     if len(data) != groups * nbytes:
         raise ValueError(f"expected {groups * nbytes} bytes for {n} values of {width} bits, got {len(data)}")
     if nbytes == 1:  # a byte holds whole values: all of a byte's looked up at once (2-3× faster than shifting)
-        return torch.from_numpy(_byte_values(width)[np.frombuffer(data, dtype=np.uint8)].view(np.int32))[:n]
-    out = torch.empty(groups * per, dtype=torch.int32)
-    step = max(1, PACK_SLICE // per)  # groups per slice
-    for g in range(0, groups, step):
-        _unpack_slice(data[g * nbytes:(g + step) * nbytes], width, nbytes, out[g * per:(g + step) * per].numpy())
+        out = torch.from_numpy(_byte_values(width)[np.frombuffer(data, dtype=np.uint8)].view(np.int32))
+    else:
+        out = torch.empty(groups * per, dtype=torch.int32)
+        step = max(1, PACK_SLICE // per)  # groups per slice
+        for g in range(0, groups, step):
+            _unpack_slice(data[g * nbytes:(g + step) * nbytes], width, nbytes, out[g * per:(g + step) * per].numpy())
+    if out.numel() > n and bool((out[n:] != -(1 << (width - 1))).any()):  # stored 0 reads as −offset
+        raise ValueError(f"padding bits after the {n} values are not 0")
     return out[:n]
 
 
