@@ -8,10 +8,19 @@ from p2pdiloco.core import codec, exact
 from p2pdiloco.core.outer import merge_weights, weighted_merge
 
 
-def hivemind_like_allreduce(buffers):
-    """What hivemind's butterfly all-reduce hands each member: local + fl(mean − local), all in fp32."""
-    mean = torch.stack(buffers).sum(0) / len(buffers)
-    return [b + (mean - b) for b in buffers]
+def hivemind_reduce(parts, weights, order):
+    """What hivemind's own reducer (hivemind.averaging.partition.TensorPartReducer, which its butterfly
+    all-reduce runs for each part) returns when the members' parts arrive in `order`: fp32 adds, as they come."""
+    import asyncio
+
+    from hivemind.averaging.partition import TensorPartReducer
+
+    async def reduce():
+        reducer = TensorPartReducer([parts[0].shape], len(parts))
+        tasks = [asyncio.create_task(reducer.accumulate_part(i, 0, parts[i], weight=weights[i])) for i in order]
+        return (await asyncio.gather(*tasks))[0].clone()
+
+    return asyncio.run(reduce())
 
 
 def exact_merge(deltas, weights, bits: int = codec.BITS["none"], order=None) -> torch.Tensor:
@@ -30,10 +39,17 @@ def make_deltas(n_members=4, n=50_000, seed=0):
     return [torch.randn(n, generator=g) * 1e-3 * (i + 1) for i in range(n_members)]
 
 
-def test_naive_fp32_average_is_not_bitwise_equal_across_members():
-    deltas = make_deltas()
-    results = hivemind_like_allreduce(deltas)
-    assert not all(torch.equal(results[0], r) for r in results[1:])
+def test_hivemind_averages_are_not_the_same_bits_in_another_arrival_order_and_exact_sums_are():
+    """Why the project sums integer codes: hivemind's reducer adds fp32 parts in the order they arrive, and two
+    orders give two averages that differ in their last bits (one reducer per part, so members would disagree
+    where parts came in other orders, and their states would drift apart bit by bit)."""
+    deltas, weights = make_deltas(), [1.0, 2.0, 3.0, 0.5]
+    orders = list(itertools.permutations(range(4)))[:6]
+    averages = [hivemind_reduce(deltas, weights, order) for order in orders]
+    assert not all(torch.equal(averages[0], a) for a in averages[1:])
+    assert all(torch.allclose(averages[0], a, rtol=1e-5, atol=1e-9) for a in averages[1:])  # equal but for rounding
+    exact_sums = [exact_merge(deltas, [w / sum(weights) for w in weights], order=order) for order in orders]
+    assert all(torch.equal(exact_sums[0], e) for e in exact_sums[1:])
 
 
 def test_exact_sum_is_the_same_bits_in_any_order_and_matches_the_weighted_mean():
