@@ -21,7 +21,10 @@ def test_the_view_sums_the_swarm_and_measures_disagreement_only_between_differen
     assert view.newest_version == 5 and view.version_spread == 2 and view.consensus_distance > 0
     assert view.peers[2].loss is None  # no inner step yet: no loss to show, not a fake 0
     assert view_of("run", seen[:2]).consensus_distance == 0  # same digest: the same state
-    json.dumps(view.as_dict())  # what --json prints
+    printed = json.loads(json.dumps(view.as_dict()))  # what --json prints
+    assert printed["n_peers"] == 3 and printed["tokens_per_s"] == 300.0 and "at" not in printed
+    assert [p["name"] for p in printed["peers"]] == ["a", "b", "c"] and printed["newest_version"] == 5
+    assert printed["consensus_distance"] == view.consensus_distance == 2 ** 0.5  # sketches [1, 0] and [0, 1]
 
 
 def test_rounds_per_minute_come_from_two_views_of_the_newest_version():
@@ -36,7 +39,10 @@ def test_the_table_has_a_row_per_peer_and_the_totals():
     text = _render(table(view))
     assert "alpha" in text and "beta" in text and "3.250" in text and "2.5 MB" in text and "3 peers" in text
     assert "full · merging" in text and "full · ready" in text  # beta's island is closed to others; gamma looks
-    assert isinstance(view, SwarmView)
+    rows = {cells[0]: line for line in text.splitlines()
+            if len(cells := line.strip("│ ").split()) > 1 and cells[0] in ("alpha", "beta", "gamma")}
+    assert "3.250" in rows["alpha"] and "2.5 MB" in rows["alpha"] and "merging" in rows["beta"]
+    assert "ready" in rows["gamma"] and "merging" not in rows["gamma"] and "3.250" not in rows["beta"]
 
 
 def test_status_fields_from_the_network_are_validated_like_every_other_field():
