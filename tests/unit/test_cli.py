@@ -246,3 +246,30 @@ def test_a_peer_that_has_left_ignores_sigterm_while_its_interpreter_exits(monkey
         for sig, handler in before.items():
             signal.signal(sig, handler)
         faulthandler.unregister(signal.SIGUSR1)  # run_peer registers the stack dump; not this process's to keep
+
+
+def test_a_first_ctrl_c_asks_the_peer_to_leave_after_its_step_and_a_second_leaves_at_once(monkeypatch, caplog):
+    """The first SIGINT sets the stop (the peer finishes its step, its round and its checkpoint); the second
+    raises KeyboardInterrupt in the main thread, which `join` turns into exit status 130, without a traceback."""
+    import logging
+    import threading
+    from types import SimpleNamespace
+
+    from click.testing import CliRunner
+
+    from p2pdiloco import peer as peer_module
+    from p2pdiloco.cli import cli
+
+    stub = SimpleNamespace(stop=threading.Event())
+    with caplog.at_level(logging.INFO):
+        peer_module.Peer.request_stop(stub)
+    assert stub.stop.is_set() and "Ctrl-C again to leave at once" in caplog.text
+    with pytest.raises(KeyboardInterrupt):
+        peer_module.Peer.request_stop(stub)
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(peer_module, "run_peer", interrupted)
+    result = CliRunner().invoke(cli, ["join", "--model", "tiny", "--eval-every", "0"])
+    assert result.exit_code == 130 and "Traceback" not in result.output

@@ -263,6 +263,57 @@ def test_train_loop_with_one_peer_never_blocks_and_applies_its_own_updates():
     d.close()
 
 
+
+class SlowSolo:
+    """Merges alone after `seconds`: a round that takes a while, as over a slow link."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def merge(self, c):
+        import time
+
+        time.sleep(self.seconds)
+        return Solo.of(c)
+
+
+@pytest.mark.parametrize("synchronous", [True, False], ids=["sync", "decoupled"])
+def test_the_train_loop_steps_while_a_round_runs_only_when_decoupled(synchronous):
+    """--mode sync waits for each round before the next inner step; the default trains on meanwhile (and its
+    next contribution carries the steps taken in flight)."""
+    d = make_diloco(SlowSolo(0.3))
+    rounds, in_flight, contributed = [], [], []
+    train(d, steps_per_round=4, should_leave=lambda: len(rounds) >= 3, on_round=rounds.append,
+          on_step=lambda loss, seconds: in_flight.append(d.in_flight is not None), on_contribute=contributed.append,
+          synchronous=synchronous)
+    assert [r.applied for r in rounds] == [True] * 3 and d.state.version == 3
+    if synchronous:
+        assert not any(in_flight) and [c.steps for c in contributed] == [4, 4, 4]
+    else:
+        assert sum(in_flight) >= 3 and all(c.steps >= 4 for c in contributed)
+    d.close()
+
+
+def test_round_seconds_sizes_each_round_by_time_not_by_steps():
+    """--round-seconds 0.2: a contribution when 0.2 s have passed since the last, however many steps that was
+    (steps_per_round is never reached)."""
+    import time
+
+    d = make_diloco(SoloMerger())
+    rounds, contributed, at = [], [], []
+
+    def contribute(c):
+        contributed.append(c)
+        at.append(time.monotonic())
+
+    started = time.monotonic()
+    train(d, steps_per_round=10 ** 9, should_leave=lambda: len(rounds) >= 3 or time.monotonic() - started > 20,
+          on_round=rounds.append, on_contribute=contribute, round_seconds=0.2)
+    gaps = [b - a for a, b in zip([started, *at], at)]
+    assert len(contributed) == 3 and all(g >= 0.2 for g in gaps), gaps
+    assert all(c.steps >= 1 for c in contributed) and d.state.version == 3
+    d.close()
+
 def test_island_of_three_merges_with_tokens_squared_over_steps_weights():
     tokens, steps = [1000, 2000, 4000], [10, 10, 20]  # 100, 200, 200 tokens per step
     # hand computation: 1000²/10 = 1e5, 2000²/10 = 4e5, 4000²/20 = 8e5  →  1/13, 4/13, 8/13
