@@ -1,0 +1,75 @@
+"""The small pure pieces the swarm's decisions lean on: which donor's state a joiner takes, whether a state holds
+a merge, what a peer's history and token count may be, who is late twice, what the logs record of a member."""
+
+import pytest
+import torch
+
+from p2pdiloco.core.state import HISTORY, contains, parse_history, parse_tokens, sharing_priority
+from p2pdiloco.protocol.island import PenaltyBox, Stragglers
+from p2pdiloco.protocol.outcomes import copy_parts
+from p2pdiloco.protocol.remote import Member
+
+
+def test_a_donors_priority_orders_by_version_then_digest_and_a_digest_never_outweighs_a_version():
+    assert sharing_priority(5, "000000") == 5.0
+    assert sharing_priority(5, "ffffff") == pytest.approx(5 + 0xFFFFFF / (1 << 25)) and sharing_priority(5, "ffffff") < 5.5
+    assert sharing_priority(5, "800000ab") == 5.25  # the first six hex digits, below half a version
+    keys = [(4, "ffffff"), (5, "000001"), (5, "00a000"), (5, "0a0000"), (6, "000000")]
+    assert sorted(keys, key=lambda k: sharing_priority(*k)) == keys
+
+
+def test_a_state_contains_a_merge_it_or_its_history_names_and_is_assumed_to_beyond_its_reach():
+    meta = dict(version=9, digest="d9", history=[[7, "d7"], [8, "d8"], [9, "d9"]])
+    assert contains(meta, (9, "d9")) and contains(meta, (8, "d8")) and contains(meta, [7, "d7"])
+    assert not contains(meta, (8, "other")) and not contains(meta, (10, "d10")) and not contains(meta, (7, "x"))
+    assert contains(meta, (6, "anything"))  # older than its history reaches: cannot tell, so assume it does
+    assert contains(dict(version=3, digest="d3"), (3, "d3")) and not contains(dict(version=3, digest="d3"), (3, "e"))
+    assert contains(dict(version=3, digest="d3", history="junk"), (2, "d2"))  # junk history: only itself known
+
+
+@pytest.mark.parametrize("raw", [None, "x", [[1, "a"], [2]], [[1, 2]], [["1", "a"]], [[1, "a"]] * (HISTORY + 1),
+                                 {"1": "a"}])
+def test_a_malformed_history_counts_as_none(raw):
+    assert parse_history(raw) == []
+
+
+def test_a_well_formed_history_is_kept_in_order():
+    assert parse_history([[1, "a"], (2, "b")]) == [(1, "a"), (2, "b")]
+    assert len(parse_history([[i, "a"] for i in range(HISTORY)])) == HISTORY
+
+
+@pytest.mark.parametrize("raw, tokens", [(5, 5), (0, 0), (-1, 0), (True, 0), (1.5, 0), ("7", 0), (None, 0),
+                                         ((1 << 62) - 1, (1 << 62) - 1), (1 << 62, 0)])
+def test_a_remote_token_count_is_a_non_negative_integer_or_zero(raw, tokens):
+    assert parse_tokens(raw) == tokens
+
+
+def test_late_twice_within_the_window_is_late_again_and_once_is_forgiven():
+    s = Stragglers(window=10.0)
+    assert s.late(["a", "b"], now=0.0) == frozenset()
+    assert s.late(["a"], now=5.0) == {"a"}  # b was late once only
+    assert s.late(["b"], now=12.0) == frozenset()  # b's first was 12 s ago: outside the window
+    assert s.late(["a"], now=14.9) == {"a"}  # a's last was at 5.0: within 10 s
+    assert s.late(["a", "b"], now=30.0) == frozenset() and set(s.last) == {"a", "b"} and s.last["a"] == 30.0
+
+
+def test_blame_lasts_its_seconds_and_the_most_recent_comes_first():
+    box = PenaltyBox(seconds=10.0)
+    box.blame(["a"], now=0.0)
+    box.blame(["b", "c"], now=5.0)
+    assert box.active(9.0) == ["b", "c", "a"]  # ties in the order they were blamed
+    assert box.active(10.0) == ["b", "c"]  # a's ended at 10.0
+    assert box.active(15.0) == [] and box.until == {}
+
+
+def test_the_logs_record_of_a_member_is_its_identity_and_its_claims_not_its_statistics():
+    m = Member(peer="12D3KooWa", name="a", version=4, digest="abcdef", tokens=4096, steps=32, budget=10.0,
+               maxabs=b"\0" * 8, block_norms=b"\0" * 8)
+    assert m.as_record() == dict(peer="12D3KooWa", name="a", version=4, digest="abcdef", tokens=4096, steps=32)
+
+
+def test_copy_parts_copies_every_chunk():
+    n = (1 << 21) + 17  # two whole chunks and a piece
+    source, out = torch.arange(n, dtype=torch.float32), torch.zeros(n)
+    copy_parts(source, out)
+    assert torch.equal(source, out)
