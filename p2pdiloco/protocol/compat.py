@@ -40,5 +40,6 @@ def wire_mismatch(other_wires: Counter, live: int) -> Optional[str]:
         return None
     said = "an unreadable version" if theirs < 0 else f"wire version {theirs}"
     hint = "upgrade p2pdiloco" if theirs > WIRE_VERSION else "the swarm runs an older p2pdiloco: run the same release"
-    return (f"this peer speaks wire version {WIRE_VERSION} but {count} of {count + live} live peers speak {said}: "
+    total = sum(other_wires.values()) + live
+    return (f"this peer speaks wire version {WIRE_VERSION} but {count} of {total} live peers speak {said}: "
             f"{hint}, or start another swarm with another --run-id")

@@ -78,3 +78,33 @@ def test_the_swarm_driver_counts_the_other_wire_versions_it_finds_on_the_dht():
 
     assert other_wires(TableDHT(), "run") == {WIRE_VERSION + 1: 2, 7: 1}
     assert [r.peer for r in fetch_records(TableDHT(), "run")] == ["a"]
+
+
+def test_a_setting_only_one_side_has_is_named_as_not_set():
+    """A setting the swarm publishes and we lack (an older peer), or the reverse, is a difference too."""
+    why = mismatch(SWARM, [live(dict(SWARM, rda="on"), "a")])
+    assert "this peer's rda is '(not set)' but the swarm's is 'on' (1 of 1 live peers)" in why
+    why = mismatch(dict(SWARM, rda="on"), [live(SWARM, "a"), live(SWARM, "b")])
+    assert "this peer's rda is 'on' but the swarm's is '(not set)' (2 of 2 live peers)" in why
+
+
+def test_the_swarms_value_is_the_most_common_one_and_the_count_is_of_it():
+    others = [live(dict(SWARM, compression=c), str(i)) for i, c in enumerate(["none", "int8", "int8", "int4"])]
+    why = mismatch(dict(SWARM, compression="int4"), others)
+    assert "the swarm's is 'int8' (2 of 4 live peers)" in why
+
+
+def test_a_wire_mismatch_needs_more_peers_of_the_other_version_than_of_ours():
+    from collections import Counter
+
+    from p2pdiloco.protocol.compat import wire_mismatch
+    from p2pdiloco.protocol.remote import WIRE_VERSION
+
+    assert wire_mismatch(Counter({WIRE_VERSION + 1: 2}), live=2) is None  # a tie: stay with ours
+    assert "3 of 4 live peers speak wire version" in wire_mismatch(Counter({WIRE_VERSION + 1: 3, 7: 1}), live=0)
+    assert wire_mismatch(Counter({WIRE_VERSION + 1: 3, 7: 1}), live=0).count(f"{WIRE_VERSION + 1}") >= 1
+    assert "speak an unreadable version: the swarm runs an older p2pdiloco" in wire_mismatch(Counter({-1: 1}), 0)
+    said = wire_mismatch(Counter({0: 1}), live=0)  # peers from before versions were published
+    assert "speak wire version 0: the swarm runs an older p2pdiloco: run the same release" in said
+    newer = wire_mismatch(Counter({WIRE_VERSION + 1: 1}), live=0)
+    assert f"speak wire version {WIRE_VERSION + 1}: upgrade p2pdiloco, or start another swarm" in newer

@@ -369,3 +369,65 @@ def test_the_finiteness_check_tells_the_driver_each_chunk_of_the_merged_update_i
     o = rnd.on_island(r, 120.0).outcome
     assert isinstance(o, Committed) and o.release == read.append
     assert [(p.start, p.stop) for p in read] == [(0, chunk), (chunk, 2 * chunk), (2 * chunk, n)]
+
+
+# ---- what each outcome says, and carries --------------------------------------------------------------------
+def test_catching_up_contributes_from_the_downloaded_states_version_and_digest():
+    rnd = new_round(max_staleness=2)
+    assert rnd.start([record("b", version=6, digest="bbbbbb")], 100.0) == Download(6, "behind")
+    state = (dict(version=6, digest="bbbbbb"), [torch.zeros(8), torch.zeros(8)])
+    assert isinstance(rnd.on_state(state, 101.0), WaitForPeers)
+    assert (rnd.c.version, rnd.c.digest) == (6, "bbbbbb") and rnd.state_before is state
+    stays = new_round(max_staleness=2)  # the download failed: we go on from our own state
+    stays.start([record("b", version=6)], 100.0)
+    assert isinstance(stays.on_state(None, 101.0), WaitForPeers) and (stays.c.version, stays.c.digest) == (3, "aaaaaa")
+
+
+def test_each_way_a_round_ends_says_so_in_its_reason():
+    rnd = new_round(quorum=2)
+    rnd.start([record("b")], 100.0)
+    assert rnd.on_leaving(101.0).outcome.reason == "leaving"
+    rnd = new_round(quorum=2)
+    rnd.start([record("b")], 100.0)
+    assert rnd.on_leaving(101.0, "SIGTERM").outcome.reason == "SIGTERM"
+    alone = new_round()
+    alone.start([], 100.0)
+    done = alone.on_peers([], 101.0)
+    assert isinstance(done, Done) and isinstance(done.outcome, Solo) and alone.phase == "done"
+    stale = new_round()  # the merge was applied to b's newer state: we take it, the island's reason kept
+    to_island(stale, [record("b", version=4, ready=4)])
+    stale.on_island(reduced(member(ME), member("b", version=4, digest="bbbbbb")), 110.0)
+    assert stale.on_state(None, 112.0).outcome.reason == "ok"
+
+
+def test_an_island_that_merged_without_us_is_adopted_or_rolled_back_with_its_reason():
+    """b and c merged v3 → v4 without us while we waited for their island; we ask for their state: taken, the
+    round says which version it took; not downloaded, it says so."""
+    b, c, d_late = record("b", ready=3, merging=3), record("c", ready=3, merging=3), record("d", ready=3)
+    merged = [record("b", version=4), record("c", version=4), d_late]
+    for state, kind, reason in (
+            ((dict(version=4, digest="cccccc"), [torch.zeros(8), torch.zeros(8)]), Adopted,
+             "rolled back: an island merged from v3 without us; took its state v4"),
+            (None, RolledBack, "rolled back: an island merged without us, and its state did not download")):
+        rnd = new_round()
+        rnd.start([b, c, d_late], 100.0)
+        rnd.on_peers([b, c, d_late], 101.0)
+        assert rnd.on_peers(merged, 130.0) == Download(4, "an island merged without us")
+        o = rnd.on_state(state, 131.0).outcome
+        assert type(o) is kind and o.reason == reason
+
+
+def test_the_wait_for_a_newer_peer_is_one_and_a_half_overlaps_of_our_measured_step():
+    """τ = 20 steps of 0.5 s (measured): b is due within 15 s; capped by the grace window's cap."""
+    clock = RoundClock()
+    clock.step.update(0.5)
+    b_training, c_looking = record("b", version=4), record("c", ready=3)
+    rnd = new_round(quorum=2, wait_for_newest=True, clock=clock)
+    rnd.start([b_training, c_looking], 100.0)
+    assert isinstance(rnd.on_peers([b_training, c_looking], 114.9), WaitForPeers)
+    assert isinstance(rnd.on_peers([b_training, c_looking], 115.0), FormIsland)
+    capped = new_round(quorum=2, wait_for_newest=True, clock=clock, overlap_steps=1000,
+                       grace=GracePolicy(gamma=0.5, floor=2.5, cap=40.0))
+    capped.start([b_training, c_looking], 100.0)
+    assert isinstance(capped.on_peers([b_training, c_looking], 139.9), WaitForPeers)
+    assert isinstance(capped.on_peers([b_training, c_looking], 140.0), FormIsland)
