@@ -12,6 +12,8 @@ OUT=${1:-runs/mutation}
 bash scripts/setup.sh
 .venv/bin/python -c "import mutmut" 2>/dev/null || .venv/bin/python -m pip -q install -e ".[mutation]"
 mkdir -p "$OUT"
+# the fuzz test of remote records runs 300 rounds, not 3,000: every surviving mutant of the parser reruns it
+export P2PDILOCO_FUZZ_ROUNDS=${P2PDILOCO_FUZZ_ROUNDS:-300}
 run=(.venv/bin/mutmut run --max-children "${MAX_CHILDREN:-$(nproc)}")
 if [ -z "${P2PDILOCO_NETNS:-}" ] && command -v unshare >/dev/null && unshare -n true 2>/dev/null; then
   unshare -n bash -c 'ip link set lo up && P2PDILOCO_NETNS=1 "$@"' _ "${run[@]}" > "$OUT/run.log" 2>&1 || true
