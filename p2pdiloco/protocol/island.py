@@ -134,9 +134,9 @@ def plan_island(island: Island, weighting: str, cap: float, n_params: int, bound
 def _plan(island: Island, weighting: str, cap: float, n_params: int, bounds: Bounds) -> IslandPlan:
     deadline = agreed_deadline([m.budget for m in island.accepted], cap)
     left_out = blamed_by_majority(island)
-    if left_out:
-        island = Island(tuple(None if i in left_out else m for i, m in enumerate(island.members)),
-                        tuple(left_out.get(i, why) for i, why in enumerate(island.rejected)))
+    if left_out:  # (the plan says why in `left_out`; the parser's reasons stay as they were)
+        island = dataclasses.replace(island, members=tuple(None if i in left_out else m
+                                                           for i, m in enumerate(island.members)))
     relieved = blamed_by_a_few(island)  # by those still in: a left-out member's blame counts no more
     accepted = island.accepted
     if not accepted:

@@ -6,7 +6,8 @@ import torch
 
 from p2pdiloco.core import codec, exact
 from p2pdiloco.core.claims import block_norms
-from p2pdiloco.protocol.island import (Bounds, cap_to_median, clip_to_block_median, cut_to_median_norm, member_weights,
+from p2pdiloco.protocol.island import (Bounds, cap_to_median, clip_to_block_median, cut_to_median_norm, discount_stale,
+                                       member_weights,
                                        plan_island)
 from p2pdiloco.protocol.remote import Expect, parse_island
 
@@ -258,3 +259,69 @@ def test_a_norm_cut_is_renormalised_so_the_island_still_takes_a_whole_step():
     assert set(notes) == {2} and "0.2×" in notes[2]
     merged, bounded = member_weights([4096] * 3, [32] * 3, [1.0, 1.0, 10.0], [3, 3, 3], "tokens2", Bounds())
     assert sum(merged) == pytest.approx(1.0) and merged[2] < merged[0] and [k for k, _ in bounded] == [2]
+
+
+def test_an_island_with_nothing_to_merge_keeps_its_deadline_and_who_was_left_out():
+    delta = torch.randn(N)
+    blaming = [dict(member(f"h{i}", delta), blame=["evil"], budget=20.0) for i in range(2)]
+    evil = member("evil", delta)
+    no_tokens = plan_island(parse_island([dict(r, tokens=0, steps=0) for r in blaming] + [evil], Expect(N)),
+                            "tokens2", 60.0, N)
+    assert no_tokens.weights is None and "no tokens" in no_tokens.reason
+    assert no_tokens.deadline == 20.0 and set(no_tokens.left_out) == {2} and "blamed by 2 of the 2" in no_tokens.left_out[2]
+    both = plan_island(parse_island([None, dict(evil, blame=["h0"]), dict(member("h0", delta), blame=["evil"])],
+                                    Expect(N)), "tokens2", 60.0, N)  # two that blame each other: a majority each
+    assert both.weights is None and set(both.left_out) == {1, 2} and both.deadline == 10.0
+    assert both.reason == "no member's record was well-formed, or every member was blamed"
+    gone = plan_island(parse_island([None, 7], Expect(N)), "tokens2", 60.0, N)
+    assert gone.weights is None and gone.reason == "no member's record was well-formed, or every member was blamed"
+    assert gone.deadline == 60.0 and gone.left_out == {}
+
+
+def test_a_member_bounded_twice_has_both_notes_and_a_left_out_member_is_named():
+    """Capped weight (1000× the tokens) and clipped maxima (1000× the values): one note each, joined."""
+    delta = torch.randn(N)
+    records = [member(f"h{i}", delta) for i in range(3)]
+    big = member("big", delta, tokens=4096 * 1000, maxabs=exact.block_maxabs(delta) * 1000)
+    blamed = dict(member("blamed", delta), blame=[])
+    records = [dict(r, blame=["blamed"]) for r in records]
+    plan = plan_island(parse_island([*records, big, blamed], Expect(N)), "tokens2", 60.0, N)
+    assert plan.bounded[3] == "merge weight capped at 2× the island's median; 4 block maxima clipped"
+    assert set(plan.left_out) == {4} and plan.weights[4] == 0.0 and plan.maxabs[4].sum() == 0
+
+
+def test_members_with_a_zero_delta_do_not_count_in_the_median_norm():
+    """Two members that trained nothing (norm 0) and one that did: no median of positive norms to cut it by.
+    Counted as norm 1 (or 0), the third would be cut to a sliver of its weight."""
+    zero, moved = torch.zeros(N), torch.randn(N) * 5
+    plan = plan_island(parse_island([member("z0", zero), member("z1", zero), member("m", moved)], Expect(N)),
+                       "tokens2", 60.0, N)
+    assert plan.weights == pytest.approx([1 / 3] * 3) and not any("cut" in why for why in plan.bounded.values())
+
+
+@pytest.mark.parametrize("norms, ratio, cut", [
+    ([0.0, 0.0], 2.0, None),  # nothing trained: nothing to cut by
+    ([1e-3, 1e-3, 1e-2], 2.0, [5 / 11, 5 / 11, 1 / 11]),  # small norms: the same rule
+    ([1.0, 1.0, 2.0], 1.0, [2 / 5, 2 / 5, 1 / 5]),  # a ratio of 1 cuts anything above the median
+    ([0.0, 1.0, 1.0, 4.0], 2.0, [1 / 3.5, 1 / 3.5, 1 / 3.5, 0.5 / 3.5]),  # a zero norm is no member of the median
+])
+def test_a_norm_cut_by_the_rule_at_its_edges(norms, ratio, cut):
+    weights = [1 / len(norms)] * len(norms)
+    got, notes = cut_to_median_norm(weights, norms, ratio)
+    assert got == pytest.approx(cut or weights, rel=1e-12)
+    assert set(notes) == ({len(norms) - 1} if cut else set())
+
+
+def test_a_norm_cut_says_by_how_much_and_why():
+    _, notes = cut_to_median_norm([1 / 3] * 3, [1.0, 1.0, 10.0], 2.0)
+    assert notes == {2: "weight cut to 0.2× (its Δ's norm is 5× the bound of 2× the island's median)"}
+
+
+def test_stale_discounts_say_how_far_behind_and_none_at_factor_one():
+    weights = [0.5, 0.25, 0.25]
+    same, notes = discount_stale(weights, [5, 4, 3], 1.0)
+    assert same == weights and notes == {}
+    discounted, notes = discount_stale(weights, [5, 4, 3], 0.5)
+    assert discounted == [0.5, 0.125, 0.0625]
+    assert notes == {1: "weight × 0.5: 1 version behind", 2: "weight × 0.25: 2 versions behind"}
+    assert discount_stale(weights, [5, 5, 5], 0.5) == (weights, {})

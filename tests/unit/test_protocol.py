@@ -431,3 +431,49 @@ def test_the_wait_for_a_newer_peer_is_one_and_a_half_overlaps_of_our_measured_st
     capped.start([b_training, c_looking], 100.0)
     assert isinstance(capped.on_peers([b_training, c_looking], 139.9), WaitForPeers)
     assert isinstance(capped.on_peers([b_training, c_looking], 140.0), FormIsland)
+
+
+def test_an_outcome_carries_what_the_island_said_committed_or_not():
+    """The round's record (metrics, `report`) shows each of these: a committed round all of them, one rolled back
+    what its island did before it failed."""
+    def island(verified):
+        return dataclasses.replace(reduced(member(ME), member("b"), verified=verified, weights=(0.5, 0.5)),
+                                   excluded={"c": "malformed"}, bounded={"b": "merge weight capped"})
+
+    for verified, kind in ((True, Committed), (False, RolledBack)):
+        rnd = new_round()
+        to_island(rnd, [record("b", ready=3)])
+        o = rnd.on_island(island(verified), 120.0).outcome
+        assert type(o) is kind and rnd.phase == "done"
+        assert (o.group_id, o.sync_seconds, o.sync_ended, o.deadline_seconds, o.codec_cpu_seconds) == \
+            ("g1", 2.0, 1234.5, 9.0, 0.5)
+        assert o.excluded == {"c": "malformed"} and o.bounded == {"b": "merge weight capped"}
+        assert (o.members != []) == verified and (o.merged is not None) == verified
+
+
+def test_while_waiting_the_round_announces_its_version_and_how_often_to_look():
+    rnd = new_round(quorum=2, poll=0.5)
+    w = rnd.start([record("b")], 100.0)
+    assert w == WaitForPeers(3, 160.0, 0.5)  # the quorum wait's cap
+    b_training = record("b", version=4)  # a newer peer is due in 1.5 τ steps (30 s): look again then
+    rnd = new_round(quorum=2, wait_for_newest=True)
+    rnd.start([b_training, record("c", ready=3)], 100.0)
+    assert rnd.on_peers([b_training, record("c", ready=3)], 101.0) == WaitForPeers(3, 130.0, 0.25)
+    due_late = new_round(quorum=2, wait_for_newest=True, grace=GracePolicy(gamma=0.5, floor=2.5, cap=20.0))
+    due_late.start([b_training, record("c", ready=3)], 100.0)
+    assert due_late.on_peers([b_training, record("c", ready=3)], 101.0).until == 120.0  # the cap comes first
+    sync = new_round(quorum=2, mode="sync", sync_wait=50.0, wait_for_newest=True)
+    sync.start([record("c")], 100.0)
+    assert sync.on_peers([record("c")], 101.0).until == 150.0  # the barrier's own wait, whatever the rule
+
+
+@pytest.mark.parametrize("peer, may", [
+    (record("b", version=5), True), (record("b", version=4), False),  # holds it, or an older one
+    (record("b", version=4, merging=4), True), (record("b", version=4, merging=3), False),  # makes v5, or v4
+    (record("b", version=0, merging=0), False), (dataclasses.replace(record("b", version=5), client_mode=True), False),
+])
+def test_a_state_may_come_from_a_peer_that_holds_or_makes_it_and_can_be_dialed(peer, may):
+    from p2pdiloco.protocol.round import state_may_come
+
+    assert state_may_come([peer], 5) is may
+    assert state_may_come([record("z", version=0, merging=0)], 1) is True  # merging from v0 makes v1
