@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from p2pdiloco.core.outer import OuterOptimizer, merge_weights, pseudo_gradient, weighted_merge
@@ -47,3 +48,27 @@ def test_weighted_merge_weights_by_tokens():
     deltas = [torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])]
     assert merge_weights([100, 300]) == [0.25, 0.75]
     assert torch.allclose(weighted_merge(deltas, [0.25, 0.75]), torch.tensor([0.25, 0.75]))
+
+
+def test_rda_directions_are_unit_per_segment_and_leave_zero_segments_and_the_rest_alone():
+    from p2pdiloco.core.outer import rda_combine, rda_directions
+
+    delta = torch.tensor([3.0, 4.0, 0.0, 0.0, 0.5, 7.0])
+    units, norms = rda_directions(delta, [(0, 2), (2, 4), (4, 5)])
+    assert norms == [5.0, 0.0, 0.5] and units.tolist() == pytest.approx([0.6, 0.8, 0.0, 0.0, 1.0, 7.0], abs=1e-7)
+    small = torch.tensor([0.3, 0.4])  # a norm below 1 divides too
+    assert rda_directions(small, [(0, 2)])[0].tolist() == pytest.approx([0.6, 0.8])
+    # Σ w·unit → mean norm × unit of the sum; a segment whose summed direction is 0 stays 0; the rest untouched
+    summed = torch.tensor([0.6, 0.8, 0.0, 0.0, 2.0])
+    out = rda_combine(summed, [[5.0, 1.0], [15.0, 3.0]], [0.5, 0.5], [(0, 2), (2, 4)])
+    assert out.tolist() == pytest.approx([6.0, 8.0, 0.0, 0.0, 2.0]) and out.dtype == torch.float32
+    half = rda_combine(torch.tensor([0.3, 0.4]), [[1.0]], [1.0], [(0, 2)])  # a direction norm below 1
+    assert half.tolist() == pytest.approx([0.6, 0.8])
+
+
+def test_a_weighted_merge_sums_in_float64_whatever_the_first_deltas_type():
+    from p2pdiloco.core.outer import weighted_merge
+
+    big, small = torch.tensor([1e8, 1.0], dtype=torch.float32), torch.tensor([1.0, 1.0], dtype=torch.float32)
+    merged = weighted_merge([big, small, -big], [1.0, 1.0, 1.0])  # in fp32, 1e8 + 1 − 1e8 would be 0
+    assert merged.tolist() == [1.0, 1.0]

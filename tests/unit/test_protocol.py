@@ -477,3 +477,34 @@ def test_a_state_may_come_from_a_peer_that_holds_or_makes_it_and_can_be_dialed(p
 
     assert state_may_come([peer], 5) is may
     assert state_may_come([record("z", version=0, merging=0)], 1) is True  # merging from v0 makes v1
+
+
+def test_the_island_is_formed_with_its_timeouts_and_an_all_reduce_budget_from_the_link_speed():
+    """grace (Eq. 3) 0.5 × (20 steps of 1 s − 2 s quorum − 3 s sync) = 7.5 s, find: grace + 2 × 2 s request
+    timeouts + 2 = 13.5 s, the whole round 60 s more and 5 of margin; the budget: 3 s + 3 × what a 16-member
+    butterfly of 8 floats moves at the measured 12 bytes/s."""
+    clock = measured_clock()
+    clock.throughput.update(12.0)
+    rnd = new_round(clock=clock)
+    island = to_island(rnd, [record("b", ready=3)])
+    wire = 2 * 15 / 16 * 4 * 8
+    assert island == FormIsland(7.5, 13.5, 78.5, 3.0 + 3.0 * wire / 12.0)
+    assert rnd.island is island and rnd.phase == "island"
+
+
+def test_an_island_that_merged_only_us_names_whom_it_left_out():
+    for excluded, said in (({"1": "malformed", "2": "blamed", "3": "malformed"}, "blamed; malformed"),
+                           ({}, "none named"), ({"1": "x" * 300}, "x" * 200)):
+        rnd = new_round(quorum=2)
+        to_island(rnd, [record("b", ready=3)])
+        alone = dataclasses.replace(reduced(member(ME)), excluded=excluded)
+        o = rnd.on_island(alone, 110.0).outcome
+        assert o.reason == f"all-reduce failed: the island merged only us (the others left out: {said})"
+
+
+def test_the_wire_bytes_of_an_all_reduce_are_a_butterflys():
+    from p2pdiloco.protocol.timing import allreduce_wire_bytes
+
+    assert allreduce_wire_bytes(1000, 1) == 0 and allreduce_wire_bytes(1000, 0) == 0
+    assert allreduce_wire_bytes(1000, 2) == 4000 and allreduce_wire_bytes(1000, 4) == 6000
+    assert allreduce_wire_bytes(1000, 4, bytes_per_element=1) == 1500

@@ -1,6 +1,7 @@
 """A downloaded state is taken only as far from ours as the versions between explain (p2pdiloco.core.reach): a
 member that claims a newer version than it holds cannot hand the swarm a model of its choosing."""
 
+import math
 import time
 from collections import Counter
 from types import SimpleNamespace
@@ -220,3 +221,59 @@ def test_a_download_waits_for_a_state_a_live_peer_is_still_making(monkeypatch):
     monkeypatch.setattr(rounds, "TTL", 0.3)
     loaded = SwarmMerger.download(merger, newer.version, "stale contribution", timeout=30.0)
     assert loaded is not None and loaded[0]["version"] == newer.version
+
+
+def test_distances_are_exact_over_many_chunks_and_tell_each_chunk_read():
+    from p2pdiloco.core import reach
+
+    n = 2 * reach.DISTANCE_CHUNK + 5
+    a, b = torch.zeros(n), torch.zeros(n)
+    b[0], b[-1], b[reach.DISTANCE_CHUNK] = 3.0, 4.0, 12.0  # one value in each chunk: √(9 + 16 + 144) = 13
+    read = []
+    assert reach.distances([a, a], [b, a], done=read.append) == [13.0, 0.0]
+    assert read[:3] == [slice(0, reach.DISTANCE_CHUNK), slice(reach.DISTANCE_CHUNK, 2 * reach.DISTANCE_CHUNK),
+                        slice(2 * reach.DISTANCE_CHUNK, n)]
+
+
+def test_the_allowance_scales_with_the_versions_apart_up_to_its_cap_and_says_why_it_refuses():
+    from p2pdiloco.core.reach import Reach
+
+    r = Reach(slack=2.0, max_versions=3)
+    assert r.allowance(1) is None and r.why_not([1e9, 1e9], 1) is None  # nothing seen: nothing to measure by
+    r.saw_merge(1.0, 0.5)
+    r.saw_merge(2.0, 0.25)
+    r.saw_merge(math.inf, 1.0)  # a non-finite move is not learnt
+    assert r.allowance(1) == (4.0, 1.0) and r.allowance(2) == (8.0, 2.0)  # slack × versions × the largest moves
+    assert r.allowance(7) == r.allowance(None) == (12.0, 3.0)  # no shared history: the cap
+    assert r.why_not([4.0, 1.0], 1) is None  # at the limit: taken
+    assert r.why_not([4.01, 0.0], 1) == "Θ would move 4.01, more than 4 (1 version(s) apart), served by one peer alone"
+    assert r.why_not([0.0, 3.5], None) == ("the outer momentum would move 3.5, more than 3 (no shared history), "
+                                           "served by one peer alone")
+    assert r.why_not([100.0, 100.0], 1, corroborated=True) is None
+    assert r.checks(False) and not r.checks(True) and not Reach().checks(False)
+
+
+def test_a_state_is_judged_by_the_versions_through_its_own_history():
+    """Its history as it sent it, with its own key added where missing: 2 versions past the ancestor we share,
+    and our own 1 past it, make 3 apart, which allows 3 merges' moves; read as unrelated (no history), the
+    cap's moves."""
+    ours, g = lineage()
+    theirs = GlobalState(ours.params.clone(), LR, MU)
+    theirs.load(*served(ours))
+    step(theirs, g)
+    step(theirs, g)
+    step(ours, g)
+    meta, tensors = served(theirs)
+    calls = []
+    real = ours.reach.why_not
+    ours.reach.why_not = lambda moved, apart, corroborated: calls.append((apart, corroborated)) or real(
+        moved, apart, corroborated)
+    assert ours.why_not_adopt(meta, tensors, corroborated=False) is None
+    without_own_key = dict(meta, history=meta["history"][:-1])
+    ours.why_not_adopt(without_own_key, tensors, corroborated=False)
+    ours.why_not_adopt(dict(meta, history="junk"), tensors, corroborated=False)
+    assert calls == [(3, False), (3, False), (None, False)]
+    read = []
+    ours.page_out = read.append
+    ours.why_not_adopt(meta, tensors, corroborated=False)
+    assert read  # a parked state lets the pages of Θ and the momentum go as the distance reads them

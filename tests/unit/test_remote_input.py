@@ -128,3 +128,10 @@ def test_a_block_statistic_of_another_length_is_excluded_and_the_island_still_pl
     assert island.members[1] is None and field in island.rejected[1]
     plan = plan_island(island, "tokens2", 60.0, N)
     assert plan.weights[1] == 0.0 and plan.weights[0] == plan.weights[2] == pytest.approx(0.5)
+
+
+def test_a_refused_value_is_quoted_whole_up_to_40_characters_and_cut_beyond():
+    for value, said in ((7.5, "7.5"), ("x" * 38, repr("x" * 38)), ("x" * 39, repr("x" * 37)[:37] + "...")):
+        with pytest.raises(Malformed) as e:
+            parse_member(good(tokens=value), EXPECT)
+        assert str(e.value) == f"tokens must be an integer in [0, {2 ** 53}], got {said}"
