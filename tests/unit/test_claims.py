@@ -162,3 +162,53 @@ def test_a_code_beyond_its_claim_in_a_short_last_block_is_caught_whatever_its_si
     assert "block maxima" in sum_why_not(codes, 0, [claims, claims])
     codes[-1] = sign * 4
     assert sum_why_not(codes, 0, [claims, claims]) == ""
+
+
+def _claims(maxima, norms, weight=1.0, clipped=None, limit=7):
+    maxima, norms = torch.tensor(maxima, dtype=torch.float32), torch.tensor(norms, dtype=torch.float32)
+    clipped = torch.zeros(len(maxima), dtype=torch.bool) if clipped is None else torch.tensor(clipped)
+    return claims_in_codes(maxima, clipped, norms, weight, torch.ones(len(maxima)), limit)
+
+
+def test_a_single_code_beyond_its_claim_is_caught_and_the_refusal_counts_and_places_it():
+    c = _claims([2.0, 2.0, 2.0], [100.0] * 3)
+    assert c.why_not(torch.tensor([], dtype=torch.int32), 0) == ""
+    assert c.why_not(torch.tensor([3], dtype=torch.int32), 0).startswith("1 codes beyond")
+    codes = torch.zeros(codec.BLOCK + 10, dtype=torch.int32)
+    codes[codec.BLOCK + 3], codes[codec.BLOCK + 4], codes[5] = 3, 2, 2  # one beyond; two at the claim
+    assert c.why_not(codes, codec.BLOCK) == (f"1 codes beyond the block maxima it claimed (of {codes.numel()}; "
+                                             "the first in block 2)")
+
+
+def test_the_norm_bound_is_the_claimed_norm_of_the_checked_blocks_plus_half_a_code_per_nonzero():
+    """Four codes of 1 in block 0 (norm 2) against a claimed norm of 1 there: 1 + 0.5·√4 = 2 allows it, and a
+    fifth (norm √5 > 1 + 0.5·√5) is refused; the large norms claimed for other blocks do not count."""
+    c = _claims([7.0, 7.0], [1.0, 1000.0])
+    codes = torch.zeros(codec.BLOCK, dtype=torch.int32)
+    codes[:4] = 1
+    assert c.why_not(codes, 0) == ""
+    codes[4] = 1
+    assert "norm 2.236 is beyond the 2.118" in c.why_not(codes, 0)
+
+
+def test_claims_take_the_members_weight_and_a_zero_maximum_allows_no_code():
+    half = _claims([4.0, 0.0], [100.0, 100.0], weight=0.5)
+    assert half.max_code.tolist() == [2, 0] and half.norm.tolist() == [50.0, 50.0]
+    codes = torch.zeros(2 * codec.BLOCK, dtype=torch.int32)
+    codes[codec.BLOCK] = 1  # in the block it claimed nothing for
+    assert half.why_not(codes, 0).startswith("1 codes beyond")
+
+
+def test_a_sum_is_checked_alone_and_against_every_senders_share_of_rounding():
+    c = _claims([2.0], [1.0])
+    assert sum_why_not(torch.tensor([9], dtype=torch.int32), 0, []) == ""  # no senders: nothing to hold it to
+    assert sum_why_not(torch.tensor([], dtype=torch.int32), 0, [c]) == ""
+    assert sum_why_not(torch.tensor([3], dtype=torch.int32), 0, [c]) == \
+        "a sum beyond what its senders' claimed block maxima allow"
+    total = torch.zeros(16, dtype=torch.int32)  # two senders, each norm 1 + 0.5·√16: a sum of norm 6 at most
+    total[:9] = 2  # norm 6
+    assert sum_why_not(total, 0, [c, c]) == ""
+    total[9] = 1  # norm √37 ≈ 6.08
+    assert "a sum of norm 6.083, beyond the 6" in sum_why_not(total, 0, [c, c])
+    wide = _claims([2.0, 2.0], [1.0, 1000.0])  # a claimed norm elsewhere does not widen this block's bound
+    assert "beyond the" in sum_why_not(total, 0, [wide, wide])

@@ -36,3 +36,23 @@ def test_fork_distance_counts_only_forks_we_are_part_of():
     # a peer at our version with another digest: a fork we are in; a peer at another version is merely behind
     assert fork_distance(me, [*stale, (5, "theirs", s1)]) == pytest.approx(2.0)
     assert fork_distance(me, [(5, "mine", s0), (6, "ahead", s2)]) == 0.0
+
+
+def test_every_element_counts_once_with_a_sign_in_its_bucket_across_chunks():
+    """A one-hot vector sketches to ±1 in its bucket (i·k // n) and 0 elsewhere, for elements in the first and in
+    a later chunk; signs are ±1, both of them used; each chunk read is told."""
+    from p2pdiloco.core import consensus
+
+    n = consensus._CHUNK + 1000
+    signs = set()
+    for i in (0, 1, n // 2, consensus._CHUNK - 1, consensus._CHUNK, n - 1):
+        x = torch.zeros(n)
+        x[i] = 1.0
+        s = sketch(x)
+        bucket = i * len(s) // n
+        assert abs(s[bucket]) == 1.0 and sum(abs(v) for v in s) == 1.0, i
+        signs.add(s[bucket])
+    assert signs == {1.0, -1.0}
+    read = []
+    sketch(torch.ones(n), done=read.append)
+    assert read == [slice(0, consensus._CHUNK), slice(consensus._CHUNK, n)]

@@ -73,3 +73,45 @@ def test_copy_parts_copies_every_chunk():
     source, out = torch.arange(n, dtype=torch.float32), torch.zeros(n)
     copy_parts(source, out)
     assert torch.equal(source, out)
+
+
+def test_a_dropped_contribution_cannot_be_read_and_a_new_one_holds_its_delta():
+    from p2pdiloco.protocol.outcomes import Contribution, Kept
+
+    delta = torch.ones(4)
+    c = Contribution.of(delta, tokens=8, steps=2, version=1, peer="p", name="p", digest="abcdef")
+    assert c.kept.get() is delta and c.delta is delta
+    kept = Kept(torch.zeros(2))
+    kept.drop()
+    with pytest.raises(ValueError, match="dropped"):
+        kept.get()
+
+
+def test_error_feedback_lets_each_chunk_of_its_residual_go_and_writes_where_it_is_told():
+    """A residual kept in a file is paged out a chunk at a time by each pass, and a lone member's update is
+    written into the buffer given (the averaging buffer), each chunk released once written."""
+    from p2pdiloco.core import codec, exact
+
+    class Recording(codec.VectorStore):
+        def __init__(self):
+            self.gone = []
+
+        def let_go(self, view):
+            self.gone.append(view.numel())
+
+    n = exact._CHUNK + 7
+    store = Recording()
+    fb = codec.ErrorFeedback(store=store)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    out, released = torch.zeros(n), []
+    merged = fb.alone(x, 4, codec.DenseFormat(4, 1), out=out, release=released.append)
+    assert merged is out and released == [slice(0, exact._CHUNK), slice(exact._CHUNK, n)]
+    assert store.gone == [exact._CHUNK, 7]
+    store.gone.clear()
+    residual = fb.residual
+    fb.record_encoded(x, 1.0, codec.agreed_scales([codec.block_maxabs(x)], 4), 4)
+    assert fb.residual is residual and store.gone == [exact._CHUNK, 7]  # overwritten in place, paged out
+    store.gone.clear()
+    fb.compensate(x)
+    assert store.gone == [exact._CHUNK, 7]
+    assert fb.record(x, x) is None and fb.residual.dtype == torch.float32 and not fb.residual.any()
