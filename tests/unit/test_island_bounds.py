@@ -6,7 +6,7 @@ import torch
 
 from p2pdiloco.core import codec, exact
 from p2pdiloco.core.claims import block_norms
-from p2pdiloco.protocol.island import (Bounds, cap_to_median, clip_to_block_median, cut_to_median_norm, discount_stale,
+from p2pdiloco.protocol.island import (Bounds, PenaltyBox, cap_to_median, clip_to_block_median, cut_to_median_norm, discount_stale,
                                        member_weights,
                                        plan_island)
 from p2pdiloco.protocol.remote import Expect, parse_island
@@ -325,3 +325,88 @@ def test_stale_discounts_say_how_far_behind_and_none_at_factor_one():
     assert discounted == [0.5, 0.125, 0.0625]
     assert notes == {1: "weight × 0.5: 1 version behind", 2: "weight × 0.25: 2 versions behind"}
     assert discount_stale(weights, [5, 5, 5], 0.5) == (weights, {})
+
+
+def test_blame_notes_name_the_count_or_the_blamers():
+    from p2pdiloco.protocol.island import blamed_by_a_few, blamed_by_majority
+
+    delta = torch.randn(N)
+    records = [dict(member(f"h{i}", delta), blame=["evil"]) for i in range(2)] + [member("h2", delta),
+                                                                                   member("evil", delta)]
+    island = parse_island(records, Expect(N))
+    assert blamed_by_majority(island) == {3: "blamed by 2 of the 3 others for a failed round"}
+    nameless = dict(member("12D3KooWabcdefghij", delta), name="", blame=["h2"])
+    few = blamed_by_a_few(parse_island([nameless, member("h2", delta), member("h3", delta)], Expect(N)))
+    assert few == {1: "blamed by efghij: reduces no part"}  # no name: the last six characters of its id
+    two = parse_island([dict(member("a", delta), blame=["c"]), dict(member("b", delta), blame=["c"]),
+                        member("c", delta), member("d", delta), member("e", delta)], Expect(N))
+    assert blamed_by_a_few(two) == {2: "blamed by a, b: reduces no part"}
+
+
+def test_the_lower_median_is_the_middle_or_the_lower_of_the_two_middles():
+    from p2pdiloco.protocol.island import lower_median
+
+    assert lower_median([3.0]) == 3.0 and lower_median([5.0, 1.0]) == 1.0 and lower_median([9.0, 1.0, 5.0]) == 5.0
+    assert lower_median([4.0, 1.0, 3.0, 2.0]) == 2.0 and lower_median([6.0, 1.0, 5.0, 2.0, 4.0, 3.0, 7.0]) == 4.0
+
+
+def test_the_weight_cap_at_its_edges():
+    assert cap_to_median([0.9, 0.1], 0.0) == ([0.9, 0.1], {})  # 0: no bound
+    assert cap_to_median([1.0], 2.0) == ([1.0], {})  # alone: nothing to compare with
+    capped, notes = cap_to_median([0.6, 0.2, 0.2], 1.0)  # a ratio of 1: none above the median
+    assert capped == pytest.approx([1 / 3] * 3) and set(notes) == {0}
+    exact_bound, notes = cap_to_median([0.5, 0.25, 0.25], 2.0)  # at the bound exactly: not capped
+    assert exact_bound == [0.5, 0.25, 0.25] and notes == {}
+    zeros, notes = cap_to_median([1.0, 0.0, 0.0], 2.0)  # zeros are no members of the median
+    assert zeros == [1.0, 0.0, 0.0] and notes == {}
+
+
+def test_block_maxima_clipping_at_its_edges():
+    stats = [torch.tensor([1.0, 10.0]), torch.tensor([1.0, 1.0])]
+    assert clip_to_block_median(stats, 0.0)[0] is stats  # 0: no bound
+    one = clip_to_block_median(stats[:1], 2.0)
+    assert one[0] is stats[:1] or one[0] == stats[:1]
+    assert one[1][0].dtype == torch.bool and not one[1][0].any()
+    clipped, over = clip_to_block_median(stats, 2.0)  # two members: the lower one is the median
+    assert clipped[0].tolist() == [1.0, 2.0] and over[0].tolist() == [False, True] and not over[1].any()
+    three = [torch.tensor([1.0]), torch.tensor([4.0]), torch.tensor([100.0])]
+    clipped, over = clip_to_block_median(three, 1.5)  # median 4: bound 6
+    assert [c.item() for c in clipped] == [1.0, 4.0, 6.0] and [o.item() for o in over] == [False, False, True]
+    assert clip_to_block_median(three, 1.0)[0][2].item() == 4.0
+
+
+def test_an_island_of_clients_keeps_its_deadline_and_who_was_left_out():
+    delta = torch.randn(N)
+    records = [dict(member("a", delta), budget=20.0), member("b", delta)]
+    plan = plan_island(parse_island(records, Expect(N)), "tokens2", 60.0, N, clients=frozenset({0, 1}))
+    assert plan.weights is None and plan.deadline == 20.0 and plan.clients == {0, 1} and plan.left_out == {}
+    assert plan.reason == "every merged member is in client mode: none can reduce a part"
+
+
+def test_deadlines_and_budgets_at_their_edges():
+    from p2pdiloco.protocol.timing import RoundClock, agreed_deadline
+
+    assert agreed_deadline([0.5, 0.2], 60.0) == 0.5  # budgets below a second are honest too
+    assert agreed_deadline([0.0, -1.0], 60.0) == 60.0 and agreed_deadline([], 60.0) == 60.0
+    clock = RoundClock()
+    assert clock.allreduce_budget(100.0, 0.5) == 3.0 + 3.0 * 100.0  # a rate below 1 byte/s counts as 1
+    clock.throughput.update(1.5)
+    assert clock.allreduce_budget(150.0, 1e6) == pytest.approx(3.0 + 3.0 * 100.0)
+
+
+def test_blame_and_refusals_end_at_their_time_and_the_oldest_refusal_goes_first():
+    from p2pdiloco.core.reach import RefusedKeys
+
+    box = PenaltyBox(seconds=10.0)
+    box.blame(["z", "a"], now=0.0)
+    box.blame(["m"], now=1.0)
+    assert box.active(0.5) == ["m", "z", "a"] and box.active(10.0) == ["m"]  # ended at 10.0: not active then
+    keys = RefusedKeys(seconds=10.0, limit=2)
+    keys.refuse((1, "b"), now=0.0)
+    keys.refuse((9, "a"), now=1.0)
+    keys.refuse((5, "c"), now=2.0)  # over the limit: the one refused first goes, not the lowest key
+    assert keys.active(3.0) == {(9, "a"), (5, "c")} and keys.active(11.0) == {(5, "c")}
+
+
+def test_top_k_keeps_one_value_of_a_block_too_small_for_its_fraction():
+    assert codec.TopKFormat(4, 1, 0.01).k(50) == 1 and codec.TopKFormat(4, 1, 0.5).k(1) == 1

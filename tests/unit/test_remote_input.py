@@ -135,3 +135,42 @@ def test_a_refused_value_is_quoted_whole_up_to_40_characters_and_cut_beyond():
         with pytest.raises(Malformed) as e:
             parse_member(good(tokens=value), EXPECT)
         assert str(e.value) == f"tokens must be an integer in [0, {2 ** 53}], got {said}"
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(tokens=-1), "tokens must be an integer in [0, 9007199254740992], got -1"),
+    (dict(steps="1"), "steps must be an integer in [0, 9007199254740992], got '1'"),
+    (dict(steps=0), "tokens without steps"),
+    (dict(version=None), "version must be an integer in [0, 9007199254740992], got None"),
+    (dict(digest="ab"), "digest must be a string of 6..64 characters"),
+    (dict(peer=""), "peer must be a string of 1..128 characters"),
+    (dict(name=7), "name must be a string of 0..64 characters"),
+    (dict(norms=[-0.5]), "norms must be a finite number in [0.0, inf], got -0.5"),
+    (dict(blame=["12D3KooWb"] * 65), "blame must be a list of at most 64 peer ids"),
+    (dict(blame=[""]), "blame must be a string of 1..128 characters"),
+    (dict(**{"pass": "x"}), "pass must be at most 64 bytes"),
+    (dict(**{"pass": b"x" * 65}), "pass must be at most 64 bytes"),
+    (dict(maxabs=b"\0" * 4), "maxabs must be 16 bytes (fp32 per block)"),
+])
+def test_a_malformed_members_reason_says_which_field_and_what_it_must_be(change, message):
+    expect = Expect(N, n_norms=1) if "norms" in change else EXPECT
+    with pytest.raises(Malformed) as e:
+        parse_member(good(**change), expect)
+    assert str(e.value) == message
+
+
+def test_the_edges_of_a_member_record_are_accepted():
+    edge = good(name="", blame=["12D3KooWb"] * 64, **{"pass": b"x" * 64}, norms=[0.5], budget=0.5)
+    m = parse_member(edge, Expect(N, n_norms=1))
+    assert m.name == "" and len(m.blame) == 1 and m.credential == b"x" * 64 and m.norms == (0.5,) and m.budget == 0.5
+    assert parse_member(good(), EXPECT).credential == b""  # no pass: an empty one
+    assert parse_member(good(budget=1e-3), EXPECT).budget == 1e-3
+
+
+def test_an_island_checks_each_records_sender_and_pass():
+    records = [good(peer="12D3KooWa"), good(peer="12D3KooWb"), good(peer="12D3KooWc", **{"pass": b"k" * 32})]
+    island = parse_island(records, EXPECT, peer_ids=["12D3KooWa", "12D3KooWx", "12D3KooWc"],
+                          admit=lambda peer, credential: credential == b"k" * 32 and peer == "12D3KooWc")
+    assert island.rejected == ("no valid pass: it does not hold this swarm's key",
+                               "its record claims another peer's id ('12D3KooWb')", "")
+    assert [m is None for m in island.members] == [True, True, False]
