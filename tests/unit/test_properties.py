@@ -54,8 +54,8 @@ def test_a_members_codes_and_a_groups_sum_decode_to_what_was_encoded(fmt, blocks
 
 
 # ---- exact sums -----------------------------------------------------------------------------------------------
-@given(members=st.integers(2, 6), n=st.integers(1, 3000), seed=st.integers(0, 2 ** 31), bits=st.sampled_from([4, 8, 20]),
-       order=st.randoms(use_true_random=False))
+@given(members=st.integers(2, 6), n=st.integers(1, 3000), seed=st.integers(0, 2 ** 31),
+       bits=st.sampled_from([4, 8, 20]), order=st.randoms(use_true_random=False))
 def test_an_exact_sum_has_the_same_bits_in_any_order(members, n, seed, bits, order):
     deltas = [vector(seed + i, n, scale=10.0 ** (i % 5 - 3)) for i in range(members)]
     weights = [1.0 / (i + 1) for i in range(members)]

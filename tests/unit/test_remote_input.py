@@ -123,8 +123,8 @@ def test_a_block_statistic_of_another_length_is_excluded_and_the_island_still_pl
     `plan_island` raise, and one stranger could fail every island it joined."""
     with pytest.raises(Malformed, match=field):
         parse_member(good(**{field: torch.ones(blocks).numpy().tobytes()}), EXPECT)
-    island = parse_island([good(peer="12D3KooWa"), good(peer="12D3KooWb", **{field: torch.ones(blocks).numpy().tobytes()}),
-                           good(peer="12D3KooWc")], EXPECT)
+    odd = good(peer="12D3KooWb", **{field: torch.ones(blocks).numpy().tobytes()})
+    island = parse_island([good(peer="12D3KooWa"), odd, good(peer="12D3KooWc")], EXPECT)
     assert island.members[1] is None and field in island.rejected[1]
     plan = plan_island(island, "tokens2", 60.0, N)
     assert plan.weights[1] == 0.0 and plan.weights[0] == plan.weights[2] == pytest.approx(0.5)

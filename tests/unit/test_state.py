@@ -12,7 +12,8 @@ from p2pdiloco.protocol.remote import Member
 
 def test_a_donors_priority_orders_by_version_then_digest_and_a_digest_never_outweighs_a_version():
     assert sharing_priority(5, "000000") == 5.0
-    assert sharing_priority(5, "ffffff") == pytest.approx(5 + 0xFFFFFF / (1 << 25)) and sharing_priority(5, "ffffff") < 5.5
+    assert sharing_priority(5, "ffffff") == pytest.approx(5 + 0xFFFFFF / (1 << 25))
+    assert sharing_priority(5, "ffffff") < 5.5
     assert sharing_priority(5, "800000ab") == 5.25  # the first six hex digits, below half a version
     keys = [(4, "ffffff"), (5, "000001"), (5, "00a000"), (5, "0a0000"), (6, "000000")]
     assert sorted(keys, key=lambda k: sharing_priority(*k)) == keys
