@@ -368,3 +368,60 @@ def test_compensating_in_place_a_chunk_at_a_time_has_the_bits_of_the_whole_vecto
     feedback.compensate_(buffer)
     assert torch.equal(buffer, delta + (residual if decay == 1.0 else residual * decay))
     assert torch.equal(feedback.compensate(delta), buffer)
+
+
+def _topk_part(indices_per_block, values_per_block, fmt):
+    """A top-k part's raw payload from explicit (block-local) indices and values, as a liar might write it."""
+    flat_idx = torch.tensor([i for block in indices_per_block for i in block], dtype=torch.int64)
+    flat_val = torch.tensor([v for block in values_per_block for v in block], dtype=torch.int64)
+    return bytes([codec.RAW]) + codec.pack(flat_idx - (1 << (codec.INDEX_WIDTH - 1)), codec.INDEX_WIDTH) + \
+        codec.pack(flat_val, fmt.bits)
+
+
+def test_a_top_k_part_with_indices_outside_their_block_or_not_increasing_is_refused_by_name():
+    fmt = codec.TopKFormat(4, 2, 2 / 100)  # k = 2 in a block of 100
+    assert torch.equal(fmt.decode(_topk_part([[3, 99]], [[1, -2]], fmt), 100)[[3, 99]], torch.tensor([1, -2],
+                                                                                                     dtype=torch.int32))
+    for indices in ([[3, 100]], [[5, 5]], [[7, 3]]):  # one past the block; twice the same; decreasing
+        with pytest.raises(ValueError, match="^top-k indices out of their block or not strictly increasing$"):
+            fmt.decode(_topk_part(indices, [[1, 1]], fmt), 100)
+    one = codec.TopKFormat(4, 2, 1 / 100)  # k = 1: nothing to order
+    assert one.decode(_topk_part([[99]], [[3]], one), 100)[99] == 3
+    with pytest.raises(ValueError, match=r"^a top-k part of 100 values takes 8 bytes, got 2$"):  # 7 + 1
+        one.decode(bytes([codec.RAW, 0, 0]), 100)
+
+
+def test_a_sparse_sum_of_the_wrong_shape_is_refused_by_name():
+    fmt = codec.TopKFormat(4, 2, 0.02)
+    count_bytes = codec.packed_bytes(1, codec.COUNT_WIDTH)
+    with pytest.raises(ValueError, match="^sparse sum too short for its counts$"):
+        fmt.decode_sum(bytes([codec.RAW]) + b"\0" * (count_bytes - 1), 100)
+
+    def sparse(count, indices, values):
+        c = codec.pack(torch.tensor([count]) - (1 << (codec.COUNT_WIDTH - 1)), codec.COUNT_WIDTH)
+        i = codec.pack(torch.tensor(indices) - (1 << (codec.INDEX_WIDTH - 1)), codec.INDEX_WIDTH)
+        return bytes([codec.RAW]) + c + i + codec.pack(torch.tensor(values), codec.sum_width(4, 2))
+
+    assert fmt.decode_sum(sparse(2, [0, 99], [5, -3]), 100)[[0, 99]].tolist() == [5, -3]
+    full = sparse(100, list(range(100)), [1] * 100)  # every element of the block: allowed
+    assert int(fmt.decode_sum(full, 100).sum()) == 100
+    with pytest.raises(ValueError, match="^sparse sum indices out of their block$"):
+        fmt.decode_sum(sparse(1, [100], [1]), 100)
+    with pytest.raises(ValueError, match="^sparse sum of the wrong length$"):
+        fmt.decode_sum(sparse(2, [0, 1], [1, 1])[:-1], 100)
+
+
+def test_merge_weights_by_rule_and_their_refusals_by_name():
+    from p2pdiloco.core.outer import merge_weights
+
+    assert merge_weights([10, 0, 30], None, "uniform") == [0.5, 0.0, 0.5]  # a member with no tokens counts 0
+    assert merge_weights([10, 20], [1, 1], "tokens2") == pytest.approx([0.2, 0.8])
+    assert merge_weights([10, 20], [1, 0], "tokens2") == [1.0, 0.0]  # no steps: no weight
+    with pytest.raises(ValueError, match="^tokens² / steps weighting needs the steps of every contribution$"):
+        merge_weights([10, 20], [1], "tokens2")
+    with pytest.raises(ValueError, match="^unknown weighting 'x'; choose one of "):
+        merge_weights([10], [1], "x")
+    with pytest.raises(ValueError, match="^cannot merge contributions that processed no tokens$"):
+        merge_weights([0, 0], [1, 1], "uniform")
+    assert codec.dequantize(torch.tensor([3]), torch.tensor([0.5])).dtype == torch.float32
+    assert codec.quantize(torch.tensor([1.0]), torch.tensor([0.5]), 4).dtype == torch.int32
