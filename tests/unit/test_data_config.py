@@ -51,9 +51,16 @@ def test_targets_are_inputs_shifted_by_one(corpus):
 
 
 def test_validation_batches_are_identical_everywhere(corpus):
+    """A fixed function of the split alone (no seed, no peer): evenly spaced windows from its first token to its
+    last, so two peers, or one peer before and after a restart, evaluate on the same tokens."""
     v1 = validation_batches(corpus.val, 2, 4, 32)
-    v2 = validation_batches(corpus.val, 2, 4, 32)
-    assert all(torch.equal(a[0], b[0]) for a, b in zip(v1, v2))
+    assert [x.shape for x, _ in v1] == [(4, 32), (4, 32)]
+    first, last = v1[0][0][0], v1[-1][1][-1]
+    assert torch.equal(first, torch.from_numpy(corpus.val[:32].astype("int64")))
+    assert torch.equal(last, torch.from_numpy(corpus.val[-33:-1].astype("int64")))  # the last window's targets
+    torch.manual_seed(123)  # whatever the global generator's state
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+               for a, b in zip(v1, validation_batches(corpus.val, 2, 4, 32)))
 
 
 def test_user_data_path(tmp_path):
