@@ -57,6 +57,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--root", type=Path, default=ROOT)
+    parser.add_argument("--no-diffs", action="store_true", help="List the survivors without their diffs (faster).")
     a = parser.parse_args()
     found, marked = statuses(a.root), marks()
     if not found:
@@ -83,7 +84,7 @@ def main() -> None:
         for name in survivors:
             kind, why = marked.get(name, ("", ""))
             f.write(f"## {name}: {found[name]}" + (f"  [{kind}: {why}]" if kind else "") + "\n")
-            f.write(diff(a.root, name) + "\n\n")
+            f.write(("" if a.no_diffs else diff(a.root, name) + "\n") + "\n")
     print("\n".join(lines))
     print(f"survivors and their diffs: {a.out / 'survivors.txt'}")
 

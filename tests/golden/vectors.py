@@ -23,6 +23,10 @@ N = 2 * (1 << 14) + 37  # two whole blocks and a short one
 GROUP = 3  # members whose codes a sum adds
 
 
+NAMES = ("int4-part.bin", "int4-sum.bin", "topk-part.bin", "topk-sum.bin", "member-record.msgpack",
+         "peer-record.msgpack", "tables.json")
+
+
 def folder(version: int) -> Path:
     return HERE / f"v{version}"
 
