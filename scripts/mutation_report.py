@@ -4,8 +4,9 @@ tests/mutation_equivalent.txt, why. docs/testing.md says how to read it.
 
     python scripts/mutation_report.py OUT [--root DIR]     (DIR: where mutants/ and pyproject.toml are)
 
-The score counts a timeout as killed (the mutant made the tests hang: they noticed), and a mutant that no selected
-test runs ("no tests") as a survivor: code the tests never reach is code they cannot defend.
+The score counts a timeout or a crash as killed (the mutant made the tests hang or die: they noticed), and a
+mutant that no selected test runs ("no tests") as a survivor: code the tests never reach is code they cannot
+defend.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKS = ROOT / "tests" / "mutation_equivalent.txt"
-KILLED = {"killed", "timeout", "caught by type check"}
+KILLED = {"killed", "timeout", "caught by type check", "segfault"}  # the tests noticed: failed, hung or crashed
 
 
 def statuses(root: Path) -> dict[str, str]:
