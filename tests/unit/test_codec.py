@@ -425,3 +425,19 @@ def test_merge_weights_by_rule_and_their_refusals_by_name():
         merge_weights([0, 0], [1, 1], "uniform")
     assert codec.dequantize(torch.tensor([3]), torch.tensor([0.5])).dtype == torch.float32
     assert codec.quantize(torch.tensor([1.0]), torch.tensor([0.5]), 4).dtype == torch.int32
+
+
+def test_empty_parts_and_all_zero_sums_round_trip_and_a_sparse_count_past_its_block_is_refused():
+    fmt = codec.TopKFormat(4, 2, 0.02)
+    empty = torch.zeros(0, dtype=torch.int64)
+    assert fmt.decode(fmt.encode(empty, torch.zeros(0, dtype=torch.bool)), 0).numel() == 0
+    assert fmt.decode_sum(fmt.encode_sum(empty), 0).numel() == 0
+    zeros = torch.zeros(100, dtype=torch.int64)  # a sum where every sender's codes cancelled: no entry at all
+    assert torch.equal(fmt.decode_sum(fmt.encode_sum(zeros), 100).long(), zeros)
+    # the second block (100 values) claims 101 entries, every index inside it: refused, as in the first block
+    n, width = codec.BLOCK + 100, codec.sum_width(4, 2)
+    counts = codec.pack(torch.tensor([0, 101]) - (1 << (codec.COUNT_WIDTH - 1)), codec.COUNT_WIDTH)
+    indices = codec.pack(torch.arange(101) % 100 - (1 << (codec.INDEX_WIDTH - 1)), codec.INDEX_WIDTH)
+    crafted = bytes([codec.RAW]) + counts + indices + codec.pack(torch.ones(101, dtype=torch.int64), width)
+    with pytest.raises(ValueError, match="^sparse sum indices out of their block$"):
+        fmt.decode_sum(crafted, n)

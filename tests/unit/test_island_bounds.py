@@ -6,7 +6,7 @@ import torch
 
 from p2pdiloco.core import codec, exact
 from p2pdiloco.core.claims import block_norms
-from p2pdiloco.protocol.island import (Bounds, PenaltyBox, cap_to_median, clip_to_block_median, cut_to_median_norm,
+from p2pdiloco.protocol.island import (Bounds, PenaltyBox, Stragglers, cap_to_median, clip_to_block_median, cut_to_median_norm,
                                        discount_stale, member_weights, plan_island)
 from p2pdiloco.protocol.remote import Expect, parse_island
 
@@ -402,10 +402,13 @@ def test_blame_and_refusals_end_at_their_time_and_the_oldest_refusal_goes_first(
     box.blame(["m"], now=1.0)
     assert box.active(0.5) == ["m", "z", "a"] and box.active(10.0) == ["m"]  # ended at 10.0: not active then
     keys = RefusedKeys(seconds=10.0, limit=2)
-    keys.refuse((1, "b"), now=0.0)
-    keys.refuse((9, "a"), now=1.0)
+    keys.refuse((9, "a"), now=0.0)
+    keys.refuse((1, "b"), now=1.0)
     keys.refuse((5, "c"), now=2.0)  # over the limit: the one refused first goes, not the lowest key
-    assert keys.active(3.0) == {(9, "a"), (5, "c")} and keys.active(11.0) == {(5, "c")}
+    assert keys.active(3.0) == {(1, "b"), (5, "c")} and keys.active(11.0) == {(5, "c")}
+    late = Stragglers(window=10.0)
+    late.late(["a"], now=0.0)
+    assert late.late(["a"], now=10.0) == frozenset()  # exactly a window later: outside it
 
 
 def test_top_k_keeps_one_value_of_a_block_too_small_for_its_fraction():

@@ -508,3 +508,45 @@ def test_the_wire_bytes_of_an_all_reduce_are_a_butterflys():
     assert allreduce_wire_bytes(1000, 1) == 0 and allreduce_wire_bytes(1000, 0) == 0
     assert allreduce_wire_bytes(1000, 2) == 4000 and allreduce_wire_bytes(1000, 4) == 6000
     assert allreduce_wire_bytes(1000, 4, bytes_per_element=1) == 1500
+
+
+def test_round_edges_the_mutants_found():
+    """Each assertion fails on a one-line change that every other test let pass (scripts/mutation.sh)."""
+    from p2pdiloco.protocol.round import ProtocolError
+
+    # a verified island's reason becomes "ok"; a sync of under a second still measures the link
+    clock = measured_clock()
+    rnd = new_round(clock=clock)
+    to_island(rnd, [record("b", ready=3)])
+    r = dataclasses.replace(reduced(member(ME), member("b")), reason="verified", sync_seconds=0.5)
+    o = rnd.on_island(r, 120.0).outcome
+    assert o.reason == "ok" and o.waited_for_island is False
+    assert clock.throughput.get() == pytest.approx(o.allreduce_bytes_model / 0.5)
+    # malformed RDA norms roll the round back, saying so
+    rda = new_round(rda_segments=((0, 4), (4, 8)))
+    to_island(rda, [record("b", ready=3)])
+    o = rda.on_island(reduced(member(ME), member("b")), 120.0).outcome  # members sent no norms
+    assert isinstance(o, RolledBack) and o.reason.startswith("round discarded: malformed RDA norms (")
+    # a solo round has no grace window; a round asked out of turn names both phases
+    alone = new_round()
+    alone.start([], 100.0)
+    assert alone.on_peers([], 101.0).outcome.grace_seconds == 0.0
+    with pytest.raises(ProtocolError, match=r"^round is in phase 'done', not 'island'$"):
+        alone.on_island(NoIsland(), 102.0)
+    # with a quorum of 2 and nobody else, the round waits for its deadline, then looks for an island anyway
+    lonely = new_round(quorum=2, sync_wait=5.0)
+    assert lonely.start([], 100.0).until == 160.0  # not the sync barrier's wait
+    assert isinstance(lonely.on_peers([], 160.0), FormIsland)
+    # peers looking from version 0 count toward the quorum, and an island merging from version 0 is in flight
+    zero = new_round(quorum=2, c=contribution(version=0))
+    zero.start([record("b", version=0, ready=0)], 100.0)
+    assert isinstance(zero.on_peers([record("b", version=0, ready=0)], 100.5), FormIsland)
+    flight = new_round(c=contribution(version=0))
+    b, c, d = (record("b", version=0, ready=0, merging=0), record("c", version=0, ready=0, merging=0),
+               record("d", version=0, ready=0))
+    flight.start([b, c, d], 100.0)
+    assert isinstance(flight.on_peers([b, c, d], 104.0), WaitForPeers)  # b and c's island from v0 is in flight
+    merged = [record("b", version=1), record("c", version=1), d]
+    assert isinstance(flight.on_peers(merged, 105.0), WaitForPeers)
+    assert isinstance(flight.on_peers([record("b", version=1, ready=1), merged[1], d], 106.0), FormIsland)
+    assert flight.quorum_seconds == pytest.approx(1.0)  # 6 s, less the 5 s spent waiting for their island

@@ -116,3 +116,17 @@ def test_error_feedback_lets_each_chunk_of_its_residual_go_and_writes_where_it_i
     fb.compensate(x)
     assert store.gone == [exact._CHUNK, 7]
     assert fb.record(x, x) is None and fb.residual.dtype == torch.float32 and not fb.residual.any()
+
+
+def test_the_pure_helpers_at_their_defaults():
+    from p2pdiloco.core import codec
+    from p2pdiloco.core.outer import weighted_merge
+
+    assert contains({"digest": "d"}, (0, "a")) is False  # no version of its own: nothing older than it is known
+    assert weighted_merge([torch.tensor([2.0])], [0.5]).tolist() == [1.0]  # a merge of one
+    fb = codec.ErrorFeedback()
+    x = torch.randn(100, generator=torch.Generator().manual_seed(1))
+    fb.alone(x, 4, codec.DenseFormat(4, 1))
+    residual = fb.residual
+    fb.alone(x, 4, codec.DenseFormat(4, 1))
+    assert fb.residual is residual  # overwritten in place: a second model-sized vector is never made
