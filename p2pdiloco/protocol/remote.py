@@ -100,14 +100,6 @@ class Malformed(ValueError):
     """A remote value failed validation; the message names the field and what was wrong."""
 
 
-class OtherWire(Malformed):
-    """A record of another wire version (`version`; -1 where it is not a number we can read)."""
-
-    def __init__(self, version: int):
-        self.version = version
-        super().__init__(f"wire version {version}, not this peer's {WIRE_VERSION}")
-
-
 def _str(value: Any, name: str, lo: int, hi: int) -> str:
     if not isinstance(value, str) or not lo <= len(value) <= hi:
         raise Malformed(f"{name} must be a string of {lo}..{hi} characters")
@@ -179,8 +171,8 @@ def record_wire(value: Any) -> int:
 
 def _peer_record(value: Any) -> PeerRecord:
     wire = record_wire(value)
-    if wire != WIRE_VERSION:
-        raise OtherWire(wire)
+    if wire != WIRE_VERSION:  # counted apart (record_wire), never parsed
+        raise Malformed(f"wire version {wire}, not this peer's {WIRE_VERSION}")
     v = _fields(value, _PEER_FIELDS, ("peer", "name", "version", "digest", "wire"))
     return PeerRecord(peer=_str(v["peer"], "peer", 1, MAX_ID), name=_str(v["name"], "name", 0, MAX_NAME),
                       version=_int(v["version"], "version"), digest=_str(v["digest"], "digest", MIN_DIGEST, MAX_DIGEST),

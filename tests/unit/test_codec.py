@@ -441,3 +441,21 @@ def test_empty_parts_and_all_zero_sums_round_trip_and_a_sparse_count_past_its_bl
     crafted = bytes([codec.RAW]) + counts + indices + codec.pack(torch.ones(101, dtype=torch.int64), width)
     with pytest.raises(ValueError, match="^sparse sum indices out of their block$"):
         fmt.decode_sum(crafted, n)
+
+
+def test_more_edges_the_mutants_found():
+    """Each assertion fails on a one-line change that every other test let pass (scripts/mutation.sh)."""
+    # int2's statistic of a block holding one selected value is that value's size, not half of it
+    assert codec.DenseFormat(2, 1).block_statistic(torch.tensor([-4.0])).tolist() == [4.0]
+    # a member merged at weight 0 carries nothing (no division by its weight)
+    assert codec.sent_of(torch.tensor([3, -1], dtype=torch.int32), torch.tensor([0.5]), 0.0).tolist() == [0.0, 0.0]
+    # top-k indices must increase throughout, not only past the first; in every block, not only the first
+    fmt = codec.TopKFormat(4, 2, 3 / 100)  # k = 3 in a block of 100
+    with pytest.raises(ValueError, match="not strictly increasing"):
+        fmt.decode(_topk_part([[1, 5, 3]], [[1, 1, 1]], fmt), 100)
+    two = codec.TopKFormat(4, 2, 1 / 100)  # k = 1 in the second block, of 100 values
+    n = codec.BLOCK + 100
+    k_first = two.k(codec.BLOCK)
+    bad = _topk_part([list(range(k_first)), [100]], [[1] * k_first, [1]], two)  # 100: one past the second block
+    with pytest.raises(ValueError, match="out of their block"):
+        two.decode(bad, n)

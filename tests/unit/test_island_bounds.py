@@ -288,6 +288,7 @@ def test_a_member_bounded_twice_has_both_notes_and_a_left_out_member_is_named():
     plan = plan_island(parse_island([*records, big, blamed], Expect(N)), "tokens2", 60.0, N)
     assert plan.bounded[3] == "merge weight capped at 2× the island's median; 4 block maxima clipped"
     assert set(plan.left_out) == {4} and plan.weights[4] == 0.0 and plan.maxabs[4].sum() == 0
+    assert plan.norms[4].sum() == 0 and not plan.clipped[4].any() and plan.clipped[4].dtype == torch.bool
 
 
 def test_members_with_a_zero_delta_do_not_count_in_the_median_norm():
@@ -381,6 +382,9 @@ def test_an_island_of_clients_keeps_its_deadline_and_who_was_left_out():
     plan = plan_island(parse_island(records, Expect(N)), "tokens2", 60.0, N, clients=frozenset({0, 1}))
     assert plan.weights is None and plan.deadline == 20.0 and plan.clients == {0, 1} and plan.left_out == {}
     assert plan.reason == "every merged member is in client mode: none can reduce a part"
+    blamed = [dict(member("a", delta), blame=["c"]), dict(member("b", delta), blame=["c"]), member("c", delta)]
+    plan = plan_island(parse_island(blamed, Expect(N)), "tokens2", 60.0, N, clients=frozenset({0, 1}))
+    assert plan.weights is None and set(plan.left_out) == {2}  # the one dialable member was left out
 
 
 def test_deadlines_and_budgets_at_their_edges():
