@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Mutation testing of the pure layers (p2pdiloco/core/ and p2pdiloco/protocol/) against their fast unit tests,
-# with mutmut (its settings: [tool.mutmut] in pyproject.toml). Long (about an hour on 2 cores): run it before a
+# with mutmut (its settings: [tool.mutmut] in pyproject.toml). Long (over an hour on 2 cores): run it before a
 # release and for an issue's note, not in CI. How to read what it writes: docs/testing.md.
 #   bash scripts/mutation.sh [OUT]        (default runs/mutation: survivors.txt, the surviving mutants' diffs,
 #                                          and summary.txt, the counts and the score; mutants/ keeps mutmut's cache)

@@ -59,6 +59,8 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--root", type=Path, default=ROOT)
     parser.add_argument("--no-diffs", action="store_true", help="List the survivors without their diffs (faster).")
+    parser.add_argument("--compare", type=Path, help="Another run's root (before a change): both scores on the "
+                                                     "mutants both runs checked, by the same name.")
     a = parser.parse_args()
     found, marked = statuses(a.root), marks()
     if not found:
@@ -76,6 +78,18 @@ def main() -> None:
     for layer in sorted({layer for layer, _ in by_layer}):
         k, s = by_layer[(layer, True)], by_layer[(layer, False)]
         lines.append(f"  {layer}: {k}/{k + s} = {100 * k / max(k + s, 1):.1f} %")
+    unchecked = [n for n, st in found.items() if st == "not checked"]
+    if unchecked:
+        lines.append(f"not checked yet: {len(unchecked)} (the run was stopped); the score counts them as survivors")
+        checked = {n: st for n, st in found.items() if st != "not checked" and n not in equivalent}
+        k = sum(st in KILLED for st in checked.values())
+        lines.append(f"score of the checked mutants: {k}/{len(checked)} = {100 * k / max(len(checked), 1):.1f} %")
+    if a.compare:
+        other = statuses(a.compare)
+        both = [n for n in found if n in other and "not checked" not in (found[n], other[n])]
+        for label, run in (("this run", found), ("compared run", other)):
+            k = sum(run[n] in KILLED for n in both)
+            lines.append(f"{label} on the {len(both)} mutants both checked: {k} killed = {100 * k / max(len(both), 1):.1f} %")
     stale = sorted(set(marked) - set(found))
     if stale:
         lines.append(f"marks naming no mutant (the code moved: look again): {', '.join(stale)}")
