@@ -111,7 +111,7 @@ def _value(v):
 
 
 def config_or_usage_error(options: dict) -> PeerConfig:
-    from p2pdiloco.runtime.faults import FaultPlan, FaultPlanError
+    from p2pdiloco.faults import FaultPlan, FaultPlanError
 
     try:
         cfg = build_config(options)

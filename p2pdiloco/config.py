@@ -273,7 +273,7 @@ class SwarmConfig:
     robust_merge: bool = option(
         False, "For swarms that expect attackers: each reducer also leaves out parts that point away from the "
         "others' (needs --compression).")
-    fault_plan: str = option("", "Test-only fault plan (p2pdiloco.runtime.faults).", hidden=True,
+    fault_plan: str = option("", "Test-only fault plan (p2pdiloco.faults).", hidden=True,
                              envvar="P2PDILOCO_FAULT_PLAN")
 
     def __post_init__(self):

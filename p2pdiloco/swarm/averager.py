@@ -21,7 +21,6 @@ import math
 import os
 import signal
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Callable, Optional, Sequence
@@ -39,12 +38,11 @@ from p2pdiloco.core.claims import Claims, block_norms, claims_in_codes
 from p2pdiloco.protocol.island import Bounds, PenaltyBox, Stragglers, plan_island
 from p2pdiloco.protocol.remote import Expect, parse_island
 from p2pdiloco.protocol.round import IslandReduced
-from p2pdiloco.runtime.faults import NO_FAULTS, FaultPlan
 from p2pdiloco.runtime.heap import give_back_free_heap
 from p2pdiloco.runtime.paging import FileVectors
 from p2pdiloco.swarm.codes import Codes, CodesExchange, codec_cpu_seconds, faults_and_late, piece_ranges
 from p2pdiloco.swarm.auth import MemberPasses
-from p2pdiloco.swarm.statefetch import PartServer, parse_part_request, request_pass
+from p2pdiloco.swarm.statefetch import PartServer, request_pass
 from p2pdiloco.protocol.timing import allreduce_wire_bytes
 
 logger = get_logger(__name__)
@@ -97,11 +95,11 @@ class ExactAverager(DecentralizedAverager):
     join_linger = JOIN_LINGER
 
     def __init__(self, n_elements: int, max_group: int, state_provider: StateProvider, weighting: str,
-                 allreduce_cap: float, expect: Expect, fault_plan: FaultPlan = NO_FAULTS,
+                 allreduce_cap: float, expect: Expect,
                  bits: int = codec.BITS["none"], topk: Optional[float] = None, bounds: Bounds = Bounds(), robust: bool = False,
                  passes: Optional[MemberPasses] = None, buffer_folder: Optional[Path] = None, **kwargs):
         self.n_elements, self.max_group, self.weighting, self.bounds = n_elements, max_group, weighting, bounds
-        self.allreduce_cap, self.expect, self.fault_plan = allreduce_cap, expect, fault_plan
+        self.allreduce_cap, self.expect = allreduce_cap, expect
         self.bits = bits  # codes' width on the wire (swarm.codes)
         self.topk = topk  # send only this fraction of each block (codec.TopKFormat)
         pieces = len(piece_ranges(0, n_elements))  # one part's can be no more than the whole model's
@@ -175,9 +173,6 @@ class ExactAverager(DecentralizedAverager):
         running = self._running_groups.get(group_info.group_id)
         if running is not None and not running.done():
             running.set_result(None)
-        own = island.members[my_index]
-        if own is not None and self.fault_plan.due("die_in_allreduce", own.version):
-            asyncio.get_running_loop().call_later(0.05, _die)
         peers = [group_info.peer_ids[i] for i in included]
         reducers = [group_info.peer_ids[i] for i in plan.reducers]
         levels = codec.levels(self.bits)  # int2 agrees its scales from the mean |value|: no maximum to hold to
@@ -324,38 +319,19 @@ class ExactAverager(DecentralizedAverager):
     async def rpc_state_part(self, request: averaging_pb2.DownloadData,
                              context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
         """One part of our global state for a joiner fetching from several donors (swarm.statefetch)."""
-        if getattr(self, "_part_server", None) is None:
-            # hivemind==1.1.12's own channel from the averager process to the host's get_current_state
-            self._part_server = PartServer(self._get_current_state_from_host_process)
-            self._parts_served = Counter()  # by requester and state, for the fault plan
         if self._passes is not None and not self._passes.valid(str(context.remote_id), request_pass(request)):
             yield averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(dict(
                 error="no valid pass: this swarm's state goes only to peers that hold its key")))
             return
-        await self._maybe_die_while_sharing(request, context)
-        slow = self.fault_plan.version_of("slow_sharing") is not None
-        async for message in self._part_server.serve_part(request):
-            if slow:  # slow on the wire, but after the snapshot is taken: not late to look (the state moves on)
-                await asyncio.sleep(0.2)
+        async for message in self._serve_part(request, context):
             yield message
-            if message.HasField("tensor_part") and self.fault_plan.version_of("die_while_sharing") is not None:
-                self._parts_served[_transfer_of(request, context)] += 1
 
-    async def _maybe_die_while_sharing(self, request: averaging_pb2.DownloadData, context: P2PContext) -> None:
-        """Fault plan: die with a part request in flight; aimed at peers, once one got a part of this state
-        from us (on loopback a whole part arrives in one message, so only a request we never answer reliably
-        breaks a transfer midway)."""
-        plan = self.fault_plan
-        die_from, targets = plan.version_of("die_while_sharing"), plan.targets_of("die_while_sharing")
-        transfer = _transfer_of(request, context)
-        if die_from is None or transfer is None or transfer[1] < die_from:
-            return
-        if targets and (transfer[0] not in targets or not self._parts_served[transfer]):
-            return
-        logger.warning(f"fault plan: dying while sharing state with {transfer[0]}")
-        await asyncio.sleep(0.1)
-        os.kill(os.getppid(), signal.SIGKILL)
-        os.kill(os.getpid(), signal.SIGKILL)
+    def _serve_part(self, request: averaging_pb2.DownloadData, context: P2PContext):
+        """The messages of one part we serve, once the requester was let in."""
+        if getattr(self, "_part_server", None) is None:
+            # hivemind==1.1.12's own channel from the averager process to the host's get_current_state
+            self._part_server = PartServer(self._get_current_state_from_host_process)
+        return self._part_server.serve_part(request)
 
     def get_current_state(self):
         """Runs in the host process when a peer downloads our state (late join, resync)."""
@@ -387,21 +363,6 @@ class WholeMessagePipe:
 
     def __getattr__(self, name):  # fileno, poll, send, close: the connection's own
         return getattr(self._connection, name)
-
-
-def _die() -> None:
-    """Fault plan: SIGKILL the whole peer (host first) while the round's tensors are moving."""
-    os.kill(os.getppid(), signal.SIGKILL)
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _transfer_of(request: averaging_pb2.DownloadData, context: P2PContext) -> Optional[tuple[str, int, str]]:
-    """(requester, version, digest) of a part request, None if malformed."""
-    try:
-        version, digest, _, _ = parse_part_request(request.metadata)
-    except ValueError:
-        return None
-    return str(context.remote_id), version, digest
 
 
 def _encode_piece(delta: torch.Tensor, weight: float, scales: torch.Tensor, bits: int, fmt, start: int,

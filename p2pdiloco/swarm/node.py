@@ -5,8 +5,10 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
+import threading
+import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from hivemind import DHT
 
@@ -38,10 +40,11 @@ def dht_kwargs(cfg: SwarmConfig) -> dict:
     return kwargs
 
 
-def start_dht(cfg: SwarmConfig, client_mode: bool = False) -> DHT:
-    """Start (and bootstrap) a DHT node in a background process, bounded by `cfg.connect_timeout`. A client
-    (`client_mode`) asks others and serves nothing: onlookers such as `p2pdiloco status`, and peers that nobody
-    can dial (`cfg.client_mode`)."""
+def start_dht(cfg: SwarmConfig, client_mode: bool = False, leaving: Callable[[], bool] = lambda: False) -> DHT:
+    """Start (and bootstrap) a DHT node in a background process, bounded by `cfg.connect_timeout`, and by
+    `leaving()`: a peer asked to stop while it connects leaves at once (its lifeline takes down what the start
+    spawned). A client (`client_mode`) asks others and serves nothing: onlookers such as `p2pdiloco status`, and
+    peers that nobody can dial (`cfg.client_mode`)."""
     check_addresses(cfg)
     kwargs = dict(dht_kwargs(cfg), client_mode=client_mode or cfg.client_mode)
     try:
@@ -51,21 +54,32 @@ def start_dht(cfg: SwarmConfig, client_mode: bool = False) -> DHT:
     if key is not None:
         kwargs["authorizer"] = SwarmKeyAuthorizer(key)
     initial = list(cfg.initial_peers) or None
-    pool = concurrent.futures.ThreadPoolExecutor(1)
-    future = pool.submit(_without_sigint, DHT, initial_peers=initial, start=True,
-                         startup_timeout=cfg.connect_timeout, shutdown_timeout=STOP_WAIT, **kwargs)
+    future = concurrent.futures.Future()
+    # a daemon thread, not a pool's: the interpreter's exit must not wait for a start we gave up on
+    threading.Thread(target=_into, args=(future, _without_sigint, DHT), daemon=True, name="dht-start", kwargs=dict(
+        initial_peers=initial, start=True, startup_timeout=cfg.connect_timeout, shutdown_timeout=STOP_WAIT,
+        **kwargs)).start()
+    deadline = time.monotonic() + cfg.connect_timeout + 5
+    while not future.done() and time.monotonic() < deadline and not leaving():
+        concurrent.futures.wait([future], timeout=0.1)
+    if not future.done():
+        why = "asked to stop while connecting" if leaving() else f"no answer within {cfg.connect_timeout:.0f} s"
+        raise SwarmConnectError(_unreachable(cfg, why))
     try:
-        dht = future.result(timeout=cfg.connect_timeout + 5)
-    except concurrent.futures.TimeoutError:
-        raise SwarmConnectError(_unreachable(cfg, f"no answer within {cfg.connect_timeout:.0f} s")) from None
+        dht = future.result()
     except Exception as e:  # hivemind raises several types here (P2PDaemonError, ValueError, ...)
         raise SwarmConnectError(_unreachable(cfg, f"{type(e).__name__}: {e}")) from None
-    finally:
-        pool.shutdown(wait=False)
     if initial and not _has_neighbours(dht):
         dht.shutdown()
         raise SwarmConnectError(_unreachable(cfg, "no initial peer answered"))
     return dht
+
+
+def _into(future: concurrent.futures.Future, make, *args, **kwargs) -> None:
+    try:
+        future.set_result(make(*args, **kwargs))
+    except BaseException as e:
+        future.set_exception(e)
 
 
 def check_addresses(cfg: SwarmConfig) -> None:

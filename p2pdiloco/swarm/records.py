@@ -62,8 +62,9 @@ def other_wires(dht: DHT, run_id: str, timeout: float = DHT_CALL_TIMEOUT) -> Cou
 
 
 class Heartbeat:
-    """Keeps this peer's record fresh and a recent view of everyone's, from a background thread, so the
-    training thread never waits on the DHT: `update` returns at once and the thread publishes right away."""
+    """Keeps this peer's record fresh and a recent view of everyone's, from a background thread (from `start`
+    on), so the training thread never waits on the DHT: `update` returns at once and the thread publishes right
+    away."""
 
     def __init__(self, dht: DHT, run_id: str, record: PeerRecord):
         self.dht, self.run_id, self.record = dht, run_id, record
@@ -71,7 +72,11 @@ class Heartbeat:
         self._stop, self._changed = threading.Event(), threading.Event()
         self._records: list[PeerRecord] = []
         self._thread = threading.Thread(target=self._loop, daemon=True, name="heartbeat")
+
+    def start(self) -> "Heartbeat":
+        """Publish from now on (a peer starts once its record tells its restored state)."""
         self._thread.start()
+        return self
 
     def update(self, **fields) -> None:
         """Change our record and publish it now (what rounds decide on: version, readiness)."""

@@ -9,111 +9,59 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import threading
 import time
 from collections import Counter
 from concurrent.futures import InvalidStateError
-from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 
-from p2pdiloco.config import OuterConfig, SwarmConfig
 from p2pdiloco.core import codec
-from p2pdiloco.core.exact import blockwise, digest
-from p2pdiloco.core.outer import Segment, rda_directions
+from p2pdiloco.core.exact import blockwise
+from p2pdiloco.core.outer import rda_directions
 from p2pdiloco.core.reach import RefusedKeys
 from p2pdiloco.core.state import sharing_priority, validate_state
 from p2pdiloco.protocol.outcomes import Contribution, RoundOutcome, Solo, StateTuple
-from p2pdiloco.protocol.island import Bounds, PenaltyBox
-from p2pdiloco.protocol.remote import MAX_VERSION, WIRE_VERSION, Expect, PeerRecord
+from p2pdiloco.protocol.island import PenaltyBox
+from p2pdiloco.protocol.remote import PeerRecord
 from p2pdiloco.protocol.round import (Done, Download, FormIsland, IslandFailed, IslandReduced, IslandResult,
-                                      NoIsland, RefreshPeers, Round, RoundRules, WaitForPeers, state_may_come)
-from p2pdiloco.protocol.timing import GracePolicy, RoundClock
-from p2pdiloco.runtime.faults import NO_FAULTS, FaultPlan
+                                      NoIsland, RefreshPeers, Round, WaitForPeers, state_may_come)
+from p2pdiloco.protocol.timing import RoundClock
 from p2pdiloco.runtime.heap import give_back_free_heap
-from p2pdiloco.runtime.paging import PagedStore
 from p2pdiloco.runtime.procio import io_counters, moved_since
 from p2pdiloco.runtime.waiting import result_unless_closed
-from p2pdiloco.swarm.auth import MemberPasses, load_swarm_key
-from p2pdiloco.swarm.averager import BodyStatistics, ExactAverager, averager_limits, gather_record
-from p2pdiloco.swarm.node import STOP_WAIT
+from p2pdiloco.swarm.averager import BodyStatistics, ExactAverager, gather_record
 from p2pdiloco.swarm.records import TTL, Heartbeat, fetch_records, other_wires
 from p2pdiloco.swarm.statefetch import StateFetcher
-from p2pdiloco.swarm.transfer import MAX_PART
+
+if TYPE_CHECKING:  # swarm.wiring builds us
+    from p2pdiloco.swarm.wiring import MergeSettings, WhyNotAdopt
 
 logger = get_logger(__name__)
 
 
-def averager_prefix(cfg: SwarmConfig, outer: OuterConfig) -> str:
-    """The DHT prefix of the run's islands: peers with another merge rule, codec or outer step never meet."""
-    sparsity = f"top{cfg.topk:g}" if cfg.topk else "dense"
-    merge_rule = (f"{outer.weighting}_{'rda' if outer.rda else 'mean'}_{cfg.compression}_{sparsity}"
-                  f"_w{outer.max_weight_ratio:g}_s{outer.max_scale_ratio:g}_n{outer.max_norm_ratio:g}"
-                  f"_a{outer.stale_factor:g}{'_robust' if cfg.robust_merge else ''}"
-                  f"_o{outer.lr:g}m{outer.momentum:g}").replace(".", "p")  # hivemind: no '.' in a prefix
-    return f"{cfg.run_id}_v{WIRE_VERSION}_{merge_rule}"
-
-
 class SwarmMerger:
-    def __init__(self, dht: DHT, cfg: SwarmConfig, outer: OuterConfig, n_params: int,
-                 segments: Sequence[Segment], heartbeat: Optional[Heartbeat], state_provider: Callable[[], StateTuple],
-                 stop: threading.Event, clock: RoundClock, overlap_steps: int, fault_plan: FaultPlan = NO_FAULTS,
-                 buffer_folder: Optional[Path] = None):
-        self.dht, self.cfg, self.outer, self.n, self.segments = dht, cfg, outer, n_params, list(segments)
-        # the heartbeat may come once the peer built its model (after the averager forked): set before any round
-        self.heartbeat, self.stop, self.clock, self.overlap_steps = heartbeat, stop, clock, overlap_steps
-        self.fault_plan = fault_plan
+    """Runs our rounds and state downloads over hivemind (p2pdiloco.swarm.wiring builds it, whole)."""
+
+    def __init__(self, settings: MergeSettings, dht: DHT, averager: ExactAverager, heartbeat: Heartbeat,
+                 fetcher: StateFetcher, feedback: Optional[codec.ErrorFeedback], why_not_adopt: WhyNotAdopt,
+                 stop: threading.Event, clock: RoundClock):
+        self.settings, self.dht, self.averager, self.heartbeat, self.fetcher = settings, dht, averager, heartbeat, fetcher
+        self.feedback, self.why_not_adopt, self.stop, self.clock = feedback, why_not_adopt, stop, clock
+        self.cfg, self.outer, self.n, self.peer = settings.cfg, settings.outer, settings.n, settings.peer
         self.penalties = PenaltyBox()  # whom we blame for failed rounds: gathered with our record
         self.refused = RefusedKeys()  # states we downloaded and would not take (p2pdiloco.core.reach)
-        # why a validated state is too far from ours (given whether it is corroborated); the peer sets it
-        self.why_not_adopt: Callable[[dict, list, bool], Optional[str]] = lambda metadata, tensors, corroborated: None
         self.closed = threading.Event()  # set on shutdown: a round still waiting gives up at once
         self._control = None  # the averager step of the round in flight, once it is looking for a group
-        self.buffer_size = n_params
-        self.limits = averager_limits(self.buffer_size, cfg.max_island, cfg.bandwidth_mbps)
-        self.grace_policy = GracePolicy(gamma=cfg.grace_gamma, floor=self.limits.matchmaking + 0.5)
-        self.rules = RoundRules(
-            mode=cfg.mode, quorum=cfg.quorum, max_staleness=cfg.max_staleness, sync_wait=cfg.sync_wait,
-            wait_for_newest=cfg.wait_for_newest, wait_for_island=cfg.wait_for_island,
-            overlap_steps=overlap_steps, grace=self.grace_policy, request_timeout=self.limits.request,
-            allreduce_cap=self.limits.allreduce_cap, buffer_elements=self.buffer_size, max_island=cfg.max_island,
-            declared_bytes_per_s=self.limits.initial_bytes_per_s,
-            rda_segments=tuple(self.segments) if outer.rda else ())
-        bounds = Bounds(outer.max_weight_ratio, outer.max_scale_ratio, outer.max_norm_ratio, outer.stale_factor)
-        self.bits, self.topk = codec.BITS[cfg.compression], cfg.topk
-        default_feedback = self.bits <= 4 or bool(cfg.topk)
-        feedback = cfg.error_feedback if cfg.error_feedback is not None else default_feedback
-        # the residual waits in a file beside the averaging buffer where the state is parked (4 B/param less)
-        store = PagedStore(buffer_folder, "residual-", "error feedback's residual") if buffer_folder else \
-            codec.VectorStore()
-        self.feedback = codec.ErrorFeedback(decay=cfg.error_feedback_decay, store=store) if feedback else None
-        key = load_swarm_key(cfg.swarm_key_file)  # checked when the DHT started
-        self.passes = MemberPasses(key) if key is not None else None
-        self.averager = ExactAverager(
-            n_params, cfg.max_island, state_provider, outer.weighting, self.limits.allreduce_cap,
-            Expect(n_params, len(self.segments) if outer.rda else 0), fault_plan, self.bits, cfg.topk, bounds,
-            cfg.robust_merge, self.passes, buffer_folder,  # in a file there, paged in a piece at a time
-            dht=dht, prefix=averager_prefix(cfg, outer), start=True,
-            min_group_size=max(2, cfg.quorum),  # hivemind would "form" a group of 1 at once; K=1 is ours
-            min_matchmaking_time=self.limits.matchmaking, request_timeout=self.limits.request,
-            allreduce_timeout=self.limits.allreduce_cap, next_chunk_timeout=self.limits.next_chunk,
-            client_mode=cfg.client_mode, allow_state_sharing=not cfg.client_mode, initial_group_bits=self._group_bits(0), shutdown_timeout=STOP_WAIT,
-        )
-        self.peer = dht.peer_id.to_base58()
-        part_timeout = 5.0 + 4 * 4 * MAX_PART / self.limits.initial_bytes_per_s  # 4× the declared link's time
-        self.credential = self.passes.of(self.peer) if self.passes else b""
-        self.fetcher = StateFetcher(dht, lambda p2p, peer: self.averager.get_stub(
-            p2p, peer, namespace=self.averager.prefix), part_timeout, self.credential)
 
     # ---- the round: the protocol decides, we do ----------------------------------------------------------
     def merge(self, c: Contribution) -> RoundOutcome:
         try:
-            outcome = self._drive(Round(self.rules, self.peer, c, self.clock, time.monotonic()))
+            outcome = self._drive(Round(self.settings.rules, self.peer, c, self.clock, time.monotonic()))
         finally:
             self.heartbeat.update(ready=-1)  # `merging` stays until the outcome's state is published (below)
         return self._solo(c, outcome) if isinstance(outcome, Solo) else outcome
@@ -127,7 +75,7 @@ class SwarmMerger:
         with self.averager.buffer() as buffer:
             merged = buffer[: self.n]
             if self.feedback is not None and not self.outer.rda:
-                self.feedback.alone(source, self.bits, self.averager.wire_format(1), out=merged,
+                self.feedback.alone(source, self.settings.bits, self.averager.wire_format(1), out=merged,
                                     release=self.averager.page_out)
             else:
                 for part, _ in blockwise(self.n):
@@ -175,23 +123,17 @@ class SwarmMerger:
         refused = self.refused.active(time.monotonic())
         return [r for r in fetch_records(self.dht, self.cfg.run_id) if r.peer != self.peer and r.key not in refused]
 
-    def _group_bits(self, version: int) -> str:
-        until = self.fault_plan.version_of("partition_until")
-        return "1" if until is not None and version < until else ""
-
     def _start_in(self, island: FormIsland) -> float:
         """When we offer to begin the all-reduce, in seconds from now. hivemind's followers join only leaders that
         begin no later than they offered. A peer in client mode never leads, so offering the end of its grace
         window would shut it out of every island whose leader arrived after it; it offers the latest start its
         search allows instead, and joins whichever island begins first."""
         if self.cfg.client_mode:
-            return island.find_timeout - self.limits.request
+            return island.find_timeout - self.settings.limits.request
         return island.grace
 
     def _island(self, c: Contribution, island: FormIsland) -> Optional[IslandResult]:
         """Run one island attempt; None if we are leaving."""
-        if self._group_bits(c.version) != self._group_bits(0):
-            self.averager.set_group_bits(self._group_bits(c.version))
         gather = self._load_buffer(c, island)
         give_back_free_heap()  # that pass's chunk temporaries, freed: not resident while the all-reduce runs
         control = self._control = self.averager.step(
@@ -243,16 +185,13 @@ class SwarmMerger:
                 statistics.add(piece, blocks)
                 self.averager.page_out(part)
             del source
-            sent, claimed_tokens = hostile(self.fault_plan, body, c)  # test-only: a lying peer (fault plan)
-            if sent is not body:  # the lie goes on the wire; the record keeps the honest statistics
-                buffer[: self.n] = sent
-        return gather_record(self.peer, c.name, c.version, claimed_tokens, c.steps, statistics, c.digest,
+        return gather_record(self.peer, c.name, c.version, c.tokens, c.steps, statistics, c.digest,
                              island.budget, norms, blame=self.penalties.active(time.monotonic()),
-                             credential=self.credential)
+                             credential=self.settings.credential)
 
     def _uncompensated(self, c: Contribution) -> tuple[torch.Tensor, list]:
         """Our contribution as sent before error feedback: Δ, or its RDA directions (and their norms)."""
-        return rda_directions(c.delta, self.segments) if self.outer.rda else (c.delta, [])
+        return rda_directions(c.delta, self.settings.segments) if self.outer.rda else (c.delta, [])
 
     def _contribution_parts(self, c: Contribution):
         """What `_uncompensated` gives, to read a slice at a time where it can be (Δ itself, without RDA)."""
@@ -263,7 +202,8 @@ class SwarmMerger:
         weight = next((w for m, w in zip(result.members, result.weights) if m.peer == self.peer), 0.0)
         if weight > 0:
             fmt = self.averager.wire_format(sum(w > 0 for w in result.weights))  # the members that sent codes
-            self.feedback.record_encoded(self._contribution_parts(c), weight, result.codec_scales, self.bits, fmt)
+            self.feedback.record_encoded(self._contribution_parts(c), weight, result.codec_scales, self.settings.bits,
+                                         fmt)
 
     def _traffic(self, before) -> dict:
         """What this round really moved (failed rounds too), measured on our averager process."""
@@ -285,12 +225,12 @@ class SwarmMerger:
         """The newest state from the swarm, at least `min_version`, validated. A donor that is older (right
         after a round the members that apply the merge publish it a moment later), dies mid-transfer or
         sends garbage is retried, next time from the best donor then, until the deadline."""
-        deadline = time.monotonic() + (timeout or max(10.0, self.limits.allreduce_cap))
+        deadline = time.monotonic() + (timeout or max(10.0, self.settings.limits.allreduce_cap))
         refused_here, gone_since = False, None
         while True:
             holders = state_donors(self.live_others(), min_version)
             loaded, donors = self._from_donors(holders, deadline)
-            if loaded is None and holders and self.passes is None and not refused_here and not self._stopping():
+            if loaded is None and holders and self.settings.passes is None and not refused_here and not self._stopping():
                 # one donor at a time, hivemind's way (no room for a pass); it would pick a refused donor again.
                 # Only while a live peer holds the version: else it can only fetch an older state, whole, to refuse
                 loaded, donors = self.load_state(timeout=max(1.0, deadline - time.monotonic())), []
@@ -395,35 +335,6 @@ def state_donors(records: Sequence[PeerRecord], min_version: int) -> Optional[tu
         return None
     best = max(r.key for r in records)
     return best, [r.peer for r in records if r.key == best]
-
-
-def hostile(plan: FaultPlan, body: torch.Tensor, c: Contribution) -> tuple[torch.Tensor, int]:
-    """What a hostile peer sends instead of its Δ, and the tokens it claims (its record's block maxima stay those of
-    its honest Δ, so they look plausible). Only through a test's fault plan, from the given version on."""
-    def on(action: str) -> bool:
-        at = plan.version_of(action)
-        return at is not None and c.version >= at
-
-    if on("hostile_scaled"):
-        return body * 100, min(c.tokens * 1000, MAX_VERSION)
-    if on("hostile_random"):  # noise of the same spread as its Δ
-        return torch.randn_like(body) * body.std(), min(c.tokens * 1000, MAX_VERSION)
-    if on("hostile_nan"):
-        return torch.full_like(body, math.nan), c.tokens
-    return body, c.tokens
-
-
-def hostile_state(plan: FaultPlan, state) -> bool:
-    """A test's fault plan only (`hostile_ahead`): replace `state` (a GlobalState) with one of our own, 5 versions
-    ahead; whether it did."""
-    if not plan.due("hostile_ahead", state.version):
-        return False
-    theta, momentum = state.outer.state_tensors()
-    g = torch.Generator().manual_seed(state.version)
-    lie = [theta + torch.randn(theta.shape, generator=g) * float(theta.std()), momentum.clone()]
-    metadata = dict(version=state.version + 5, digest=digest(*lie), history=[list(k) for k in state.history])
-    state.load(metadata, lie)
-    return True
 
 
 def merging_announcer(control, heartbeat: Heartbeat, version: int) -> Callable[[], None]:

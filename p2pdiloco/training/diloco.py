@@ -475,14 +475,16 @@ def train(diloco: DiLoCo, steps_per_round: int, should_leave: Callable[[], bool]
           on_round: Callable[[Settled], None] = lambda s: None, synchronous: bool = False,
           round_seconds: Optional[float] = None,
           final_wait: Callable[[], float] = lambda: 120.0,
-          on_contribute: Callable[[Contribution], None] = lambda c: None) -> None:
+          on_contribute: Callable[[Contribution], None] = lambda c: None,
+          ready: Callable[[], bool] = lambda: True) -> None:
     """Run inner steps until `should_leave()`; contribute every `steps_per_round` steps (or every
-    `round_seconds`, a time-budgeted H that sizes each peer's rounds to its speed)."""
+    `round_seconds`, a time-budgeted H that sizes each peer's rounds to its speed), once `ready()` (a restarted
+    peer trains while it joins, and contributes only once it has)."""
     since_steps, since_time = 0, time.monotonic()
     while not should_leave():
         due = since_steps >= steps_per_round if round_seconds is None else (
             since_steps > 0 and time.monotonic() - since_time >= round_seconds)
-        if due and diloco.in_flight is None and diloco.merger is not None:  # None: still connecting
+        if due and diloco.in_flight is None and ready():
             diloco.contribute()
             on_contribute(diloco.in_flight.contribution)
             since_steps, since_time = 0, time.monotonic()

@@ -21,7 +21,7 @@ from hivemind import DHT, DecentralizedAverager
 # only to find the run's islands and their buffer size, as anyone reading p2pdiloco's source could
 from p2pdiloco.config import OuterConfig, SwarmConfig
 from p2pdiloco.swarm.averager import AVERAGED_CHUNK
-from p2pdiloco.swarm.rounds import averager_prefix
+from p2pdiloco.swarm.wiring import averager_prefix
 from p2pdiloco.training.model import build_model
 
 

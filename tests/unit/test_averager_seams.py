@@ -148,12 +148,10 @@ def test_in_a_swarm_with_a_key_an_island_leaves_out_members_without_a_pass_or_wi
 
 
 def test_in_a_swarm_with_a_key_state_parts_go_only_to_requesters_with_their_own_valid_pass():
-    from p2pdiloco.runtime.faults import NO_FAULTS
     from p2pdiloco.swarm.auth import MemberPasses
 
     passes = MemberPasses(b"k" * 32)
     averager = bare_averager(passes=passes)
-    averager.fault_plan = NO_FAULTS
 
     class Parts:  # the donor's part server, past our hook
         async def serve_part(self, request):

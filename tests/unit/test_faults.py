@@ -2,7 +2,7 @@
 
 import pytest
 
-from p2pdiloco.runtime.faults import FaultPlan, FaultPlanError
+from p2pdiloco.faults import FaultPlan, FaultPlanError
 
 
 def test_a_kill_planned_at_a_version_is_due_from_it_on_so_a_peer_that_starts_behind_still_dies():

@@ -60,7 +60,7 @@ def test_heartbeat_never_makes_the_caller_wait_on_the_dht_and_keeps_a_view_of_pe
                 return done(SimpleNamespace(value=dict(self.table)))
 
     dht = SlowDHT()
-    beat = Heartbeat(dht, "run", PeerRecord(**GOOD))
+    beat = Heartbeat(dht, "run", PeerRecord(**GOOD)).start()
     try:
         started = time.monotonic()
         beat.update(version=9)

@@ -8,8 +8,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "p2pdiloco"
 # lower layers first; a module may import its own layer and those listed before it
-LAYERS = [("config", "runtime"), ("core",), ("protocol",), ("training",), ("swarm", "sim"), ("peer",), ("ops",),
-          ("cli", "__main__")]
+LAYERS = [("config", "runtime"), ("core",), ("protocol",), ("training",), ("swarm", "sim"), ("faults",), ("parts",),
+          ("peer",), ("ops",), ("cli", "__main__")]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 NO_CLOCK = {"hivemind", "time", "datetime", "asyncio", "socket", "subprocess", "multiprocessing"}
 # the protocol is a pure state machine; the math may hold a lock (the global state is read by the averager)

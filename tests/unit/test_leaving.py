@@ -12,12 +12,11 @@ import torch
 
 from p2pdiloco.protocol.outcomes import Contribution, RolledBack
 from p2pdiloco.protocol.remote import PeerRecord
-from p2pdiloco.protocol.round import RoundRules
-from p2pdiloco.protocol.timing import RoundClock
 from p2pdiloco.runtime.waiting import LeavingError, result_unless_closed
 from p2pdiloco.swarm.rounds import SwarmMerger, merging_announcer
 from p2pdiloco.swarm.statefetch import StateFetcher
 from p2pdiloco.swarm.transfer import TransferError
+from tests.harness.merger import fake_merger
 
 
 def close_after(seconds: float, close) -> threading.Thread:
@@ -74,8 +73,8 @@ def test_a_peer_says_in_its_record_when_its_island_closed_to_others_while_it_wai
     assert beat.updates == [dict(merging=3)] and beat.record.merging == 3
     # withdrawn with the state the island made, never before: no moment shows neither the island nor its merge.
     # The round's end keeps it (withdrawn there, peers that had waited forked: seen on the H200 machine)
-    merger = SimpleNamespace(cfg=SimpleNamespace(client_mode=True), heartbeat=beat, rules=RoundRules(), peer="p",
-                             clock=RoundClock(), feedback=None, _drive=lambda rnd: RolledBack(reason="test"))
+    merger = fake_merger(4, heartbeat=beat, peer="p", client_mode=True, initial_peers=("/ip4/127.0.0.1/tcp/1",))
+    merger._drive = lambda rnd: RolledBack(reason="test")
     contribution = Contribution.of(torch.zeros(4), tokens=1, steps=1, version=3, peer="p", name="p", digest="abcdef")
     assert isinstance(SwarmMerger.merge(merger, contribution), RolledBack)
     assert beat.record.merging == 3 and beat.record.ready == -1

@@ -3,22 +3,19 @@ go a chunk at a time by every pass over it, the host's and the averager's, with 
 
 import contextlib
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
 from hivemind.averaging.averager import compute_schema_hash
 
 from p2pdiloco.core import codec, exact
-from p2pdiloco.protocol.island import PenaltyBox
 from p2pdiloco.protocol.outcomes import Contribution, Solo
 from p2pdiloco.core.state import GlobalState
 from p2pdiloco.protocol.round import FormIsland
-from p2pdiloco.runtime.faults import NO_FAULTS
 from p2pdiloco.runtime.paging import FileVectors, PagedStore
 from p2pdiloco.swarm.averager import (AVERAGED_CHUNK, BodyStatistics, ExactAverager, _encode_piece, _land_piece,
                                       _paged_buffer, hivemind_schema)
-from p2pdiloco.swarm.rounds import SwarmMerger
+from tests.harness.merger import fake_merger
 
 MB = 1 << 20
 
@@ -116,10 +113,9 @@ def test_the_hosts_load_pass_holds_a_chunk_of_the_buffer_at_a_time_and_gathers_t
     averager = RecordingAverager(n, tmp_path, wire)
     feedback = codec.ErrorFeedback()
     feedback.residual = residual
-    merger = SimpleNamespace(averager=averager, n=n, outer=SimpleNamespace(rda=False), feedback=feedback,
-                             fault_plan=NO_FAULTS, peer="me", penalties=PenaltyBox(), credential=b"")
+    merger = fake_merger(n, averager, feedback=feedback, bits=wire.bits)
     c = Contribution.of(delta, tokens=10, steps=2, version=3, peer="me", name="me", digest="d")
-    record = SwarmMerger._load_buffer(merger, c, FormIsland(1.0, 2.0, 3.0, 4.0))
+    record = merger._load_buffer(c, FormIsland(1.0, 2.0, 3.0, 4.0))
 
     assert_let_go_a_chunk_at_a_time(averager.resident, n)
     assert averager.file.resident_bytes() < 2 * 4096  # nothing of it left with us (the pages at its ends)
@@ -237,10 +233,9 @@ def test_a_solo_update_is_made_in_the_averaging_buffer_a_chunk_at_a_time(tmp_pat
     delta = torch.randn(n) * 1e-3
     averager = RecordingAverager(n, tmp_path, wire)
     held = codec.ErrorFeedback()
-    merger = SimpleNamespace(averager=averager, n=n, outer=SimpleNamespace(rda=False),
-                             feedback=codec.ErrorFeedback() if feedback else None, bits=wire.bits)
+    merger = fake_merger(n, averager, feedback=codec.ErrorFeedback() if feedback else None, bits=wire.bits)
     c = Contribution.of(delta, tokens=10, steps=2, version=3, peer="me", name="me", digest="d")
-    outcome = SwarmMerger._solo(merger, c, Solo.own(c))
+    outcome = merger._solo(c, Solo.own(c))
 
     assert_let_go_a_chunk_at_a_time(averager.resident, n)
     assert averager.file.resident_bytes() < 2 * 4096

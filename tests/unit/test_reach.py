@@ -11,10 +11,10 @@ import torch
 
 from p2pdiloco.core.reach import RefusedKeys, versions_apart
 from p2pdiloco.core.state import GlobalState
-from p2pdiloco.protocol.island import PenaltyBox
 from p2pdiloco.protocol.remote import PeerRecord
 from p2pdiloco.swarm import rounds
 from p2pdiloco.swarm.rounds import SwarmMerger
+from tests.harness.merger import fake_merger
 
 N, LR, MU = 4096, 0.7, 0.9
 
@@ -134,14 +134,9 @@ def driver(monkeypatch, ours: GlobalState, states: dict, extra=()):
         return SimpleNamespace(metadata=metadata, flat=torch.cat(tensors), parts_by_donor=Counter({donors[0]: 1}),
                                failed_donors=set(), requeued_parts=0)
 
-    merger = SimpleNamespace(
-        dht=None, cfg=SimpleNamespace(run_id="r"), peer="me", n=N, passes=None, refused=RefusedKeys(),
-        penalties=PenaltyBox(), limits=SimpleNamespace(allreduce_cap=5.0), fetcher=SimpleNamespace(fetch=fetch),
-        stop=SimpleNamespace(is_set=lambda: False), closed=SimpleNamespace(is_set=lambda: False),
-        load_state=lambda timeout: pytest.fail("hivemind's one-donor download would pick the liar again"),
-        why_not_adopt=ours.why_not_adopt, fetched=fetched)
-    for name in ("_from_donors", "_too_far", "live_others", "_stopping"):
-        setattr(merger, name, getattr(SwarmMerger, name).__get__(merger))
+    merger = fake_merger(N, fetcher=SimpleNamespace(fetch=fetch), why_not_adopt=ours.why_not_adopt, run_id="r")
+    merger.load_state = lambda timeout: pytest.fail("hivemind's one-donor download would pick the liar again")
+    merger.fetched = fetched
     return merger
 
 

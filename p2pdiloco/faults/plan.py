@@ -1,6 +1,6 @@
-"""Declarative fault plans for tests and chaos runs: an object injected at construction, never read from the
-environment by the classes that act on it. A peer gets one only through `join --fault-plan` (hidden; the
-launcher's environment sets it as P2PDILOCO_FAULT_PLAN), so normal runs carry the empty plan.
+"""Declarative fault plans for tests and chaos runs. A peer gets one only through `join --fault-plan` (hidden; the
+launcher's environment sets it as P2PDILOCO_FAULT_PLAN); the wiring then builds the faulty subclasses of this
+package in place of the production classes (`p2pdiloco.faults.seams_for`), so no production class reads a plan.
 
 Format: comma-separated `action@version`, optionally `action@version:PEER_ID:PEER_ID...` to aim the fault at
 the requests of those peers only:

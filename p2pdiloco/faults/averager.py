@@ -1,0 +1,76 @@
+"""Faults of the averager's process: dying mid all-reduce or mid state transfer, and serving state slowly."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections import Counter
+from typing import Optional
+
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
+from hivemind.utils.logging import get_logger
+
+from p2pdiloco.faults.plan import FaultPlan
+from p2pdiloco.swarm.averager import ExactAverager
+from p2pdiloco.swarm.statefetch import parse_part_request
+
+logger = get_logger(__name__)
+SLOW_PART_SECONDS = 0.2  # `slow_sharing`: each part of our state this late
+
+
+class FaultyAverager(ExactAverager):
+    """`die_in_allreduce`, `die_while_sharing` and `slow_sharing` (p2pdiloco.faults.plan)."""
+
+    def __init__(self, plan: FaultPlan, *args, **kwargs):
+        self.plan = plan
+        self._parts_served = Counter()  # by (requester, version, digest): parts of a state we sent it
+        if plan.version_of("partition_until"):  # until then, islands only with peers of the same fault
+            kwargs["initial_group_bits"] = "1"
+        super().__init__(*args, **kwargs)
+
+    async def _codes_round(self, island, plan, group_info, my_index: int, started: float):
+        own = island.members[my_index]
+        if own is not None and self.plan.due("die_in_allreduce", own.version):
+            asyncio.get_running_loop().call_later(0.05, die)  # once our codes are on their way
+        return await super()._codes_round(island, plan, group_info, my_index, started)
+
+    async def _serve_part(self, request: averaging_pb2.DownloadData, context: P2PContext):
+        await self._maybe_die_while_sharing(request, context)
+        transfer = transfer_of(request, context)
+        async for message in super()._serve_part(request, context):
+            if self.plan.version_of("slow_sharing") is not None:
+                await asyncio.sleep(SLOW_PART_SECONDS)  # after the snapshot is taken: late on the wire only
+            yield message
+            if message.HasField("tensor_part"):
+                self._parts_served[transfer] += 1
+
+    async def _maybe_die_while_sharing(self, request: averaging_pb2.DownloadData, context: P2PContext) -> None:
+        """Die with a part request in flight; aimed at peers, once one got a part of this state from us (on
+        loopback a whole part arrives in one message, so only a request we never answer reliably breaks a
+        transfer midway)."""
+        die_from, targets = self.plan.version_of("die_while_sharing"), self.plan.targets_of("die_while_sharing")
+        transfer = transfer_of(request, context)
+        if die_from is None or transfer is None or transfer[1] < die_from:
+            return
+        if targets and (transfer[0] not in targets or not self._parts_served[transfer]):
+            return
+        logger.warning(f"fault plan: dying while sharing state with {transfer[0]}")
+        await asyncio.sleep(0.1)
+        die()
+
+
+def die() -> None:
+    """SIGKILL the whole peer: its host process first, then this averager process."""
+    os.kill(os.getppid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def transfer_of(request: averaging_pb2.DownloadData, context: P2PContext) -> Optional[tuple[str, int, str]]:
+    """(requester, version, digest) of a part request, None if malformed."""
+    try:
+        version, digest, _, _ = parse_part_request(request.metadata)
+    except ValueError:
+        return None
+    return str(context.remote_id), version, digest

@@ -1,0 +1,74 @@
+"""What a peer trains, without the model-sized tensors: the device, the data, the model's config and shapes,
+the validation batches. Read before the helper processes fork, so they share it (read-only once loaded)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from p2pdiloco.config import ConfigError, PeerConfig
+from p2pdiloco.core.outer import Segment
+from p2pdiloco.training.data import TrainingData, bits_per_byte_factor, load_data, validation_batches
+from p2pdiloco.training.inner import bitsandbytes
+from p2pdiloco.training.model import build_model, config_fingerprint, rda_segments, resolve_config
+from p2pdiloco.training.tokenizer import vocab_size
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise ConfigError(f"--device {name}: torch sees no CUDA device (torch {torch.__version__}, {build}); "
+                              "use --device cpu, or install a CUDA build of torch")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                              f"numbered from 0")
+    return device
+
+
+@dataclass(frozen=True)
+class Workload:
+    device: torch.device
+    data: TrainingData
+    model_config: object  # transformers' PretrainedConfig
+    n_params: int
+    segments: list[Segment]
+    val: list
+    bpb_factor: float  # validation loss → bits per byte of text: compares runs whatever their tokenizer
+
+    def bpb(self, loss: Optional[float]) -> Optional[float]:
+        return None if loss is None else loss * self.bpb_factor
+
+    def settings(self, cfg: PeerConfig) -> dict[str, str]:
+        """What must match to merge: the model's config, the tokenizer and the data join by hash (16 hex digits)."""
+        return cfg.merge_settings(self.n_params, dict(
+            model_config=config_fingerprint(self.model_config)[:16],
+            tokenizer=self.data.tokenizer_fingerprint[:16], data=self.data.fingerprint[:16]))
+
+
+def prepare(cfg: PeerConfig) -> Workload:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = pick_device(cfg.device)
+    if cfg.inner.optimizer == "adamw8bit":
+        bitsandbytes()
+    # shards read a window at a time, or text tokenized now: read-only once loaded, so forked helpers share it
+    data = load_data(cfg.data, cfg.tokenizer)
+    model_config = resolve_config(cfg.model, vocab_size(data.tokenizer), cfg.inner.seq_len, cfg.init_from)
+    with torch.device("meta"):  # the model's shapes, no memory
+        shapes = build_model(model_config, cfg.seed)
+    val = validation_batches(data.val, cfg.eval_batches, cfg.inner.batch_size, cfg.inner.seq_len)
+    return Workload(device, data, model_config, sum(p.numel() for p in shapes.parameters()), rda_segments(shapes),
+                    val, bits_per_byte_factor(val, data.tokenizer))
+
+
+def parking_folder(cfg: PeerConfig) -> Optional[Path]:
+    """Where Θ, the momentum and the averaging buffer wait in files (`--global-state-on-disk`; None: memory).
+    The files go away with us; the run's folder, as an unnamed peer's own is not known before its DHT starts."""
+    return cfg.checkpoint_dir / cfg.swarm.run_id if cfg.global_state_on_disk else None
