@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 from p2pdiloco.config import PeerConfig
-from p2pdiloco.faults import Seams, seams_for
+from p2pdiloco.faults.seams import Seams, seams_for
 from p2pdiloco.faults.plan import FaultPlan
 from p2pdiloco.parts.checkpoints import Checkpoints, checkpoint_folder, resumes_warm
 from p2pdiloco.parts.held import SharedState, materialize

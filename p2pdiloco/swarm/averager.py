@@ -95,25 +95,20 @@ class ExactAverager(DecentralizedAverager):
     join_linger = JOIN_LINGER
 
     def __init__(self, n_elements: int, max_group: int, state_provider: StateProvider, weighting: str,
-                 allreduce_cap: float, expect: Expect,
-                 bits: int = codec.BITS["none"], topk: Optional[float] = None, bounds: Bounds = Bounds(), robust: bool = False,
-                 passes: Optional[MemberPasses] = None, buffer_folder: Optional[Path] = None, **kwargs):
+                 allreduce_cap: float, expect: Expect, bits: int = codec.BITS["none"], topk: Optional[float] = None,
+                 bounds: Bounds = Bounds(), robust: bool = False, passes: Optional[MemberPasses] = None,
+                 buffer_folder: Optional[Path] = None, **kwargs):
         self.n_elements, self.max_group, self.weighting, self.bounds = n_elements, max_group, weighting, bounds
         self.allreduce_cap, self.expect = allreduce_cap, expect
         self.bits = bits  # codes' width on the wire (swarm.codes)
         self.topk = topk  # send only this fraction of each block (codec.TopKFormat)
-        pieces = len(piece_ranges(0, n_elements))  # one part's can be no more than the whole model's
-        # a push's bytes may not exceed the whole model's codes at 24 bits: the widest dense codes (20) or top-k
-        # pairs (a 14-bit index and the code) of any fraction a swarm would pick, plus a tag per piece
-        self._codes = CodesExchange(max_payload=codec.packed_bytes(n_elements, 24) + 1024 + pieces, robust=robust,
-                                    max_pieces=pieces)
+        self._codes = codes_exchange(n_elements, robust)
         self._state_provider = state_provider
         self._passes = passes  # a swarm with a key: who may join our group, be merged, fetch our state
         self._refused = PenaltyBox(seconds=REFUSE_SECONDS)  # members we turn away at matchmaking, for a while
         self._stragglers = Stragglers()  # members whose part came after our cut-off: blamed when late again
         # the host and our streams read and write the flat buffer as one, in a file mapped shared where a folder
-        # is given (paged in a piece at a time), in shared memory otherwise: either way the forked averager
-        # process shares it
+        # is given (paged in a piece at a time), in shared memory otherwise: the forked process shares it either way
         self._paged = _paged_buffer(n_elements, buffer_folder)
         self._flat = self._paged.vectors[0] if self._paged is not None else torch.zeros(n_elements).share_memory_()
         super().__init__(hivemind_schema(self._flat), target_group_size=max_group, **kwargs)
@@ -363,6 +358,15 @@ class WholeMessagePipe:
 
     def __getattr__(self, name):  # fileno, poll, send, close: the connection's own
         return getattr(self._connection, name)
+
+
+def codes_exchange(n_elements: int, robust: bool) -> CodesExchange:
+    """A push's bytes may not exceed the whole model's codes at 24 bits: the widest dense codes (20) or top-k pairs
+    (a 14-bit index and the code) of any fraction a swarm would pick, plus a tag per piece (a part's pieces can be
+    no more than the whole model's)."""
+    pieces = len(piece_ranges(0, n_elements))
+    return CodesExchange(max_payload=codec.packed_bytes(n_elements, 24) + 1024 + pieces, robust=robust,
+                         max_pieces=pieces)
 
 
 def _encode_piece(delta: torch.Tensor, weight: float, scales: torch.Tensor, bits: int, fmt, start: int,

@@ -52,11 +52,26 @@ class SwarmMerger:
                  stop: threading.Event, clock: RoundClock):
         self.settings, self.dht, self.averager, self.heartbeat, self.fetcher = settings, dht, averager, heartbeat, fetcher
         self.feedback, self.why_not_adopt, self.stop, self.clock = feedback, why_not_adopt, stop, clock
-        self.cfg, self.outer, self.n, self.peer = settings.cfg, settings.outer, settings.n, settings.peer
         self.penalties = PenaltyBox()  # whom we blame for failed rounds: gathered with our record
         self.refused = RefusedKeys()  # states we downloaded and would not take (p2pdiloco.core.reach)
         self.closed = threading.Event()  # set on shutdown: a round still waiting gives up at once
         self._control = None  # the averager step of the round in flight, once it is looking for a group
+
+    @property
+    def cfg(self):
+        return self.settings.cfg
+
+    @property
+    def outer(self):
+        return self.settings.outer
+
+    @property
+    def n(self) -> int:
+        return self.settings.n
+
+    @property
+    def peer(self) -> str:
+        return self.settings.peer
 
     # ---- the round: the protocol decides, we do ----------------------------------------------------------
     def merge(self, c: Contribution) -> RoundOutcome:

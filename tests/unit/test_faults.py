@@ -18,3 +18,13 @@ def test_a_bad_fault_is_refused_with_what_is_expected():
     for bad in ("explode@1", "die_in_allreduce@x", "die_in_allreduce"):
         with pytest.raises(FaultPlanError, match="ACTION@VERSION"):
             FaultPlan.parse(bad)
+
+
+def test_a_faulty_averager_speaks_the_production_averagers_protocol():
+    """hivemind names RPCs after the servicer's class: a faulty subclass under its own name reached no peer (every
+    fault test then ran without its fault)."""
+    from p2pdiloco.faults.averager import FaultyAverager
+    from p2pdiloco.swarm.averager import ExactAverager
+
+    for rpc in ("rpc_codes_push", "rpc_codes_fetch", "rpc_state_part", "rpc_join_group"):
+        assert FaultyAverager._get_handle_name("run", rpc) == ExactAverager._get_handle_name("run", rpc)
