@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Optional, Sequence, Union
 
 import torch
@@ -142,6 +143,19 @@ class IslandReduced:
 IslandResult = Union[NoIsland, IslandFailed, IslandReduced]
 
 
+class Phase(str, Enum):
+    """Where a round is; each event it accepts belongs to one phase."""
+
+    NEW = "new"
+    CATCH_UP = "catch_up"  # behind, or on a fork: downloading the newest state before contributing
+    QUORUM = "quorum"  # waiting for enough peers to be ready
+    ISLAND = "island"  # the island is forming or merging
+    CONFIRM_ALONE = "confirm_alone"  # no island (quorum 1): checking that nobody else is alive before a solo merge
+    ADOPT = "adopt"  # an island merged from our state without us: taking its result
+    STALE_FETCH = "stale_fetch"  # merged on a newer state than ours: fetching it
+    DONE = "done"
+
+
 class ProtocolError(RuntimeError):
     """A driver reported an event the round is not waiting for (a bug in the driver, never remote input)."""
 
@@ -152,7 +166,7 @@ class Round:
     def __init__(self, rules: RoundRules, me: str, contribution: Contribution, clock: RoundClock, now: float):
         self.rules, self.me, self.c, self.clock = rules, me, contribution, clock
         self.started = now
-        self.phase = "new"
+        self.phase = Phase.NEW
         self.state_before: Optional[StateTuple] = None
         self.quorum_started = self.quorum_seconds = self.other_wait = 0.0  # other: not for quorum (below)
         self.waited_for_island = False
@@ -163,45 +177,45 @@ class Round:
 
     # ---- events -----------------------------------------------------------------------------------------
     def start(self, peers: Sequence[PeerRecord], now: float) -> Decision:
-        self._expect("new")
+        self._expect(Phase.NEW)
         others = self._others(peers)
         if others:
             best = max(others, key=lambda r: r.key)
             behind_limit = 0 if self.rules.mode == "sync" else self.rules.max_staleness
             fork = best.version == self.c.version and best.key > (self.c.version, self.c.digest)
             if fork or best.version > self.c.version + behind_limit:
-                self.phase = "catch_up"
+                self.phase = Phase.CATCH_UP
                 return Download(best.version, "fork" if fork else "behind")
         return self._wait_for_quorum(now)
 
     def on_state(self, state: Optional[StateTuple], now: float) -> Decision:
-        if self.phase == "adopt":
+        if self.phase == Phase.ADOPT:
             if state is None:
                 return self._done(self._rolled_back_type, now, "rolled back: an island merged without us, and "
                                   "its state did not download")
             self.state_before = state
             return self._done(Adopted, now, f"rolled back: an island merged from v{self.c.version} without us; "
                               f"took its state v{int(state[0]['version'])}")
-        if self.phase == "catch_up":
+        if self.phase == Phase.CATCH_UP:
             if state is not None:
                 self.state_before = state
                 self.c = dataclasses.replace(self.c, version=int(state[0]["version"]),
                                              digest=str(state[0]["digest"]))
             return self._wait_for_quorum(now)
-        self._expect("stale_fetch")
+        self._expect(Phase.STALE_FETCH)
         return self._done(Committed, now, self.reduced.reason, state=state, stale=True)
 
     def on_peers(self, peers: Sequence[PeerRecord], now: float) -> Decision:
-        if self.phase == "confirm_alone":
+        if self.phase == Phase.CONFIRM_ALONE:
             if self._others(peers):
                 return self._done(self._rolled_back_type, now, f"all-reduce failed: {self.no_island_reason}")
             return self._solo(now)  # everyone else left while we looked
-        self._expect("quorum")
+        self._expect(Phase.QUORUM)
         self.others = self._others(peers)
         if not self._quorum_reached(now):
             return self._waiting(now)
         if self.waited_for_island and self._newest_not_ready():
-            self.phase = "adopt"  # the island we waited for merged: an island of ours now would fork its state
+            self.phase = Phase.ADOPT  # the island we waited for merged: an island of ours now would fork its state
             return Download(max(r.version for r in self.others), "an island merged without us")
         # the waits for peers on a newer state or an island in flight are not the quorum's: Eq. 3 would shut our
         # grace window for them
@@ -214,7 +228,7 @@ class Round:
         return self.on_peers(self.others, now)
 
     def on_island(self, result: IslandResult, now: float) -> Decision:
-        self._expect("island")
+        self._expect(Phase.ISLAND)
         if isinstance(result, IslandReduced) and result.verified and len(result.members) == 1:
             # every other member was left out (records that did not parse, blame): merging alone would fork Θ
             # while others are alive, exactly as if no island had formed
@@ -222,7 +236,7 @@ class Round:
             result = NoIsland(f"the island merged only us (the others left out: {why or 'none named'})")
         if isinstance(result, NoIsland):
             if self.rules.quorum <= 1:
-                self.phase, self.no_island_reason = "confirm_alone", result.reason
+                self.phase, self.no_island_reason = Phase.CONFIRM_ALONE, result.reason
                 return RefreshPeers()
             return self._done(self._rolled_back_type, now, f"all-reduce failed: {result.reason}")
         if isinstance(result, IslandFailed):
@@ -234,7 +248,7 @@ class Round:
 
     # ---- decisions ----------------------------------------------------------------------------------------
     def _wait_for_quorum(self, now: float) -> Decision:
-        self.phase, self.quorum_started = "quorum", now
+        self.phase, self.quorum_started = Phase.QUORUM, now
         return self._waiting(now)
 
     def _waiting(self, now: float) -> WaitForPeers:
@@ -294,7 +308,7 @@ class Round:
         budget = self.clock.allreduce_budget(allreduce_wire_bytes(rules.buffer_elements, rules.max_island),
                                              rules.declared_bytes_per_s)
         find_timeout = grace + 2 * rules.request_timeout + 2.0
-        self.phase = "island"
+        self.phase = Phase.ISLAND
         self.island = FormIsland(grace, find_timeout, find_timeout + rules.allreduce_cap + 5.0, budget)
         return self.island
 
@@ -320,7 +334,7 @@ class Round:
         newest = newest_member(list(r.members))
         if newest.key != (self.c.version, self.c.digest):
             # we contributed from an older state: the newest members applied the merge; fetch theirs
-            self.phase = "stale_fetch"
+            self.phase = Phase.STALE_FETCH
             return Download(newest.version + 1, "stale contribution")
         return self._done(Committed, now, "ok")
 
@@ -330,11 +344,11 @@ class Round:
         return Adopted if self.state_before is not None else RolledBack
 
     def _solo(self, now: float) -> Done:
-        self.phase = "done"
+        self.phase = Phase.DONE
         return Done(Solo.own(self.c, **self._common(now)))  # the driver makes `merged` (outcomes.Solo)
 
     def _done(self, kind: type[RoundOutcome], now: float, reason: str, **extra) -> Done:
-        self.phase = "done"
+        self.phase = Phase.DONE
         fields = self._common(now)
         r = self.reduced
         if r is not None and kind is Committed:
@@ -359,9 +373,9 @@ class Round:
     def _others(self, peers: Sequence[PeerRecord]) -> list[PeerRecord]:
         return [r for r in peers if r.peer != self.me]
 
-    def _expect(self, phase: str) -> None:
+    def _expect(self, phase: "Phase") -> None:
         if self.phase != phase:
-            raise ProtocolError(f"round is in phase {self.phase!r}, not {phase!r}")
+            raise ProtocolError(f"round is in phase {self.phase.value!r}, not {phase.value!r}")
 
 
 def state_may_come(records: Sequence[PeerRecord], min_version: int) -> bool:

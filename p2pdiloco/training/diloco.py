@@ -29,19 +29,27 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from enum import Enum
 from typing import Callable, Iterator, Optional, Protocol
 
 import torch
 
 from p2pdiloco.training.inner import (InnerTrainer, flat_params, load_flat_params, optimizer_state, param_slices,
                                       restore_optimizer_state)
-from p2pdiloco.protocol.outcomes import Contribution, Kept, Parts, RolledBack, RoundOutcome, Solo
+from p2pdiloco.protocol.outcomes import Committed, Contribution, Kept, Parts, RolledBack, RoundOutcome, Solo
 from p2pdiloco.core.state import GlobalState, contains
 from p2pdiloco.protocol.timing import RoundClock
 from p2pdiloco.training.checkpoint import Concatenated, Entry, Released
 from p2pdiloco.training.spill import InMemory, OnDisk, assemble
 
 log = logging.getLogger(__name__)
+
+
+class Progress(Enum):
+    """What of θ's local progress a rebase onto a new Θ keeps."""
+
+    SINCE_SNAPSHOT = "since snapshot"  # our Δ reached Θ: only the steps taken while its round ran
+    ALL_UNMERGED = "all unmerged"  # our Δ did not: every step since our last merge
 
 
 class Merger(Protocol):
@@ -202,12 +210,13 @@ class DiLoCo:
 
     def _apply(self, outcome: RoundOutcome, flight: InFlight) -> bool:
         c = flight.contribution
-        if outcome.committed:
-            kept = "since snapshot"  # progress up to θ_S is now in Θ
-        elif outcome.state is not None or outcome.state_before is not None or flight.origin is not None:
-            kept = "all unmerged"  # our Δ did not reach Θ (eager: back from the estimate to our own progress)
+        committed = isinstance(outcome, (Committed, Solo))
+        if committed:
+            kept = Progress.SINCE_SNAPSHOT  # progress up to θ_S is now in Θ
+        elif outcome.adopted or flight.origin is not None:
+            kept = Progress.ALL_UNMERGED  # our Δ did not reach Θ (eager: back from the estimate to our own progress)
         else:
-            return False  # rolled back and nothing adopted: θ and Θ stay exactly as they are
+            return False  # rolled back, left, or adopted nothing: θ and Θ stay exactly as they are
         held = False
         with self.state.lock:
             # θ ← θ − base before Θ changes: the base is expressed through Θ_S
@@ -216,7 +225,7 @@ class DiLoCo:
             try:
                 if outcome.state_before is not None:
                     restored = self._load_foreign(*outcome.state_before)
-                if outcome.committed:
+                if committed:
                     if outcome.merged is not None:  # how far a merge moves us bounds what we download later
                         self.state.saw_merge(outcome.merged, outcome.release)
                     if outcome.state is not None:
@@ -279,7 +288,7 @@ class DiLoCo:
     # ---- rebasing θ onto a new Θ: θ ← Θ_new + (θ − base) [+ restored], in two passes around Θ's change -------
     # In place, one parameter at a time: no model-sized temporaries, and no snapshot of θ or Θ kept while a
     # round is in flight. On a CPU the arithmetic runs in the parameter's own memory (fp32, contiguous).
-    def _keep_progress(self, flight: Optional[InFlight], kept: str) -> bool:
+    def _keep_progress(self, flight: Optional[InFlight], kept: Progress) -> bool:
         """θ ← θ − base, while Θ is still Θ_S. Delayed application: θ_S = Θ_S − Δ, so the progress since the
         snapshot is (θ − Θ_S) + Δ, and all unmerged progress is θ − Θ_S. Eager: the in-flight steps started from
         the estimate, so the progress since the snapshot is θ − origin, and all of it θ − origin − Δ.
@@ -289,7 +298,8 @@ class DiLoCo:
         False if Δ, needed here, could not be read back (training.spill): the progress is then 0, and θ becomes
         Θ' (our local progress is lost, never the global state)."""
         origin = None if flight is None else flight.origin
-        uses_delta = flight is not None and kept == ("since snapshot" if origin is None else "all unmerged")
+        measured_with_delta = Progress.SINCE_SNAPSHOT if origin is None else Progress.ALL_UNMERGED
+        uses_delta = flight is not None and kept == measured_with_delta
         delta = parts_of(flight.kept, "the round's Δ") if uses_delta else None  # read a parameter at a time
         if uses_delta and delta is None:
             self._progress_lost()
@@ -300,11 +310,11 @@ class DiLoCo:
                     progress = _flat(p)
                     if origin is None:
                         progress.sub_(self.state.params[part])
-                        if kept == "since snapshot":
+                        if kept == Progress.SINCE_SNAPSHOT:
                             progress.add_(delta[part])
                     else:
                         progress.sub_(origin[part])
-                        if kept == "all unmerged":
+                        if kept == Progress.ALL_UNMERGED:
                             progress.sub_(delta[part])
                     _store(p, progress)
                     self.state.page_out(part)
@@ -334,7 +344,7 @@ class DiLoCo:
         """Take a global state from a peer between rounds (joining, or behind): rebase unmerged progress."""
         assert self.in_flight is None
         with self.state.lock:
-            self._keep_progress(None, "all unmerged")
+            self._keep_progress(None, Progress.ALL_UNMERGED)
             restored = None
             try:
                 restored = self._load_foreign(metadata, tensors)
@@ -350,7 +360,7 @@ class DiLoCo:
             return
         if flight.origin is not None:
             with self.state.lock:
-                if not self._keep_progress(flight, "all unmerged"):
+                if not self._keep_progress(flight, Progress.ALL_UNMERGED):
                     self._nothing_unmerged()
                 self._add_global(None)
         flight.kept.drop()
