@@ -8,7 +8,8 @@ Hooks (hivemind==1.1.12), all in the averager process:
   over hivemind's libp2p streams (p2pdiloco.swarm.codes; `rpc_codes_*`). Every wire format goes that way, the
   default one too (20-bit codes): hivemind's fp32 all-reduce is not used, and its reducer RPC refuses all parts.
 - `rpc_join_group` (hivemind's leader RPC): members rejected, left out or blamed lately are turned away.
-tests/unit/test_averager_seams.py drives the RPC hooks without a network.
+tests/unit/test_averager_seams.py drives the RPC hooks without a network. Every seam below hivemind's public API,
+these and the others, is listed with its test in p2pdiloco.swarm.seams.
 """
 
 from __future__ import annotations
