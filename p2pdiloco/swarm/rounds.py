@@ -13,7 +13,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import InvalidStateError
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from hivemind import DHT
@@ -24,12 +24,13 @@ from p2pdiloco.core import codec
 from p2pdiloco.core.exact import blockwise
 from p2pdiloco.core.outer import rda_directions
 from p2pdiloco.core.reach import RefusedKeys
-from p2pdiloco.core.state import sharing_priority, validate_state
+from p2pdiloco.core.state import sharing_priority
 from p2pdiloco.protocol.outcomes import Contribution, RoundOutcome, Solo, StateTuple
 from p2pdiloco.protocol.island import PenaltyBox
 from p2pdiloco.protocol.remote import PeerRecord
+from p2pdiloco.protocol.download import GiveUp, StateDownload
 from p2pdiloco.protocol.round import (Done, Download, FormIsland, IslandFailed, IslandReduced, IslandResult,
-                                      NoIsland, RefreshPeers, Round, WaitForPeers, state_may_come)
+                                      NoIsland, RefreshPeers, Round, WaitForPeers)
 from p2pdiloco.protocol.timing import RoundClock
 from p2pdiloco.runtime.heap import give_back_free_heap
 from p2pdiloco.runtime.procio import io_counters, moved_since
@@ -237,63 +238,33 @@ class SwarmMerger:
 
     # ---- global state from peers --------------------------------------------------------------------------
     def download(self, min_version: int, why: str, timeout: Optional[float] = None) -> Optional[StateTuple]:
-        """The newest state from the swarm, at least `min_version`, validated. A donor that is older (right
-        after a round the members that apply the merge publish it a moment later), dies mid-transfer or
-        sends garbage is retried, next time from the best donor then, until the deadline."""
+        """The newest state from the swarm, at least `min_version`, validated and within reach of ours, by the
+        rules of p2pdiloco.protocol.download: from every donor of the best key at once, retried until they say
+        to give up."""
         deadline = time.monotonic() + (timeout or max(10.0, self.settings.limits.allreduce_cap))
-        refused_here, gone_since = False, None
+        rules = StateDownload(min_version, self.n, deadline, self.refused, self.penalties, self.why_not_adopt,
+                              gone_after=TTL)
         while True:
-            holders = state_donors(self.live_others(), min_version)
-            loaded, donors = self._from_donors(holders, deadline)
-            if loaded is None and holders and self.settings.passes is None and not refused_here and not self._stopping():
-                # one donor at a time, hivemind's way (no room for a pass); it would pick a refused donor again.
-                # Only while a live peer holds the version: else it can only fetch an older state, whole, to refuse
-                loaded, donors = self.load_state(timeout=max(1.0, deadline - time.monotonic())), []
-            problem = "no peer shared its state" if loaded is None else validate_state(*loaded, self.n, min_version)
-            if not problem:
-                problem = self._too_far(loaded, donors)
-                refused_here |= problem is not None
-            if not problem:
+            donors = rules.donors(self.live_others(), time.monotonic())
+            loaded, served = self._from_donors(donors, rules.deadline)
+            if loaded is None and rules.may_fetch_whole(donors, self.settings.passes is not None) \
+                    and not self._stopping():
+                loaded, served = self.load_state(timeout=max(1.0, rules.deadline - time.monotonic())), []
+            refused_before = len(rules.refusals)
+            problem = rules.judge(loaded, served, self.live_others(), time.monotonic())
+            for refusal in rules.refusals[refused_before:]:
+                logger.warning(refusal)
+            if problem is None:
                 return loaded
-            others = self.live_others()  # read again: a key refused just now no longer counts
-            if refused_here and state_donors(others, min_version) is None:
-                logger.info(f"state download ({why}) failed: {problem}; no other peer holds v{min_version} or later")
-                return None  # waiting out the deadline would only wait for the peer we refused
-            if time.monotonic() >= deadline or self._stopping():
-                logger.info(f"state download ({why}) failed: {problem}")
+            step = rules.after_failure(problem, self.live_others(), time.monotonic(), self._stopping())
+            if isinstance(step, GiveUp):
+                logger.info(f"state download ({why}) failed: {step.reason}")
                 return None
-            # its holders gone for longer than a record lives: seen on the testbed, two peers behind spent the
-            # whole deadline (minutes for a large model) asking each other for a state only a departed peer had
-            if state_may_come(others, min_version):
-                gone_since = None
-            elif gone_since is None:
-                gone_since = time.monotonic()
-            elif time.monotonic() - gone_since > TTL:
-                logger.info(f"state download ({why}) failed: {problem}; no live peer holds v{min_version} or later, "
-                            f"nor is making it")
-                return None
-            time.sleep(0.5)
-
-    def _too_far(self, loaded: StateTuple, donors: list[str]) -> Optional[str]:
-        """Why a validated state is not taken: refused before, or further from ours than the versions between
-        explain (p2pdiloco.core.reach). Its key is then refused for a while and its donors are blamed."""
-        metadata, tensors = loaded
-        key, now = (metadata["version"], metadata["digest"]), time.monotonic()
-        if key in self.refused.active(now):
-            return f"state v{key[0]} was refused before"
-        others = {r.peer for r in self.live_others()}
-        corroborated = len(donors) >= 2 or bool(donors) and others <= set(donors)
-        why = self.why_not_adopt(metadata, tensors, corroborated)
-        if why is not None:
-            self.refused.refuse(key, now)
-            self.penalties.blame(donors, now)
-            logger.warning(f"refused state v{key[0]} from {[d[-6:] for d in donors] or 'one donor'}: {why}")
-            why = f"refused: {why}"
-        return why
+            time.sleep(step.after)
 
     def _from_donors(self, chosen: Optional[tuple[tuple[int, str], list[str]]],
                      deadline: float) -> tuple[Optional[StateTuple], list[str]]:
-        """In parts from every donor of the best state key (`state_donors`), resuming past donors that fail; the
+        """In parts from every donor of the best state key (p2pdiloco.protocol.download.state_donors), resuming past donors that fail; the
         state and the donors that served it."""
         if chosen is None:
             return None, []
@@ -340,16 +311,6 @@ class SwarmMerger:
         self.fetcher.close()
         if self.averager.is_alive():
             self.averager.shutdown()
-
-
-def state_donors(records: Sequence[PeerRecord], min_version: int) -> Optional[tuple[tuple[int, str], list[str]]]:
-    """The best state key at least `min_version` and every peer that can serve it: peers in client mode cannot
-    (nobody can dial them), so they are never asked."""
-    records = [r for r in records if r.version >= min_version and not r.client_mode]
-    if not records:
-        return None
-    best = max(r.key for r in records)
-    return best, [r.peer for r in records if r.key == best]
 
 
 def merging_announcer(control, heartbeat: Heartbeat, version: int) -> Callable[[], None]:

@@ -228,7 +228,7 @@ def test_a_part_incomplete_twice_drops_its_donor():
 
 def test_state_donors_are_the_dialable_peers_holding_the_best_state():
     from p2pdiloco.protocol.remote import PeerRecord
-    from p2pdiloco.swarm.rounds import state_donors
+    from p2pdiloco.protocol.download import state_donors
 
     def rec(peer, version, digest="aaaaaa", client=False):
         return PeerRecord(peer=peer, name=peer, version=version, digest=digest, client_mode=client)
