@@ -38,6 +38,35 @@ PROFILE = click.option("--profile", type=click.Path(exists=True, dir_okay=False)
 SECTIONS = (("", PeerConfig), ("inner", InnerConfig), ("outer", OuterConfig), ("swarm", SwarmConfig))
 
 
+# `join --help` lists its options under these titles, by the config section (and group) each comes from
+RUN = "Model, data and the run"
+HELP_SECTIONS = (((PeerConfig, "train"), RUN), ((PeerConfig, "connect"), RUN), ((InnerConfig, "train"), "Inner steps"),
+                 ((OuterConfig, "train"), "Outer step"), ((SwarmConfig, "connect"), "Meeting the swarm"),
+                 ((SwarmConfig, "train"), "Rounds, islands and the wire"))
+
+
+def help_section_of() -> dict[str, str]:
+    """Option name → its --help section."""
+    titles = dict(HELP_SECTIONS)
+    return {_param_name(f): titles[(cls, f.metadata["group"])] for _, cls in SECTIONS
+            for f in dataclasses.fields(cls) if (cls, f.metadata.get("group")) in titles}
+
+
+class Sectioned(click.Command):
+    """--help lists the options by the config section each comes from (60 in one list were hard to read)."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        section_of, records = help_section_of(), {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record:
+                records.setdefault(section_of.get(param.name, "Other options"), []).append(record)
+        for title in dict.fromkeys([t for _, t in HELP_SECTIONS] + ["Other options"]):
+            if title in records:
+                with formatter.section(title):
+                    formatter.write_dl(records[title])
+
+
 def config_options(group: str, classes=tuple(cls for _, cls in SECTIONS)) -> list:
     """The click options of every config field tagged with `group`, derived from the field: one default, type
     and help, written once in p2pdiloco.config (and p2pdiloco.sim.params)."""
@@ -127,7 +156,7 @@ def cli():
     """Peer-to-peer Decoupled DiLoCo: train one model with whoever is online."""
 
 
-@cli.command()
+@cli.command(cls=Sectioned)
 @swarm_options
 @train_options
 def join(**options):

@@ -296,3 +296,23 @@ def test_a_first_ctrl_c_asks_the_peer_to_leave_after_its_step_and_a_second_leave
     monkeypatch.setattr(peer_module, "run_peer", interrupted)
     result = CliRunner().invoke(cli, ["join", "--model", "tiny", "--eval-every", "0"])
     assert result.exit_code == 130 and "Traceback" not in result.output
+
+
+def test_join_help_lists_its_options_by_config_section():
+    result = CliRunner().invoke(cli, ["join", "--help"])
+    assert result.exit_code == 0
+    sections, current = {}, None
+    for line in result.output.splitlines():
+        if line and not line.startswith(" ") and line.endswith(":"):
+            current = line[:-1]
+        elif current and line.startswith("  --"):
+            sections.setdefault(current, []).append(line.split()[0])
+    assert list(sections) == ["Model, data and the run", "Inner steps", "Outer step", "Meeting the swarm",
+                              "Rounds, islands and the wire", "Other options"]
+    assert "--model" in sections["Model, data and the run"] and "--log-dir" in sections["Model, data and the run"]
+    assert "--inner-lr" in sections["Inner steps"] and "--outer-lr" in sections["Outer step"]
+    assert "--initial-peers" in sections["Meeting the swarm"]
+    assert "--compression" in sections["Rounds, islands and the wire"]
+    assert sections["Other options"] == ["--profile"] and "-h, --help" in result.output
+    listed = [option for options in sections.values() for option in options]
+    assert len(listed) == len(set(listed)) > 60
