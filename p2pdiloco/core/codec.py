@@ -271,7 +271,7 @@ RAW, ZSTD = 0, 2  # the first byte of a wire payload (1 was DEFLATE, which peers
 # Zstandard, tuned to be a fast coder of byte values: packed codes are skewed byte values with few repeats longer
 # than a few bytes, so matches only cost bits; asking for matches of 7 bytes or more from a tiny table leaves
 # nearly every byte to its Huffman literals. Against the DEFLATE of runs (zlib's Z_RLE) it replaced, on pieces of
-# heavy-tailed test codes on one core here (scripts/bench_codec.py): the same size (int4 35 % kept, int8 56 %,
+# heavy-tailed test codes on one core here (scripts/bench/bench_codec.py): the same size (int4 35 % kept, int8 56 %,
 # int2 67 %) at 3-9× the speed each way (int4 170-260 MB/s in against 62-77), where level 1 kept int4 at 39 %. On a
 # 2-core testbed of 4 peers DEFLATE made an int4 round CPU-bound (docs/bandwidth.md). Wider values than 16 bits go
 # as they are: Zstandard took 8 % off synthetic 20-bit codes (at ~440 MB/s), DEFLATE ~4 % off a real Δ's, a

@@ -2,7 +2,7 @@
 tree or out of it: what the tree would need on a machine of its own.
 
 PSS, the usual measure, splits a shared page among all the processes that map it. Two peers measured side by
-side on one machine (scripts/bench_memory.py runs two, so that rounds are real) then each pay half of the
+side on one machine (scripts/bench/bench_memory.py runs two, so that rounds are real) then each pay half of the
 libraries both map, torch's and CUDA's: less than a peer alone needs. The frames come from /proc/PID/pagemap,
 for the mappings /proc/PID/smaps says are resident; the kernel shows them to root only."""
 

@@ -44,5 +44,5 @@ def test_chaos_never_stops_training_never_mixes_a_round_and_forks_heal(tmp_path)
             assert any(r.fork_distance == 0.0 for r in tail), (life.slot, tail)
     # most of the inner-step time peers computed reached the global model: kills cost only the work since the
     # last merge (goodput proper also pays for restarts, ~3 CPU-seconds of imports each, so it depends on how
-    # oversubscribed the machine is: scripts/chaos.py reports it with its breakdown)
+    # oversubscribed the machine is: scripts/ops/chaos.py reports it with its breakdown)
     assert report["merged_seconds"] >= 0.75 * report["compute_seconds"], report

@@ -1,6 +1,6 @@
 """A CPU peer and a GPU peer in one island end every round bitwise-equal: the exact integer sums and the outer
 step, correctly rounded fp32 on the CPU of every peer, do not depend on where the inner steps ran. Skipped
-where torch sees no CUDA device; scripts/gpu_checks.sh runs it on a GPU machine."""
+where torch sees no CUDA device; scripts/bench/gpu_checks.sh runs it on a GPU machine."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ from tests.harness.swarm import digests_by_version, local_swarm
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600),
               pytest.mark.skipif(not torch.cuda.is_available(),
-                                 reason="no CUDA device here (scripts/gpu_checks.sh runs it)")]
+                                 reason="no CUDA device here (scripts/bench/gpu_checks.sh runs it)")]
 
 
 # Both contribute every 2 s (time-budgeted H), so the faster one brings more tokens and adds more; quorum 2, so

@@ -1,4 +1,4 @@
-"""scripts/testbed_tools.sh packs the testbed's tools so that they run where iproute2 is missing: checked here with
+"""scripts/setup/testbed_tools.sh packs the testbed's tools so that they run where iproute2 is missing: checked here with
 this machine's own copies hidden (bind-mounted over), in a throwaway mount and network namespace."""
 
 import os
@@ -47,7 +47,7 @@ tc -V
 
 def test_the_packed_tools_build_a_link_where_the_system_has_none(tmp_path):
     archive = tmp_path / "tools.tar.xz"
-    subprocess.run(["bash", str(ROOT / "scripts/testbed_tools.sh"), str(archive)], check=True, capture_output=True)
+    subprocess.run(["bash", str(ROOT / "scripts/setup/testbed_tools.sh"), str(archive)], check=True, capture_output=True)
     with tarfile.open(archive) as tar:
         tar.extractall(tmp_path / "tools", filter="tar")
     tools = tmp_path / "tools"

@@ -1,8 +1,8 @@
-"""How scripts/bench_memory.py reports what a peer would peak at on a machine of its own ("alone")."""
+"""How scripts/bench/bench_memory.py reports what a peer would peak at on a machine of its own ("alone")."""
 
 import os
 
-from scripts.bench_memory import PeakSampler
+from scripts.bench.bench_memory import PeakSampler
 
 GB = 10**9
 

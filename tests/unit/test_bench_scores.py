@@ -1,7 +1,7 @@
-"""How scripts/bench_bandwidth.py scores a run's loss curve."""
+"""How scripts/bench/bench_bandwidth.py scores a run's loss curve."""
 
 from p2pdiloco.runtime.schema import Round, Start
-from scripts.bench_bandwidth import val_curve
+from scripts.bench.bench_bandwidth import val_curve
 
 
 def test_a_versions_loss_is_that_of_the_state_most_peers_hold(tmp_path):

@@ -79,7 +79,7 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path):
         checkpoint.load_one(path, N + 1)
 
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here (scripts/gpu_checks.sh runs it)")
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here (scripts/bench/gpu_checks.sh runs it)")
 
 
 @pytest.mark.parametrize("optimizer, device", [("adamw", "cpu"), ("adamw8bit", "cpu"),

@@ -444,7 +444,7 @@ def test_empty_parts_and_all_zero_sums_round_trip_and_a_sparse_count_past_its_bl
 
 
 def test_more_edges_the_mutants_found():
-    """Each assertion fails on a one-line change that every other test let pass (scripts/mutation.sh)."""
+    """Each assertion fails on a one-line change that every other test let pass (scripts/bench/mutation.sh)."""
     # int2's statistic of a block holding one selected value is that value's size, not half of it
     assert codec.DenseFormat(2, 1).block_statistic(torch.tensor([-4.0])).tolist() == [4.0]
     # a member merged at weight 0 carries nothing (no division by its weight)

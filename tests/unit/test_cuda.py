@@ -1,6 +1,6 @@
 """The GPU path of the inner steps: bf16 autocast over fp32 parameters, the loss left on the device, pinned
 staging of θ for the round's CPU buffers. Skipped with a reason where torch sees no CUDA device; on a GPU
-machine, scripts/gpu_checks.sh runs these with the rest of the GPU checks."""
+machine, scripts/bench/gpu_checks.sh runs these with the rest of the GPU checks."""
 
 from types import SimpleNamespace
 
@@ -12,7 +12,7 @@ from p2pdiloco.training.data import BatchStream
 from p2pdiloco.training.inner import InnerTrainer, flat_params, load_flat_params, make_optimizer
 from p2pdiloco.training.model import build_model
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here (scripts/gpu_checks.sh runs it)")
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here (scripts/bench/gpu_checks.sh runs it)")
 # learnable in a few steps (random bytes are not: on an H100 their loss went up and down around ln 256)
 TEXT = torch.tensor(list(b"the quick brown fox jumps over the lazy dog. " * 500), dtype=torch.uint8)
 

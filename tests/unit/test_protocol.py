@@ -511,7 +511,7 @@ def test_the_wire_bytes_of_an_all_reduce_are_a_butterflys():
 
 
 def test_round_edges_the_mutants_found():
-    """Each assertion fails on a one-line change that every other test let pass (scripts/mutation.sh)."""
+    """Each assertion fails on a one-line change that every other test let pass (scripts/bench/mutation.sh)."""
     from p2pdiloco.protocol.round import ProtocolError
 
     # a verified island's reason becomes "ok"; a sync of under a second still measures the link

@@ -86,7 +86,7 @@ def test_fuzzed_member_and_peer_records_never_raise_out_of_the_parser():
                 True, 1.5, object()]
     base_peer = dict(peer="p", name="n", version=1, digest="abcdef", ready=-1, inner_step=0, tokens_per_s=1.0,
                      sketch=[0.0] * 4, wire=1)
-    for _ in range(int(os.environ.get("P2PDILOCO_FUZZ_ROUNDS", 3000))):  # scripts/mutation.sh runs fewer
+    for _ in range(int(os.environ.get("P2PDILOCO_FUZZ_ROUNDS", 3000))):  # scripts/bench/mutation.sh runs fewer
         member, peer = good(), dict(base_peer)
         for record in (member, peer):
             for _ in range(rng.randint(1, 3)):

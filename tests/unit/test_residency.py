@@ -1,6 +1,6 @@
 """A process tree's memory with each page counted once, where PSS charges a shared page in part to processes
-outside the tree (scripts/bench_memory.py's "alone" figure), and a process's memory by mapping
-(scripts/cuda_floor.py's largest mappings)."""
+outside the tree (scripts/bench/bench_memory.py's "alone" figure), and a process's memory by mapping
+(scripts/probes/cuda_floor.py's largest mappings)."""
 
 import mmap
 import os

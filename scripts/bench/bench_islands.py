@@ -6,7 +6,7 @@ the same time, each swarm its own run id and bootstrap node, so both meet the sa
 machine is where peers come late. Repeated --reps times. Per variant: the versions made twice (forks), the rounds
 that waited for an island merging without them and how they ended, merged rounds, the highest version and the
 final validation loss (mean over peers).
-Usage: python scripts/bench_islands.py [--peers 4] [--seconds 120] [--model tiny] [--reps 1] [--sequential]
+Usage: python scripts/bench/bench_islands.py [--peers 4] [--seconds 120] [--model tiny] [--reps 1] [--sequential]
        [--join-args "..."] [--keep records.tar.gz]   # run inside a loopback-only namespace: unshare -n, then bring lo up
 """
 

@@ -2,12 +2,12 @@
 # Mutation testing of the pure layers (p2pdiloco/core/ and p2pdiloco/protocol/) against their fast unit tests,
 # with mutmut (its settings: [tool.mutmut] in pyproject.toml). Long (over an hour on 2 cores): run it before a
 # release and for an issue's note, not in CI. How to read what it writes: docs/testing.md.
-#   bash scripts/mutation.sh [OUT]        (default runs/mutation: survivors.txt, the surviving mutants' diffs,
+#   bash scripts/bench/mutation.sh [OUT]        (default runs/mutation: survivors.txt, the surviving mutants' diffs,
 #                                          and summary.txt, the counts and the score; mutants/ keeps mutmut's cache)
 # MAX_CHILDREN sets how many mutants run at once (default: the cores). Inside a loopback-only network namespace
 # where this machine allows it, as the test suite is.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${1:-runs/mutation}
 bash scripts/setup.sh
 .venv/bin/python -c "import mutmut" 2>/dev/null || .venv/bin/python -m pip -q install -e ".[mutation]"
@@ -20,4 +20,4 @@ if [ -z "${P2PDILOCO_NETNS:-}" ] && command -v unshare >/dev/null && unshare -n 
 else
   "${run[@]}" > "$OUT/run.log" 2>&1 || true
 fi
-.venv/bin/python scripts/mutation_report.py "$OUT"
+.venv/bin/python scripts/bench/mutation_report.py "$OUT"

@@ -8,7 +8,7 @@ Same wall-clock budget, same model and settings, every peer `--threads 1`. Repor
 utilization (time in inner steps / wall time while training; leaving at --max-time is excluded in every
 mode), tokens merged per round, consensus distance over time and
 validation loss of the global model at the end (equal wall-clock).
-Usage: python scripts/bench_decoupled.py [--seconds 150] [--modes sync,decoupled,rda,eager] [-H 20] [-- join flags]
+Usage: python scripts/bench/bench_decoupled.py [--seconds 150] [--modes sync,decoupled,rda,eager] [-H 20] [-- join flags]
 """
 
 from __future__ import annotations

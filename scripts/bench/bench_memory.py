@@ -9,7 +9,7 @@ measured near the PSS peaks as root, counts every page of the tree once, shared 
 what the peer needs on a machine of its own. Device memory, on a GPU peer, comes from the peer's own metrics
 (torch.cuda.max_memory_allocated).
 
-Usage: python scripts/bench_memory.py [--models tiny,base,medium,large] [--optimizers adamw,adamw8bit]
+Usage: python scripts/bench/bench_memory.py [--models tiny,base,medium,large] [--optimizers adamw,adamw8bit]
        [--batch-size 4] [--device cpu] [--peers 2] [--compression none|int8|int4|int2]
        [--variants plain,in-backward,on-disk,in-backward+on-disk]   (each size once per variant, alternately)
 Needs no root (but "alone GB" does); run it inside `unshare -n` (loopback only) like the tests, or not: peers listen

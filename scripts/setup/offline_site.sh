@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # A site folder of p2pdiloco's dependencies for a GPU machine without a package index whose Python already has a
 # CUDA torch (the wheels are fetched here, for that machine's Python version), packed as one archive:
-#   bash scripts/offline_site.sh [PYTHON_VERSION] [OUT]      (default 3.12, .whl/site.tar.xz)
+#   bash scripts/setup/offline_site.sh [PYTHON_VERSION] [OUT]      (default 3.12, .whl/site.tar.xz)
 # There: mkdir -p /tmp/site && tar xJf site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:$PWD
-#        PYTHON=python3 bash scripts/gpu_checks.sh
+#        PYTHON=python3 bash scripts/bench/gpu_checks.sh
 # transformers at the version this machine runs (that image holds an older one); torch and what that image already
 # holds (tokenizers, huggingface_hub, safetensors, scipy, msgpack, uvloop, grpcio, protobuf, pyyaml, rich, ...)
 # are left out; bitsandbytes keeps only its CPU and CUDA 13 libraries (the rest are ~100 MB). Issue 13's GPU
 # checks ran this way on an H100 (docs/hardware.md).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PYV=${1:-3.12}
 OUT=${2:-.whl/site.tar.xz}
 work=$(mktemp -d)

@@ -2,7 +2,7 @@
 step's gradients (DDP), run inside a testbed peer's namespace. Prints one JSON line: seconds per step and the
 bytes its network interface sent and received per step (kernel counters: what really went on the wire).
 
-    python scripts/dp_baseline.py --rank I --world N --master ADDR --iface vI [--steps 20] [--model tiny]
+    python scripts/bench/dp_baseline.py --rank I --world N --master ADDR --iface vI [--steps 20] [--model tiny]
 """
 
 from __future__ import annotations

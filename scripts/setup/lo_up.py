@@ -1,5 +1,5 @@
 """Brings the loopback interface up, like `ip link set lo up`, for machines without iproute2 (run as root
-inside a fresh network namespace: `unshare -n python3 scripts/lo_up.py`)."""
+inside a fresh network namespace: `unshare -n python3 scripts/setup/lo_up.py`)."""
 
 import fcntl
 import socket

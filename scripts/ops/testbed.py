@@ -1,9 +1,9 @@
 """A network testbed: N peers in their own network namespaces, joined through a hub by links with a rate, a one-way
 delay and loss (p2pdiloco.ops.testbed). Needs root. Everything it creates is removed on exit, by name.
 
-    python scripts/testbed.py --peers 4 --rate-mbit 100 --delay-ms 50 [--loss 0.001]      # up until Ctrl-C
-    python scripts/testbed.py --peers 4 --rate-mbit 100 --delay-ms 50 -- CMD {i} {addr}    # CMD in each peer's ns
-    python scripts/testbed.py --peers 3 --natted 2                  # peer 2 behind a NAT that lets nothing in
+    python scripts/ops/testbed.py --peers 4 --rate-mbit 100 --delay-ms 50 [--loss 0.001]      # up until Ctrl-C
+    python scripts/ops/testbed.py --peers 4 --rate-mbit 100 --delay-ms 50 -- CMD {i} {addr}    # CMD in each peer's ns
+    python scripts/ops/testbed.py --peers 3 --natted 2                  # peer 2 behind a NAT that lets nothing in
 
 In CMD, {i} is the peer's index and {addr} its address; every command runs at once, and the testbed comes down
 when all have exited.

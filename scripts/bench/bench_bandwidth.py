@@ -5,7 +5,7 @@ Per variant: bytes sent per peer per round (measured at the averager process) an
 against the link bound 2·(N−1)/N·S/B, compute utilization, wall-clock, and the validation loss of the global model
 after every merged round (mean of the seeds, with their spread). Every seed runs every variant with the same peer
 identities, hence the same data order: variants differ only in their codec. Needs root (the testbed); run it as
-    python scripts/bench_bandwidth.py --variants dp,none,int8,int4,topk0.02 [-H 500] [--rounds 3] [--seeds 0,1,2]
+    python scripts/bench/bench_bandwidth.py --variants dp,none,int8,int4,topk0.02 [-H 500] [--rounds 3] [--seeds 0,1,2]
 (a variant may name its outer learning rate: none-lr0.35 is fp32 rounds with --outer-lr 0.35)
 """
 
@@ -89,7 +89,7 @@ def process_class(proc: Proc, by_pid: dict) -> str | None:
 
 
 def run_dp(tb: Testbed, args, log_dir: Path) -> dict:
-    """(a): gloo all-reduce of gradients every step, over the same links (scripts/dp_baseline.py)."""
+    """(a): gloo all-reduce of gradients every step, over the same links (scripts/bench/dp_baseline.py)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     script = str(Path(__file__).with_name("dp_baseline.py"))
     procs = []

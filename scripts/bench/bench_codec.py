@@ -12,7 +12,7 @@ side with the alternatives it replaced (Zstandard, `codec.compress`, against DEF
 The pseudo-gradient is synthetic and heavy-tailed (randn · U⁴, as the codec tests use), so the compressed sizes
 are indicative; the default's 20-bit codes are stored raw, whatever the data.
 
-Usage: python scripts/bench_codec.py [--params 11000000] [--peers 4] [--rate-mbit 100]
+Usage: python scripts/bench/bench_codec.py [--params 11000000] [--peers 4] [--rate-mbit 100]
        [--compression none,int8,int4,int2] [--json FILE]
 """
 

@@ -8,7 +8,7 @@
 - dataset size: a process that opens a prepared dataset (hashing every shard), draws batches from it and trains
   steps of a small model, on a small and on a large dataset of random tokens; its peak resident memory.
 
-    python scripts/bench_model.py [--sizes small medium] [--device cpu|cuda] [--json OUT]
+    python scripts/bench/bench_model.py [--sizes small medium] [--device cpu|cuda] [--json OUT]
 
 Run alone on the machine: the timings share its cores.
 """
@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHAPES = {"small": (256, 4, 4), "medium": (512, 8, 8), "large": (768, 14, 12)}  # the GPT's (width, depth, heads)
 
 

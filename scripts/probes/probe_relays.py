@@ -1,6 +1,6 @@
 """Can peers behind NATs be dialled through a libp2p circuit relay with the installed hivemind? (docs/multi-machine.md)
 
-    sudo .venv/bin/python scripts/probe_relays.py [--size-mb 32]
+    sudo .venv/bin/python scripts/probes/probe_relays.py [--size-mb 32]
 
 Testbed of 3 hosts: host 0 is public and runs a hivemind DHT node with relay service (reachability forced public:
 with autonat off, libp2p never offers relays otherwise); hosts 1 and 2 each sit behind their own NAT. Host 2 listens

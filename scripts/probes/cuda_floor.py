@@ -6,7 +6,7 @@ One process, measured after each stage by PSS (its own pages, and its share of p
 split into anonymous pages (heaps, the driver's own allocations, pinned buffers) and file pages (libraries),
 and at the end the mappings that hold the most. Run it alone on the machine: PSS splits a library's pages with
 every other process that maps them.
-  python scripts/cuda_floor.py [--model large] [--steps 3] [--device cuda|cpu] [--out floor.json]
+  python scripts/probes/cuda_floor.py [--model large] [--steps 3] [--device cuda|cpu] [--out floor.json]
 Nothing goes on the network."""
 
 from __future__ import annotations

@@ -9,10 +9,10 @@
 #   debian-reference-en  the Debian Reference, ~0.9 MB, GPL-2+
 #   fortunes        fortune-mod's quotations, ~2.5 MB, BSD-4-Clause and public domain (see its copyright file)
 # The packages are downloaded and unpacked here (apt-get download, dpkg -x), not installed.
-#   bash scripts/corpus.sh [OUT]          (default runs/corpora/docs-en; prints its size)
+#   bash scripts/setup/corpus.sh [OUT]          (default runs/corpora/docs-en; prints its size)
 # Then: p2pdiloco data prepare OUT --tokenizer TOKENIZER --out DATASET
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${1:-runs/corpora/docs-en}
 if [ -d "$OUT" ] && [ -n "$(ls -A "$OUT")" ]; then
   echo "$OUT: $(du -sb "$OUT" | cut -f1) bytes (already there)"; exit 0

@@ -2,7 +2,7 @@
 kill rate, restart delay) and the times measured in it (median inner step, median join, median all-reduce), and
 print the simulated goodput beside the measured one. Also: the same chaos if each peer had a machine of its own
 (restart in RESTART s, the step time of one peer alone on a core, measured by --solo-step or given).
-    python scripts/sim_vs_chaos.py runs/chaos300/chaos [--solo-step 0.12]
+    python scripts/bench/sim_vs_chaos.py runs/chaos300/chaos [--solo-step 0.12]
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def chaos_params(m: dict, plan: ChaosPlan, h: int, restart: float) -> SimParams:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("run_dir", type=Path, help="the chaos run's log folder (…/chaos)")
-    parser.add_argument("-H", type=int, default=20, help="the peers' H (scripts/chaos.py default: 20)")
+    parser.add_argument("-H", type=int, default=20, help="the peers' H (scripts/ops/chaos.py default: 20)")
     parser.add_argument("--solo-step", type=float, help="seconds per step of one peer alone on a core")
     parser.add_argument("--restart", type=float, default=2.0, help="own machine: seconds from restart to training")
     parser.add_argument("--seeds", type=int, default=20, help="simulated runs averaged (a chaos run is short)")

@@ -1,8 +1,8 @@
-"""The mutation report of scripts/mutation.sh, from mutmut's results in mutants/: every mutant's status, the
+"""The mutation report of scripts/bench/mutation.sh, from mutmut's results in mutants/: every mutant's status, the
 score, and each survivor with its diff and, where it is marked equivalent or accepted in
 tests/mutation_equivalent.txt, why. docs/testing.md says how to read it.
 
-    python scripts/mutation_report.py OUT [--root DIR]     (DIR: where mutants/ and pyproject.toml are)
+    python scripts/bench/mutation_report.py OUT [--root DIR]     (DIR: where mutants/ and pyproject.toml are)
 
 The score counts a timeout or a crash as killed (the mutant made the tests hang or die: they noticed), and a
 mutant that no selected test runs ("no tests") as a survivor: code the tests never reach is code they cannot
@@ -19,7 +19,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MARKS = ROOT / "tests" / "mutation_equivalent.txt"
 KILLED = {"killed", "timeout", "caught by type check", "segfault"}  # the tests noticed: failed, hung or crashed
 
@@ -64,7 +64,7 @@ def main() -> None:
     a = parser.parse_args()
     found, marked = statuses(a.root), marks()
     if not found:
-        raise SystemExit(f"no mutmut results under {a.root / 'mutants'}: run scripts/mutation.sh first")
+        raise SystemExit(f"no mutmut results under {a.root / 'mutants'}: run scripts/bench/mutation.sh first")
     counts = Counter(found.values())
     survivors = sorted(n for n, s in found.items() if s not in KILLED)
     equivalent = [n for n in survivors if marked.get(n, ("",))[0] == "equivalent"]

@@ -2,7 +2,7 @@
 daemon, over 1..K streams at once, one way or both ways at once, on one warm connection; beside it, plain TCP to
 and fro over fresh connections (p2pdiloco.ops.flows). Needs root (the testbed).
 
-    python scripts/probe_streams.py --size 15e6 --streams 1,4,8 --trials 3 --rate-mbit 100 --delay-ms 50
+    python scripts/probes/probe_streams.py --size 15e6 --streams 1,4,8 --trials 3 --rate-mbit 100 --delay-ms 50
 
 Each stream's flow-control window caps what it carries per round trip; streams at once add their windows up.
 `--transport quic` has the daemons listen on QUIC instead of TCP; `--pace-mbit R` holds each side's sending to R.

@@ -1,7 +1,7 @@
 """4-peer runs of equal length, clean and with one hostile peer: the honest peers' final validation loss against the
 clean runs', and how many rounds the hostile peer cost them (issue 11's closing table).
 
-    unshare -n bash -c 'ip link set lo up && .venv/bin/python scripts/bench_hostile.py --seeds 0,1,2'
+    unshare -n bash -c 'ip link set lo up && .venv/bin/python scripts/bench/bench_hostile.py --seeds 0,1,2'
 
 Each run: a bootstrap node and peers a, b, c (honest) and d, all `tiny` with int4 rounds, the same H, rounds and
 seed. In a clean run d is honest too; otherwise a test fault plan makes d hostile from its first round: ×100 its

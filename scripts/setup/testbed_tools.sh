@@ -2,12 +2,12 @@
 # The network testbed's command-line tools (ip, tc, sysctl; nft where installed), packed with every library they
 # load and this machine's dynamic loader, for a machine that lacks them (the GPU machines lent so far have root,
 # network namespaces and /dev/net/tun, but no iproute2):
-#   bash scripts/testbed_tools.sh [OUT]                 (default .whl/testbed-tools.tar.xz)
+#   bash scripts/setup/testbed_tools.sh [OUT]                 (default .whl/testbed-tools.tar.xz)
 # There: mkdir -p /tmp/tools && tar xJf testbed-tools.tar.xz -C /tmp/tools && export PATH=/tmp/tools/bin:$PATH
 # Each bin/ entry starts its tool through the packed loader with the packed libraries: nothing is set in the
 # environment, so what `ip netns exec` starts (a peer's Python) still loads that machine's own libraries.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${1:-.whl/testbed-tools.tar.xz}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

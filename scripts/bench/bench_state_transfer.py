@@ -2,7 +2,7 @@
 fetcher (p2pdiloco.swarm.statefetch) over libp2p, on the network testbed, with one part in flight against several
 (`--streams`), alternated in one run, each on a warm connection of its own. Needs root (the testbed).
 
-    python scripts/bench_state_transfer.py --elements 19800000 --rate-mbit 100 --delay-ms 50 --streams 1,4 --trials 3
+    python scripts/bench/bench_state_transfer.py --elements 19800000 --rate-mbit 100 --delay-ms 50 --streams 1,4 --trials 3
 
 `--elements`: Θ ⊕ momentum, in fp32 elements (the `base` model's is 2 × 9.9 M). Per variant: the seconds of each
 fetch and the median's ratio to the link bound (the state's bytes at link rate); the state arrives bit for bit or

@@ -9,7 +9,7 @@ variant `whole` has no misses (every worker in every round) as the reference. On
 the merge rule from matchmaking, which `bench_swarm_vs_solo.py` does not.
 Reports per variant the validation loss of Θ after the last round (mean and spread over seeds) and its paired
 difference to the variant with stale factor 1 (no discount).
-Usage: python scripts/bench_staleness.py [--factors 1,0.5,0.25] [--seeds 0,1,2] [--rounds 12] [-H 25] [--model tiny]
+Usage: python scripts/bench/bench_staleness.py [--factors 1,0.5,0.25] [--seeds 0,1,2] [--rounds 12] [-H 25] [--model tiny]
        [--device cpu]
 """
 

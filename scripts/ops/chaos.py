@@ -6,9 +6,9 @@ checkpoints and catch up), adds newcomers, all through random live peers rather 
 Reports goodput, uptime, the longest stall of any live peer, agreement (forks, split islands) and the final
 validation loss of the global model. Run it inside a loopback-only namespace:
 
-    unshare -n bash -c 'ip link set lo up && .venv/bin/python scripts/chaos.py --seconds 600'
+    unshare -n bash -c 'ip link set lo up && .venv/bin/python scripts/ops/chaos.py --seconds 600'
 
-Usage: python scripts/chaos.py [--peers 5] [--seconds 600] [--kill-every 30] [--no-baseline] [-- join flags]
+Usage: python scripts/ops/chaos.py [--peers 5] [--seconds 600] [--kill-every 30] [--no-baseline] [-- join flags]
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ all of them on one GPU where there is one: on an H100 machine it did). Each peer
 H steps, evaluates more often than a swarm peer: each run's compute share of its wall time is reported.
 Each run's val-loss curve (peer0's view, by version) and the swarm's merges with a member a version behind are
 reported too. --join-args passes further `join` flags to every peer of both runs (e.g. "--stale-factor 1").
-Usage: python scripts/bench_swarm_vs_solo.py [--seconds 180] [--peers 4] [--model tiny] [--device cpu]
+Usage: python scripts/bench/bench_swarm_vs_solo.py [--seconds 180] [--peers 4] [--model tiny] [--device cpu]
        [--eval-every 1] [--join-args "..."]
 """
 
