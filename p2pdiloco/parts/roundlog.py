@@ -86,27 +86,15 @@ class RoundLog:
         distance = consensus_distance([*others_states, own])
         wall = time.monotonic() - self.started
         self.metrics.write(schema.Round(
-            peer=self.name, round=self.rounds, version=state.version, applied=settled.applied,
-            reason=o.reason, loss=mean_loss(self.round_losses), val_loss=val, val_bpb=self.workload.bpb(val),
+            **o.record(), peer=self.name, round=self.rounds, version=state.version, applied=settled.applied,
+            loss=mean_loss(self.round_losses), val_loss=val, val_bpb=self.workload.bpb(val),
             swarm_tokens=state.tokens, lr=diloco.trainer.optimizer.param_groups[0]["lr"],
             tokens=c.tokens, tokens_trained=self.tokens_trained, from_version=c.version,
             unmerged_tokens=settled.unmerged_tokens, steps_in_flight=settled.steps_in_flight,
-            outcome=o.kind, members=[m.name or m.peer for m in o.members],
-            member_tokens=[m.tokens for m in o.members], member_versions=[m.version for m in o.members],
-            member_steps=[m.steps for m in o.members],
-            member_norms=[m.delta_norm for m in o.members], excluded=o.excluded, bounded=o.bounded,
-            weights=o.weights, tokens_merged=sum(m.tokens for m in o.members),
-            group_id=o.group_id, round_seconds=o.seconds, quorum_seconds=o.quorum_seconds,
-            sync_seconds=o.sync_seconds, sync_ended=o.sync_ended or None, codec_cpu_seconds=o.codec_cpu_seconds,
-            deadline_seconds=o.deadline_seconds, grace_seconds=o.grace_seconds,
-            step_seconds_ema=diloco.clock.step.get(), bytes_sent=o.bytes_sent, bytes_received=o.bytes_received,
-            allreduce_bytes_model=o.allreduce_bytes_model,
-            adopted=o.adopted, waited_for_island=o.waited_for_island, consensus_distance=distance,
-            fork_distance=fork_distance(own, others_states),
-            version_spread=max(versions) - min(versions), live_peers=len(versions),
-            recovered_tokens=diloco.recovered_tokens,
-            **self._goodput(), utilization=self.compute_seconds / max(wall, 1e-9), wall=wall,
-            digest=state.digest))
+            step_seconds_ema=diloco.clock.step.get(), consensus_distance=distance,
+            fork_distance=fork_distance(own, others_states), version_spread=max(versions) - min(versions),
+            live_peers=len(versions), recovered_tokens=diloco.recovered_tokens, **self._goodput(),
+            utilization=self.compute_seconds / max(wall, 1e-9), wall=wall, digest=state.digest))
         val_text = f" val {val:.4f}" if val is not None else ""
         self.progress.end_round(f"round {self.rounds}: {'merged' if settled.applied else 'not merged'} "
                                 f"({o.reason}, island {len(o.members)}) v{state.version}{val_text} "

@@ -123,6 +123,22 @@ class RoundOutcome:
     def adopted(self) -> bool:
         return self.state is not None or self.state_before is not None
 
+    def record(self) -> dict:
+        """What a round record (runtime.schema.Round) says of this outcome, by its field names: written here once,
+        so the record is the outcome as it is."""
+        members = self.members
+        return dict(
+            reason=self.reason, outcome=self.kind, members=[m.name or m.peer for m in members],
+            member_tokens=[m.tokens for m in members], member_versions=[m.version for m in members],
+            member_steps=[m.steps for m in members], member_norms=[m.delta_norm for m in members],
+            excluded=self.excluded, bounded=self.bounded, weights=self.weights,
+            tokens_merged=sum(m.tokens for m in members), group_id=self.group_id, round_seconds=self.seconds,
+            quorum_seconds=self.quorum_seconds, sync_seconds=self.sync_seconds, sync_ended=self.sync_ended or None,
+            codec_cpu_seconds=self.codec_cpu_seconds, deadline_seconds=self.deadline_seconds,
+            grace_seconds=self.grace_seconds, bytes_sent=self.bytes_sent, bytes_received=self.bytes_received,
+            allreduce_bytes_model=self.allreduce_bytes_model, adopted=self.adopted,
+            waited_for_island=self.waited_for_island)
+
 
 @dataclass
 class Committed(RoundOutcome):

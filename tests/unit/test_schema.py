@@ -49,8 +49,8 @@ def test_every_kind_is_registered_once_and_numbers_skip_flags_and_text():
 
 def test_the_peer_writes_metrics_only_through_the_schema():
     """A record written as `metrics.write("kind", key=...)` would bypass the typed definition."""
-    tree = ast.parse((PACKAGE / "peer.py").read_text())
-    writes = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
+    trees = [ast.parse(path.read_text()) for path in [PACKAGE / "peer.py", *sorted((PACKAGE / "parts").glob("*.py"))]]
+    writes = [node for tree in trees for node in ast.walk(tree) if isinstance(node, ast.Call)
               and isinstance(node.func, ast.Attribute) and node.func.attr == "write"
               and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "metrics"]
     assert len(writes) >= 8
@@ -59,3 +59,26 @@ def test_the_peer_writes_metrics_only_through_the_schema():
         arg = call.args[0]
         assert isinstance(arg, ast.Name) or (isinstance(arg, ast.Call) and ast.unparse(arg.func).startswith(
             "schema.")), ast.unparse(call)
+
+
+def test_a_round_record_takes_the_outcome_whole_by_the_records_own_field_names():
+    """protocol.outcomes writes what a round record says of an outcome once: every name is a field of the record,
+    and every outcome field that describes the round reaches it."""
+    import dataclasses
+
+    from p2pdiloco.protocol.outcomes import Committed
+    from p2pdiloco.protocol.remote import Member
+
+    member = Member(peer="p", name="a", version=3, digest="d", tokens=10, steps=2, budget=1.0)
+    outcome = Committed(reason="ok", members=[member], weights=[1.0], seconds=2.5, sync_seconds=1.5, sync_ended=9.0,
+                        quorum_seconds=0.5, grace_seconds=0.25, group_id="g", bytes_sent=7, bytes_received=8,
+                        codec_cpu_seconds=0.1, deadline_seconds=30.0, allreduce_bytes_model=100,
+                        excluded={"x": "why"}, bounded={"p": "cap"}, waited_for_island=True)
+    fields = outcome.record()
+    assert set(fields) <= {f.name for f in dataclasses.fields(schema.Round)}
+    record = schema.Round(peer="a", **fields)
+    assert (record.outcome, record.round_seconds, record.sync_ended, record.members, record.tokens_merged) == \
+        ("committed", 2.5, 9.0, ["a"], 10)
+    assert (record.bytes_sent, record.bytes_received, record.excluded, record.bounded) == (7, 8, {"x": "why"},
+                                                                                          {"p": "cap"})
+    assert record.waited_for_island and not record.adopted and record.allreduce_bytes_model == 100
