@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -27,6 +27,7 @@ import zstandard
 from p2pdiloco.core import exact
 # dequantize and n_blocks are this module's API too: every wire format shares core.exact's arithmetic
 from p2pdiloco.core.exact import BLOCK, block_maxabs, blocked, blockwise, dequantize, n_blocks, scales_for
+from p2pdiloco.runtime.paging import LetGo, hold
 
 # --compression none: 20-bit codes, finer than a fp32 all-reduce of exact integers could carry (its sums had to
 # stay below 2^24, so codes of groups of 2 to 16 had 15 to 18 bits); what they drop is ~2^-20 of the block
@@ -233,13 +234,13 @@ class ErrorFeedback:
         self.residual = residual
 
     def alone(self, contribution: torch.Tensor, bits: int, fmt: "DenseFormat", out: Optional[torch.Tensor] = None,
-              release: Callable[[slice], None] = lambda part: None) -> torch.Tensor:
+              let_go: LetGo = hold) -> torch.Tensor:
         """The update a member alone in its round merges: what its codes would carry in an island (its compensated
         contribution, on scales from its own block statistics, the elements `fmt` selects), the rest carried as
         in an island. The outer step then gets the same kind of update whatever the island's size: a top-k
         member that merged its whole Δ alone would step at an outer lr tuned for 2 % of it (at lr 2, val went
         from 1.97 to 2.30 in that one round). A chunk of blocks at a time, like `record_encoded`, into `out` (a new
-        tensor by default), `release` told each chunk of it once written."""
+        tensor by default), `let_go` told each chunk of it once written."""
         old, n = self.residual, contribution.numel()
         merged = out if out is not None else torch.empty(n)
         residual = old if old is not None else self.store.empty(n)
@@ -249,7 +250,7 @@ class ErrorFeedback:
             merged[part] = encode(intended, 1.0, scales, bits, fmt).sent
             residual[part] = (intended.double() - merged[part].double()).float()
             self.store.let_go(residual[part])
-            release(part)
+            let_go(part)
         self.residual = residual
         return merged
 

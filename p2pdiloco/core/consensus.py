@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
+
+from p2pdiloco.runtime.paging import LetGo, hold
 
 SKETCH_DIM = 64
 _SEED = 0x5EED
@@ -19,8 +21,8 @@ _CHUNK = 1 << 20
 State = tuple[int, str, Sequence[float]]  # a peer's (version, digest, sketch), as its record publishes them
 
 
-def sketch(x: torch.Tensor, k: int = SKETCH_DIM, done: Callable[[slice], None] = lambda part: None) -> list[float]:
-    """Σ over element i of sign(i)·x[i] into bucket i·k // n: linear in x, identical on every peer. `done` is
+def sketch(x: torch.Tensor, k: int = SKETCH_DIM, let_go: LetGo = hold) -> list[float]:
+    """Σ over element i of sign(i)·x[i] into bucket i·k // n: linear in x, identical on every peer. `let_go` is
     told each chunk's elements once read."""
     n = x.numel()
     out = torch.zeros(k, dtype=torch.float64)
@@ -30,7 +32,7 @@ def sketch(x: torch.Tensor, k: int = SKETCH_DIM, done: Callable[[slice], None] =
         signs = torch.randint(0, 2, (chunk.numel(),), generator=gen, dtype=torch.int8).double() * 2 - 1
         index = torch.div(torch.arange(start, start + chunk.numel()) * k, n, rounding_mode="floor")
         out.index_add_(0, index, chunk * signs)
-        done(slice(start, start + chunk.numel()))
+        let_go(slice(start, start + chunk.numel()))
     return [float(v) for v in out]
 
 

@@ -12,9 +12,11 @@ p2pdiloco.core.codec's and p2pdiloco.swarm.codes's.
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
+
+from p2pdiloco.runtime.paging import LetGo, hold
 
 BLOCK = 1 << 14  # elements per quantization block (one scale each)
 # elements per chunk of a pass's arithmetic: its temporaries (float64, int64, int32) are 4-8 MB, a pass over a 100M
@@ -57,15 +59,15 @@ def chunks(n: int, size: int = _CHUNK) -> Iterator[slice]:
         yield slice(start, min(n, start + size))
 
 
-def all_finite(*tensors: torch.Tensor, done: Callable[[slice], None] = lambda part: None) -> bool:
+def all_finite(*tensors: torch.Tensor, let_go: LetGo = hold) -> bool:
     """No NaN or infinity in any of them, a chunk at a time: `torch.isfinite` of a whole model-sized vector makes
     model-sized temporaries (|x| as floats and bool masks, ~5 B/param) at a round's end, when a peer's memory
-    peaks. `done` is told each chunk's elements once checked (a file-backed vector lets their pages go)."""
+    peaks. `let_go` is told each chunk's elements once checked (a file-backed vector lets their pages go)."""
     for t in tensors:
         flat = t.reshape(-1)
         for part in chunks(flat.numel()):
             finite = bool(torch.isfinite(flat[part]).all())
-            done(part)
+            let_go(part)
             if not finite:
                 return False
     return True
@@ -101,14 +103,14 @@ def dequantize(total: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | No
     return out
 
 
-def digest(*tensors: torch.Tensor, done: Callable[[slice], None] = lambda part: None) -> str:
+def digest(*tensors: torch.Tensor, let_go: LetGo = hold) -> str:
     """Short content hash of tensors, one after the other (as if concatenated), for comparing peers' states bit
     for bit. Hashed in place, a chunk at a time: no concatenated or bytes copy of a model-sized state, and
-    `done` is told each chunk's elements once hashed (a parked global state lets their pages go)."""
+    `let_go` is told each chunk's elements once hashed (a parked global state lets their pages go)."""
     h = hashlib.sha256()
     for t in tensors:
         flat = t.detach().contiguous().reshape(-1)
         for part in chunks(flat.numel()):
             h.update(memoryview(flat[part].numpy()).cast("B"))
-            done(part)
+            let_go(part)
     return h.hexdigest()[:16]

@@ -7,12 +7,13 @@ rather than fused `add_(x, alpha=a)` forms, which some kernels compute with an F
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from p2pdiloco.config import WEIGHTINGS
 from p2pdiloco.core.exact import chunks
+from p2pdiloco.runtime.paging import LetGo, hold
 
 
 def pseudo_gradient(global_params: torch.Tensor, local_params: torch.Tensor) -> torch.Tensor:
@@ -118,7 +119,7 @@ class OuterOptimizer:
         self.momentum_buffer = torch.zeros_like(params) if momentum_buffer is None else momentum_buffer
 
     @torch.no_grad()
-    def step(self, merged_delta: torch.Tensor, done: Callable[[slice], None] = lambda part: None) -> None:
+    def step(self, merged_delta: torch.Tensor, let_go: LetGo = hold) -> None:
         """A chunk at a time: elementwise, so the same bits, with a chunk's temporaries, not a model's. `done` is
         told each chunk finished (a parked state pages it out)."""
         mu = torch.tensor(self.momentum, dtype=torch.float32)
@@ -128,10 +129,10 @@ class OuterOptimizer:
             buffer.mul_(mu).add_(delta)
             update = torch.mul(buffer, mu).add_(delta)
             self.params[part].sub_(update.mul_(lr))
-            done(part)
+            let_go(part)
 
     @torch.no_grad()
-    def moves(self, merged_delta: torch.Tensor, done: Callable[[slice], None] = lambda part: None
+    def moves(self, merged_delta: torch.Tensor, let_go: LetGo = hold
               ) -> tuple[float, float]:
         """How far `step(merged_delta)` would move Θ and the momentum (L2 norms), leaving both untouched; a
         chunk at a time, `done` told each chunk read."""
@@ -144,7 +145,7 @@ class OuterOptimizer:
             momentum += float(torch.linalg.vector_norm(work)) ** 2
             work.add_(buffer).mul_(mu).add_(delta).mul_(lr)  # lr·(Δ + μ·m'), the step
             theta += float(torch.linalg.vector_norm(work)) ** 2
-            done(part)
+            let_go(part)
         return theta ** 0.5, momentum ** 0.5
 
     @torch.no_grad()

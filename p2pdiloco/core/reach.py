@@ -21,26 +21,27 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from p2pdiloco.core.exact import chunks
+from p2pdiloco.runtime.paging import LetGo, hold
 
 MOVES_SEEN = 16  # the merges whose largest move sets the allowance
 DISTANCE_CHUNK = 1 << 20
 
 
 def distances(ours: Sequence[torch.Tensor], theirs: Sequence[torch.Tensor],
-              done: Callable[[slice], None] = lambda part: None) -> list[float]:
-    """‖a − b‖ for each pair, a chunk at a time (one chunk-sized temporary); `done` is told each chunk of `ours`
+              let_go: LetGo = hold) -> list[float]:
+    """‖a − b‖ for each pair, a chunk at a time (one chunk-sized temporary); `let_go` is told each chunk of `ours`
     read."""
     out = []
     for a, b in zip(ours, theirs):
         total = 0.0
         for part in chunks(a.numel(), DISTANCE_CHUNK):
             total += float(torch.linalg.vector_norm(torch.sub(b[part], a[part]))) ** 2
-            done(part)
+            let_go(part)
         out.append(math.sqrt(total))
     return out
 

@@ -9,13 +9,14 @@ sees. Because everyone uses the same order, two forks reconcile as soon as eithe
 from __future__ import annotations
 
 import threading
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from p2pdiloco.core.exact import all_finite, digest
 from p2pdiloco.core.outer import OuterOptimizer
 from p2pdiloco.core.reach import Reach, distances, versions_apart
+from p2pdiloco.runtime.paging import LetGo, hold
 
 
 def lineage_key(version: int, state_digest: str) -> tuple[int, str]:
@@ -40,11 +41,11 @@ class GlobalState:
 
     def __init__(self, params: torch.Tensor, lr: float, momentum: float,
                  storage: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                 page_out: Callable[[slice], None] = lambda part: None):
+                 let_go: LetGo = hold):
         """Θ starts as a copy of `params`. `storage`: the two vectors to keep Θ and the momentum in (the second
         zeroed; `training.parked` maps them from a file); new memory if None. `params` may be the first.
-        `page_out(part)`: a pass over Θ is done with those elements (a parked state lets their pages go)."""
-        self.page_out = page_out
+        `let_go(part)`: a pass over Θ is done with those elements (a parked state lets their pages go)."""
+        self.let_go = let_go
         if storage is None:
             storage = (torch.empty_like(params), torch.zeros_like(params))
         theta, momentum_buffer = storage
@@ -68,7 +69,7 @@ class GlobalState:
         """Hash of Θ and the outer momentum: equal digests mean the next outer step is equal too."""
         with self.lock:
             if self._digest is None:
-                self._digest = digest(*self.outer.state_tensors(), done=self.page_out)
+                self._digest = digest(*self.outer.state_tensors(), let_go=self.let_go)
             return self._digest
 
     @property
@@ -76,15 +77,15 @@ class GlobalState:
         return lineage_key(self.version, self.digest)
 
     def apply(self, merged: torch.Tensor, members: list[str],
-              release: Callable[[slice], None] = lambda part: None, tokens: int = 0) -> None:
-        """Θ ← outer step of Θ by `merged`, a chunk at a time; `release` is told each chunk of `merged` once
+              let_go: LetGo = hold, tokens: int = 0) -> None:
+        """Θ ← outer step of Θ by `merged`, a chunk at a time; `let_go` is told each chunk of `merged` once
         read (as Θ's own pages are let go). `tokens`: what the members trained for it."""
-        def done(part: slice) -> None:
-            self.page_out(part)
-            release(part)
+        def let_go_both(part: slice) -> None:
+            self.let_go(part)
+            let_go(part)
 
         with self.lock:
-            self.outer.step(merged, done=done)
+            self.outer.step(merged, let_go=let_go_both)
             self.version += 1
             self.tokens += max(0, int(tokens))
             self.last_members = members
@@ -102,14 +103,14 @@ class GlobalState:
                 return metadata, [t.clone() for t in self.outer.state_tensors()]
             return metadata, [torch.empty_like(t).share_memory_().copy_(t) for t in self.outer.state_tensors()]
 
-    def saw_merge(self, merged: torch.Tensor, release: Callable[[slice], None] = lambda part: None) -> None:
+    def saw_merge(self, merged: torch.Tensor, let_go: LetGo = hold) -> None:
         """A verified merge, applied to our state or not (we were stale): learn how far it moves ours."""
-        def done(part: slice) -> None:
-            self.page_out(part)
-            release(part)
+        def let_go_both(part: slice) -> None:
+            self.let_go(part)
+            let_go(part)
 
         with self.lock:
-            self.reach.saw_merge(*self.outer.moves(merged, done=done))
+            self.reach.saw_merge(*self.outer.moves(merged, let_go=let_go_both))
 
     def why_not_adopt(self, metadata: dict, tensors: Sequence[torch.Tensor], corroborated: bool) -> Optional[str]:
         """Why a validated state is too far from ours to take (p2pdiloco.core.reach), or None; `corroborated`: served
@@ -121,7 +122,7 @@ class GlobalState:
         theirs = theirs if theirs[-1:] == [key] else theirs + [key]
         with self.lock:
             apart = versions_apart(self.history, theirs)
-            moved = distances(self.outer.state_tensors(), tensors, done=self.page_out)
+            moved = distances(self.outer.state_tensors(), tensors, let_go=self.let_go)
         return self.reach.why_not(moved, apart, corroborated)
 
     def load(self, metadata: dict, tensors: list[torch.Tensor]) -> None:

@@ -28,7 +28,7 @@ class Tensors:
         """Θ and the momentum are cold until a round starts or ends, an evaluation, a checkpoint or a joiner
         reads them (nothing to do where they are kept in memory). What the round's work freed goes back to the
         kernel too (`runtime.heap`)."""
-        self.vectors.page_out()
+        self.vectors.let_go()
         give_back_free_heap()
 
 
@@ -37,7 +37,7 @@ def materialize(cfg: PeerConfig, workload: Workload) -> Tensors:
     vectors = global_vectors(workload.n_params, parking_folder(cfg))
     theta = flat_params(model, out=vectors.theta)  # no staging copy beside it, from a GPU either
     state = GlobalState(theta, cfg.outer.lr, cfg.outer.momentum, storage=(theta, vectors.momentum),
-                        page_out=vectors.page_out)
+                        let_go=vectors.let_go)
     tensors = Tensors(model, vectors, state)
     tensors.park()
     return tensors

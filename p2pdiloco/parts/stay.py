@@ -68,7 +68,7 @@ class Stay:
         """Validation loss of Θ, the global model every peer converges to (θ, the local one, runs ahead)."""
         state = self.diloco.state
         return evaluate(self.tensors.model, self.workload.val, self.workload.device, params=state.params,
-                        done=state.page_out)  # no second model
+                        let_go=state.let_go)  # no second model
 
     def _round_wait_on_leaving(self) -> float:
         """How long the round in flight may still take once training ends. At max rounds/time it may finish.

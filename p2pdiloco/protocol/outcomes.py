@@ -5,12 +5,13 @@ deadline, the weights, the reason), so metrics log the outcome as it is and neve
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Optional, Protocol
+from typing import ClassVar, Optional, Protocol
 
 import torch
 
 from p2pdiloco.core.exact import chunks
 from p2pdiloco.protocol.remote import Member
+from p2pdiloco.runtime.paging import LetGo, hold
 
 StateTuple = tuple[dict, list[torch.Tensor]]  # (metadata with version and digest, [Θ, outer momentum])
 
@@ -23,11 +24,6 @@ class Parts(Protocol):
     def numel(self) -> int: ...
 
 
-def nothing_to_release(part: slice) -> None:
-    """`merged` is an ordinary tensor: no pages of it to let go."""
-
-
-Release = Callable[[slice], None]  # elements `part` of `merged` were read: their pages can go (a file-backed buffer)
 
 
 def copy_parts(source: Parts, out: torch.Tensor) -> None:
@@ -98,7 +94,7 @@ class RoundOutcome:
 
     reason: str = ""
     merged: Optional[torch.Tensor] = None
-    release: Release = field(default=nothing_to_release, repr=False, compare=False)  # a pass over `merged` calls it
+    let_go: LetGo = field(default=hold, repr=False, compare=False)  # a pass over `merged` calls it
     members: list[Member] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)  # each member's merge weight (sums to 1)
     excluded: dict[str, str] = field(default_factory=dict)  # member peer id → why it was not merged

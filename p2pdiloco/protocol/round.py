@@ -36,9 +36,10 @@ import torch
 from p2pdiloco.core.exact import all_finite
 from p2pdiloco.core.outer import Segment, rda_combine
 from p2pdiloco.protocol.outcomes import (Adopted, Committed, Contribution, Left, RolledBack, RoundOutcome, Solo,
-                                         Release, StateTuple, newest_member, nothing_to_release)
+                                         StateTuple, newest_member)
 from p2pdiloco.protocol.remote import Member, PeerRecord
 from p2pdiloco.protocol.timing import GracePolicy, RoundClock, allreduce_wire_bytes
+from p2pdiloco.runtime.paging import LetGo, hold
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,7 +134,7 @@ class IslandReduced:
     codec_cpu_seconds: float = 0.0  # the codec thread's CPU in this round (swarm.codes.codec_cpu_seconds)
     deadline: float = 0.0
     merged: Optional[torch.Tensor] = None
-    release: Release = field(default=nothing_to_release, repr=False, compare=False)  # a pass over `merged` calls it
+    let_go: LetGo = field(default=hold, repr=False, compare=False)  # a pass over `merged` calls it
     excluded: dict = field(default_factory=dict)  # peer (or index) → why its record was rejected
     codec_scales: Optional[torch.Tensor] = None  # the block scales the group agreed on (error feedback)
     bounded: dict = field(default_factory=dict)  # peer → what of its claims was capped (p2pdiloco.protocol.island)
@@ -325,7 +326,7 @@ class Round:
                                      list(self.rules.rda_segments))
             except (ValueError, IndexError, RuntimeError) as e:
                 return self._done(self._rolled_back_type, now, f"round discarded: malformed RDA norms ({e})")
-        if not all_finite(merged, done=r.release):
+        if not all_finite(merged, let_go=r.let_go):
             return self._done(self._rolled_back_type, now, "round discarded: merged update is not finite")
         self.reduced = dataclasses.replace(r, merged=merged, reason="ok")
         wire = allreduce_wire_bytes(self.rules.buffer_elements, len(r.members))
@@ -352,7 +353,7 @@ class Round:
         fields = self._common(now)
         r = self.reduced
         if r is not None and kind is Committed:
-            fields.update(merged=r.merged, release=r.release, members=list(r.members), weights=list(r.weights),
+            fields.update(merged=r.merged, let_go=r.let_go, members=list(r.members), weights=list(r.weights),
                           group_id=r.group_id,
                           sync_seconds=r.sync_seconds, sync_ended=r.sync_ended, deadline_seconds=r.deadline,
                           excluded=dict(r.excluded),

@@ -1,7 +1,7 @@
 """Model-sized fp32 vectors kept in a file mapped shared, resident only while a pass uses them.
 
 `FileVectors` puts `count` vectors of n elements in one unlinked file and maps it shared. A pass over them can
-let each chunk go once done (`page_out`): a shared file mapping keeps the data in the file and the kernel's page
+let each chunk go once done (`let_go`): a shared file mapping keeps the data in the file and the kernel's page
 cache, which gives the memory back to whoever needs it (writing dirty pages to disk first), so the pass costs
 a chunk of resident memory, not the vector. The next use faults the pages back in, from the cache, or from disk
 if they were evicted. Letting go is safe at any moment, even while another thread or another process that
@@ -18,6 +18,16 @@ saying so, rather than dying of a SIGBUS at a page's first write.
 """
 
 from __future__ import annotations
+
+from typing import Callable
+
+# `let_go(part)`: elements `part` of a vector were read (or written) and this pass needs them no more: where the
+# vector lives in a file, their pages may leave this process's memory. The one name for it, everywhere.
+LetGo = Callable[[slice], None]
+
+
+def hold(part: slice) -> None:
+    """Nothing to let go: the vector is an ordinary tensor."""
 
 import ctypes
 import logging
@@ -57,10 +67,10 @@ class FileVectors:
         self.vectors: tuple[torch.Tensor, ...] = tuple(flat.split(n))  # fallocate's blocks read as zeros
         self.address, self.nbytes = flat.data_ptr(), size
 
-    def page_out(self, part: Optional[slice] = None) -> None:
+    def let_go(self, part: Optional[slice] = None) -> None:
         """Let elements `part` of every vector (or all of them) go from this process's memory."""
         for vector in self.vectors:
-            page_out(vector if part is None else vector[part])
+            drop_pages(vector if part is None else vector[part])
 
     def resident_bytes(self) -> Optional[int]:
         """How much of the mapping is in this process's memory now (from /proc/self/smaps; None if unknown)."""
@@ -78,7 +88,7 @@ class FileVectors:
         return None
 
 
-def page_out(view: torch.Tensor) -> None:
+def drop_pages(view: torch.Tensor) -> None:
     """Drop the whole pages inside a contiguous view of a `FileVectors` vector from this process (the pages at
     its two ends stay: they may hold neighbouring elements still in use). Only for such views: on private
     memory, MADV_DONTNEED would zero the data."""
@@ -109,7 +119,7 @@ class PagedStore:
 
     def let_go(self, view: torch.Tensor) -> None:
         if any(_inside(view, f) for f in self.files):  # never a vector of memory: MADV_DONTNEED would zero it
-            page_out(view)
+            drop_pages(view)
 
 
 def _inside(view: torch.Tensor, file: FileVectors) -> bool:

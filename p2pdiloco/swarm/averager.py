@@ -120,11 +120,11 @@ class ExactAverager(DecentralizedAverager):
         with self.get_tensors():
             yield self._flat
 
-    def page_out(self, part: slice) -> None:
+    def let_go(self, part: slice) -> None:
         """Let elements `part` of the buffer go from this process's memory, if it lives in a file (a pass over it
         calls this as it goes: the host's as it writes Δ and reads the sum, ours as pieces are coded and land)."""
         if self._paged is not None:
-            self._paged.page_out(part)
+            self._paged.let_go(part)
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs) -> IslandReduced:
         try:
@@ -202,7 +202,7 @@ class ExactAverager(DecentralizedAverager):
             try:
                 return piece_work(start, end, *args)
             finally:
-                self.page_out(slice(start, end))
+                self.let_go(slice(start, end))
         return work
 
     def wire_format(self, group_size: int):

@@ -92,12 +92,12 @@ class SwarmMerger:
             merged = buffer[: self.n]
             if self.feedback is not None and not self.outer.rda:
                 self.feedback.alone(source, self.settings.bits, self.averager.wire_format(1), out=merged,
-                                    release=self.averager.page_out)
+                                    let_go=self.averager.let_go)
             else:
                 for part, _ in blockwise(self.n):
                     merged[part] = source[part]
-                    self.averager.page_out(part)
-        return dataclasses.replace(outcome, merged=merged, release=self.averager.page_out)
+                    self.averager.let_go(part)
+        return dataclasses.replace(outcome, merged=merged, let_go=self.averager.let_go)
 
     def _drive(self, rnd: Round) -> RoundOutcome:
         decision, traffic = rnd.start(self.live_others(), time.monotonic()), {}
@@ -181,7 +181,7 @@ class SwarmMerger:
         with self.averager.buffer() as buffer:
             # a view, not a copy: the host applies it before its next round writes the buffer again (DiLoCo keeps
             # a copy only for eager estimates)
-            return dataclasses.replace(result, merged=buffer[: self.n], release=self.averager.page_out)
+            return dataclasses.replace(result, merged=buffer[: self.n], let_go=self.averager.let_go)
 
     def _load_buffer(self, c: Contribution, island: FormIsland) -> dict:
         """Write what we send into the averaging buffer; our gathered record. Nothing here holds Δ while the
@@ -199,7 +199,7 @@ class SwarmMerger:
                 if self.feedback is not None:
                     self.feedback.compensate_(piece, part)
                 statistics.add(piece, blocks)
-                self.averager.page_out(part)
+                self.averager.let_go(part)
             del source
         return gather_record(self.peer, c.name, c.version, c.tokens, c.steps, statistics, c.digest,
                              island.budget, norms, blame=self.penalties.active(time.monotonic()),

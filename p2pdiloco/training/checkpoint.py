@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Union
+from typing import Iterator, Optional, Union
 
 import torch
 from safetensors import SafetensorError
@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from p2pdiloco.core.exact import chunks, digest
 from p2pdiloco.runtime.files import sha256_file
+from p2pdiloco.runtime.paging import LetGo
 
 TENSORS, META = "tensors.safetensors", "meta.json"
 TOKENIZER_DIR = "tokenizer"  # beside a peer's checkpoints: the tokenizer its model reads (export, sample)
@@ -89,17 +90,17 @@ class Concatenated:
 
 
 class Released:
-    """A flat CPU vector written a chunk at a time, `done` told each chunk's elements once written: a parked
+    """A flat CPU vector written a chunk at a time, `let_go` told each chunk's elements once written: a parked
     global state (training.parked) lets those pages go, so a checkpoint never holds all of Θ and the momentum
     in memory at once."""
 
-    def __init__(self, vector: torch.Tensor, done: Callable[[slice], None]):
-        self.vector, self.done, self.dtype, self.shape = vector, done, vector.dtype, tuple(vector.shape)
+    def __init__(self, vector: torch.Tensor, let_go: LetGo):
+        self.vector, self.let_go, self.dtype, self.shape = vector, let_go, vector.dtype, tuple(vector.shape)
 
     def pieces(self) -> Iterator[torch.Tensor]:
         for part in chunks(self.vector.numel()):
             yield self.vector[part]  # written before the next one is asked for
-            self.done(part)
+            self.let_go(part)
 
 
 Entry = Union[torch.Tensor, Concatenated, Released]

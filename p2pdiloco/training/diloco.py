@@ -41,6 +41,7 @@ from p2pdiloco.core.state import GlobalState, contains
 from p2pdiloco.protocol.timing import RoundClock
 from p2pdiloco.training.checkpoint import Concatenated, Entry, Released
 from p2pdiloco.training.spill import InMemory, OnDisk, assemble
+from p2pdiloco.runtime.paging import LetGo, hold
 
 log = logging.getLogger(__name__)
 
@@ -150,12 +151,12 @@ class DiLoCo:
         assert self.in_flight is None, "one round in flight at a time"
         with self.state.lock:
             if self.eager:  # the estimate needs Δ whole
-                delta = pseudo_gradient_of(self.trainer.model, self.state.params, done=self.state.page_out)
+                delta = pseudo_gradient_of(self.trainer.model, self.state.params, let_go=self.state.let_go)
                 kept, origin = self.keep.put(delta), self._eager_estimate(delta)
                 del delta  # from here on the merger and the spill hold it, as long as each needs it
             else:  # a parameter's worth at a time, straight to where it waits (no model-sized Δ on disk's way)
                 kept, origin = self.keep.put_parts(lambda: pseudo_gradient_parts(
-                    self.trainer.model, self.state.params, done=self.state.page_out), self.state.params.numel()), None
+                    self.trainer.model, self.state.params, let_go=self.state.let_go), self.state.params.numel()), None
             c = Contribution(kept=kept, tokens=self.unmerged_tokens, steps=self.unmerged_steps,
                              version=self.state.version, peer=self.peer, name=self.name, digest=self.state.digest,
                              seconds=self.unmerged_seconds)
@@ -227,11 +228,11 @@ class DiLoCo:
                     restored = self._load_foreign(*outcome.state_before)
                 if committed:
                     if outcome.merged is not None:  # how far a merge moves us bounds what we download later
-                        self.state.saw_merge(outcome.merged, outcome.release)
+                        self.state.saw_merge(outcome.merged, outcome.let_go)
                     if outcome.state is not None:
                         restored = self._add(restored, self._load_foreign(*outcome.state))  # already holds our Δ
                     elif not outcome.stale:
-                        self.state.apply(outcome.merged, [m.peer for m in outcome.members], outcome.release,
+                        self.state.apply(outcome.merged, [m.peer for m in outcome.members], outcome.let_go,
                                          tokens=sum(m.tokens for m in outcome.members))
                     self.unmerged_tokens -= c.tokens
                     self.unmerged_steps -= c.steps
@@ -317,7 +318,7 @@ class DiLoCo:
                         if kept == Progress.ALL_UNMERGED:
                             progress.sub_(delta[part])
                     _store(p, progress)
-                    self.state.page_out(part)
+                    self.state.let_go(part)
         except (OSError, ValueError) as e:  # Δ's file failed halfway: no parameter's progress can be trusted
             _gave_up("the round's Δ", e)
             self._progress_lost()
@@ -338,7 +339,7 @@ class DiLoCo:
                 if restored is not None:
                     progress.add_(restored[part])
                 _store(p, progress.add_(self.state.params[part]))
-                self.state.page_out(part)
+                self.state.let_go(part)
 
     def adopt(self, metadata: dict, tensors: list[torch.Tensor]) -> None:
         """Take a global state from a peer between rounds (joining, or behind): rebase unmerged progress."""
@@ -382,9 +383,9 @@ class DiLoCo:
         assert self.in_flight is None, "checkpoint between rounds only"
         trainer = self.trainer
         with self.state.lock:  # no copies of Θ: only this (the training) thread changes it, and it is saving
-            page_out = self.state.page_out
-            tensors = {"global": Released(self.state.params, page_out),
-                       "momentum": Released(self.state.outer.momentum_buffer, page_out),
+            let_go = self.state.let_go
+            tensors = {"global": Released(self.state.params, let_go),
+                       "momentum": Released(self.state.outer.momentum_buffer, let_go),
                        "local": Concatenated([p for _, p, _ in param_slices(trainer.model)])}
             meta = dict(version=self.state.version, digest=self.state.digest, history=self.state.history,
                         last_members=self.state.last_members, tokens=self.state.tokens)
@@ -433,19 +434,19 @@ def _store(p: torch.Tensor, flat: torch.Tensor) -> None:
 
 
 def pseudo_gradient_of(model: torch.nn.Module, global_params: torch.Tensor,
-                       done: Callable[[slice], None] = lambda part: None) -> torch.Tensor:
+                       let_go: LetGo = hold) -> torch.Tensor:
     """Δ = Θ − θ (`core.outer.pseudo_gradient`) whole, made a parameter at a time: the same bits without a flat
-    copy of θ. `done` is told each part of Θ that was read."""
-    return assemble(lambda: pseudo_gradient_parts(model, global_params, done), global_params.numel())
+    copy of θ. `let_go` is told each part of Θ that was read."""
+    return assemble(lambda: pseudo_gradient_parts(model, global_params, let_go), global_params.numel())
 
 
 def pseudo_gradient_parts(model: torch.nn.Module, global_params: torch.Tensor,
-                          done: Callable[[slice], None] = lambda part: None) -> Iterator[torch.Tensor]:
+                          let_go: LetGo = hold) -> Iterator[torch.Tensor]:
     """Δ = Θ − θ a parameter at a time, in the flat layout's order: the same bits as `pseudo_gradient_of`."""
     with torch.no_grad():
         for _, p, part in param_slices(model):
             piece = global_params[part] - _flat(p)
-            done(part)
+            let_go(part)
             yield piece
 
 

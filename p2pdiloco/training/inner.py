@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import time
 from contextlib import contextmanager, nullcontext
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from torch import nn
 from p2pdiloco.config import ConfigError, InnerConfig
 from p2pdiloco.core.exact import chunks
 from p2pdiloco.training.schedule import inner_lr
+from p2pdiloco.runtime.paging import LetGo, hold
 
 BETAS = (0.9, 0.95)
 ALIAS = "@"  # in a checkpoint's optimizer scalars: this state is the tensor saved under another name
@@ -200,20 +201,20 @@ class InnerTrainer:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: list, device: torch.device, params: torch.Tensor | None = None,
-             done: Callable[[slice], None] = lambda part: None) -> float:
+             let_go: LetGo = hold) -> float:
     """Mean loss over `batches`. With `params` (a flat vector in `flat_params`' layout, e.g. Θ), the loss of
     those parameters, run through this model's modules on views of the vector: no second model (4 bytes per
     parameter) and no copy of the vector on a CPU. On a GPU the vector goes to the device a chunk at a time,
-    `done` told each chunk once copied (a parked global state lets its host pages go)."""
+    `let_go` told each chunk once copied (a parked global state lets its host pages go)."""
     was_training = model.training
     model.eval()
     try:
         if params is None:
             losses = [model(x.to(device), y.to(device)).item() for x, y in batches]
         else:
-            moved = _moved(params, device, done)
+            moved = _moved(params, device, let_go)
             views = parameter_views(model, moved)
-            with _each_module_done(model, done) if moved is params else nullcontext():
+            with _each_module_done(model, let_go) if moved is params else nullcontext():
                 losses = [torch.func.functional_call(model, views, (x.to(device), y.to(device))).item()
                           for x, y in batches]
     finally:
@@ -222,8 +223,8 @@ def evaluate(model: nn.Module, batches: list, device: torch.device, params: torc
 
 
 @contextmanager
-def _each_module_done(model: nn.Module, done: Callable[[slice], None]):
-    """While the forward pass reads a vector in place (Θ on the CPU), `done` is told each module's parameter
+def _each_module_done(model: nn.Module, let_go: LetGo):
+    """While the forward pass reads a vector in place (Θ on the CPU), `let_go` is told each module's parameter
     slices once that module has run: a parked Θ lets their pages go as the pass moves on, instead of coming
     into memory whole for an evaluation (4 B/param, at the peak of a peer leaving: its final evaluation). A
     tied tensor's pages come back when it is read again; done is only ever about pages, never values."""
@@ -232,7 +233,7 @@ def _each_module_done(model: nn.Module, done: Callable[[slice], None]):
     for module in model.modules():
         parts = [where[id(p)] for p in module.parameters(recurse=False) if id(p) in where]
         if parts:
-            hooks.append(module.register_forward_hook(functools.partial(_let_go, done, parts)))
+            hooks.append(module.register_forward_hook(functools.partial(_let_go, let_go, parts)))
     try:
         yield
     finally:
@@ -240,19 +241,19 @@ def _each_module_done(model: nn.Module, done: Callable[[slice], None]):
             hook.remove()
 
 
-def _let_go(done: Callable[[slice], None], parts: list, *_) -> None:
+def _let_go(let_go: LetGo, parts: list, *_) -> None:
     """A forward hook: returns None, so the module's output stands."""
     for part in parts:
-        done(part)
+        let_go(part)
 
 
-def _moved(flat: torch.Tensor, device: torch.device, done: Callable[[slice], None]) -> torch.Tensor:
+def _moved(flat: torch.Tensor, device: torch.device, let_go: LetGo) -> torch.Tensor:
     if flat.device.type == torch.device(device).type:
         return flat.to(device)
     out = torch.empty_like(flat, device=device)
     for part in chunks(flat.numel()):
         out[part].copy_(flat[part])  # from pageable memory: done when it returns
-        done(part)
+        let_go(part)
     return out
 
 

@@ -3,7 +3,7 @@
 Between rounds nothing reads Θ or the outer momentum (8 bytes per parameter): the inner steps touch θ and the
 inner optimizer only. Θ is read when a contribution is made (Δ = Θ − θ), when a round's outcome is applied,
 by an evaluation, a checkpoint, a state served to a joiner; the momentum only by the outer step, the digest and
-those last two. `Parked` keeps both in one file mapped shared, and `page_out` drops its pages from the
+those last two. `Parked` keeps both in one file mapped shared, and `let_go` drops its pages from the
 process once a use is over (p2pdiloco.runtime.paging), so a peer's resident memory is that of the inner loop.
 
 What it costs: each round rewrites all of Θ and the momentum, so the kernel writes 8 bytes per parameter to
@@ -31,7 +31,7 @@ class Held:
     def __init__(self, n: int):
         self.theta, self.momentum = torch.empty(n, dtype=torch.float32), torch.zeros(n, dtype=torch.float32)
 
-    def page_out(self, part: Optional[slice] = None) -> None:
+    def let_go(self, part: Optional[slice] = None) -> None:
         pass
 
 
@@ -43,10 +43,10 @@ class Parked:
         # fallocate's blocks read as zeros: the momentum starts at 0, Θ is written by the caller
         self.theta, self.momentum = self._file.vectors
 
-    def page_out(self, part: Optional[slice] = None) -> None:
+    def let_go(self, part: Optional[slice] = None) -> None:
         """Drop the pages (of elements `part` of both vectors, or all) from this process. A long pass (the outer
         step, a rebase) pages out as it goes, so Θ and the momentum are never all in memory at once."""
-        self._file.page_out(part)
+        self._file.let_go(part)
 
     def resident_bytes(self) -> Optional[int]:
         return self._file.resident_bytes()

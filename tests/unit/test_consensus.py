@@ -54,5 +54,5 @@ def test_every_element_counts_once_with_a_sign_in_its_bucket_across_chunks():
         signs.add(s[bucket])
     assert signs == {1.0, -1.0}
     read = []
-    sketch(torch.ones(n), done=read.append)
+    sketch(torch.ones(n), let_go=read.append)
     assert read == [slice(0, consensus._CHUNK), slice(consensus._CHUNK, n)]

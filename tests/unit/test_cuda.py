@@ -101,7 +101,7 @@ def test_the_global_model_is_evaluated_on_the_gpu_from_host_memory_a_chunk_at_a_
     theta = flat_params(trainer.model).clone() * 0.9  # not θ
     batches = [next(trainer.batches) for _ in range(2)]
     parts = []
-    loss = evaluate(trainer.model, batches, torch.device("cuda"), params=theta, done=parts.append)
+    loss = evaluate(trainer.model, batches, torch.device("cuda"), params=theta, let_go=parts.append)
     assert sum(p.stop - p.start for p in parts) == theta.numel()  # every chunk told
     load_flat_params(trainer.model, theta)
     assert loss == pytest.approx(evaluate(trainer.model, batches, torch.device("cuda")), rel=1e-5)

@@ -25,12 +25,12 @@ def test_file_vectors_keep_what_a_forked_child_wrote_after_both_let_their_pages_
     buffer = vectors.vectors[0]
     assert list(tmp_path.iterdir()) == []  # unlinked at once
     buffer.fill_(1.0)
-    vectors.page_out()
+    vectors.let_go()
     assert vectors.resident_bytes() < 64 * 1024
     child = os.fork()
     if child == 0:  # the averager's side: it lands a sum and lets its pages go (numpy: torch's thread pool
         buffer.numpy()[: MB // 2] = 3.0  # does not survive a fork)
-        vectors.page_out()
+        vectors.let_go()
         os._exit(0)
     assert os.waitpid(child, 0)[1] == 0
     assert bool((buffer[: MB // 2] == 3.0).all()) and bool((buffer[MB // 2:] == 1.0).all())
@@ -88,9 +88,9 @@ class RecordingAverager:
     def wire_format(self, group_size: int):
         return self.wire
 
-    def page_out(self, part: slice) -> None:
+    def let_go(self, part: slice) -> None:
         self.resident.append(self.file.resident_bytes())
-        self.file.page_out(part)
+        self.file.let_go(part)
 
 
 WIRES = [codec.DenseFormat(codec.BITS["none"], 1), codec.DenseFormat(4, 1), codec.DenseFormat(2, 1),
@@ -134,7 +134,7 @@ def test_the_averager_lets_each_piece_of_the_buffer_go_once_coded_and_once_its_s
     buffer = averager._paged.vectors[0]
     buffer.copy_(torch.randn(n) * 1e-3)
     scales = codec.agreed_scales([codec.block_maxabs(buffer).double()], 4)
-    averager._paged.page_out()
+    averager._paged.let_go()
     fmt = codec.DenseFormat(4, 1)
     encode = averager._paged_after(lambda a, b: _encode_piece(buffer, 1.0, scales, 4, fmt, a, b))
     land = averager._paged_after(lambda a, b, total, left_out: _land_piece(buffer, scales, {"me": 1.0}, a, b,
@@ -155,12 +155,12 @@ def test_the_outer_step_lets_each_chunk_of_a_file_backed_merged_update_go_once_r
     update = FileVectors(n, 1, tmp_path, prefix="averaging-")
     merged = update.vectors[0]
     merged.copy_(torch.randn(n) * 1e-3)
-    update.page_out()
+    update.let_go()
     resident = []
 
     def release(part: slice) -> None:
         resident.append(update.resident_bytes())
-        update.page_out(part)
+        update.let_go(part)
 
     start = torch.randn(n)
     paged, held = GlobalState(start.clone(), lr=0.7, momentum=0.9), GlobalState(start.clone(), lr=0.7, momentum=0.9)
@@ -206,7 +206,7 @@ def test_error_feedbacks_residual_in_a_file_holds_a_chunk_at_a_time_with_the_sam
             feedback.record_encoded(delta, weight, scales, wire.bits, wire)
         passed()  # before comparing: reading the residual whole faults it all back in
         assert torch.equal(paged.residual, held.residual) and held.residual.abs().max() > 0
-        store.files[0].page_out()  # what the comparison read back: a peer reads it only in its passes
+        store.files[0].let_go()  # what the comparison read back: a peer reads it only in its passes
     delta = torch.randn(n) * 1e-3
     merged = paged.alone(delta, wire.bits, wire)  # a solo round
     passed()
@@ -241,7 +241,7 @@ def test_a_solo_update_is_made_in_the_averaging_buffer_a_chunk_at_a_time(tmp_pat
     assert averager.file.resident_bytes() < 2 * 4096
     merged = outcome.merged
     assert merged.data_ptr() == averager.file.vectors[0].data_ptr()  # the buffer itself, not a copy
-    assert outcome.release == averager.page_out  # the outer step lets each chunk go again once read
+    assert outcome.let_go == averager.let_go  # the outer step lets each chunk go again once read
     expected = held.alone(delta, wire.bits, wire) if feedback else delta
     assert torch.equal(merged, expected)
     if feedback:

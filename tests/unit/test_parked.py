@@ -29,15 +29,15 @@ def test_parked_vectors_keep_their_values_and_leave_the_process_when_paged_out(t
     parked.theta.copy_(torch.arange(n, dtype=torch.float32))
     parked.momentum.fill_(0.5)
     assert parked.resident_bytes() >= 2 * 4 * n  # written: in memory
-    parked.page_out()
+    parked.let_go()
     assert parked.resident_bytes() < MB
     assert torch.equal(parked.theta, torch.arange(n, dtype=torch.float32))  # read back from the page cache
     assert parked.resident_bytes() >= 4 * n  # Θ is back, the momentum is not
     assert bool((parked.momentum == 0.5).all())
-    parked.page_out()
+    parked.let_go()
     parked.theta[:].add_(1)  # both back in memory, then a range of each let go: whole pages inside it only
     parked.momentum.add_(1)
-    parked.page_out(slice(1000, n - 1000))
+    parked.let_go(slice(1000, n - 1000))
     assert 0 < parked.resident_bytes() <= 4 * mmap.PAGESIZE
     assert torch.equal(parked.theta, torch.arange(n, dtype=torch.float32) + 1)
     assert bool((parked.momentum == 1.5).all())
@@ -49,7 +49,7 @@ def make_peer(storage: str, folder, model_name: str = "tiny"):
                            torch.device("cpu"))
     vectors = global_vectors(sum(p.numel() for p in model.parameters()), folder if storage == "parked" else None)
     theta = flat_params(model, out=vectors.theta)
-    state = GlobalState(theta, lr=0.7, momentum=0.9, storage=(theta, vectors.momentum), page_out=vectors.page_out)
+    state = GlobalState(theta, lr=0.7, momentum=0.9, storage=(theta, vectors.momentum), let_go=vectors.let_go)
     return DiLoCo(trainer, state, SoloMerger(), "me", "me"), vectors
 
 
@@ -86,12 +86,12 @@ def test_the_passes_after_a_round_hold_a_chunk_of_a_parked_state_at_a_time(tmp_p
     d.wait(10)  # a round: the momentum is not zero
     mapped = 2 * 4 * d.state.params.numel()
     held = []
-    page_out = d.state.page_out
-    d.state.page_out = lambda part: (held.append(vectors.resident_bytes()), page_out(part))
-    sketch(d.state.params, done=d.state.page_out)
+    let_go = d.state.let_go
+    d.state.let_go = lambda part: (held.append(vectors.resident_bytes()), let_go(part))
+    sketch(d.state.params, let_go=d.state.let_go)
     assert len(held) > 5 and max(held) < mapped / 8  # Θ sketched a chunk at a time
-    d.state.page_out = page_out
-    vectors.page_out()
+    d.state.let_go = let_go
+    vectors.let_go()
     with grew:
         d.state._digest = None  # hashed again, as after every round
         assert d.state.digest
@@ -127,7 +127,7 @@ def test_evaluating_a_parked_global_state_lets_each_modules_pages_go_once_it_ran
 
     held, _ = make_peer("memory", tmp_path, "base")
     parked, vectors = make_peer("parked", tmp_path, "base")
-    vectors.page_out()
+    vectors.let_go()
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randint(0, 256, (2, 32), generator=g), torch.randint(0, 256, (2, 32), generator=g))
                for _ in range(2)]
@@ -137,7 +137,7 @@ def test_evaluating_a_parked_global_state_lets_each_modules_pages_go_once_it_ran
         block.register_forward_pre_hook(lambda *_: most.__setitem__(0, max(most[0], vectors.resident_bytes())))
     theta_bytes = 4 * parked.state.params.numel()
     loss = evaluate(parked.trainer.model, batches, torch.device("cpu"), params=parked.state.params,
-                    done=parked.state.page_out)
+                    let_go=parked.state.let_go)
     assert loss == evaluate(held.trainer.model, batches, torch.device("cpu"), params=held.state.params)
     assert most[0] < theta_bytes / 4, f"{most[0] / MB:.0f} MB of Θ's {theta_bytes / MB:.0f} MB resident at once"
     assert vectors.resident_bytes() < theta_bytes / 4

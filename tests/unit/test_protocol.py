@@ -365,9 +365,9 @@ def test_the_finiteness_check_tells_the_driver_each_chunk_of_the_merged_update_i
     read = []
     rnd = new_round(buffer_elements=n)
     to_island(rnd, [record("b", ready=3)])
-    r = dataclasses.replace(reduced(member(ME), member("b"), merged=torch.zeros(n)), release=read.append)
+    r = dataclasses.replace(reduced(member(ME), member("b"), merged=torch.zeros(n)), let_go=read.append)
     o = rnd.on_island(r, 120.0).outcome
-    assert isinstance(o, Committed) and o.release == read.append
+    assert isinstance(o, Committed) and o.let_go == read.append
     assert [(p.start, p.stop) for p in read] == [(0, chunk), (chunk, 2 * chunk), (2 * chunk, n)]
 
 

@@ -225,7 +225,7 @@ def test_distances_are_exact_over_many_chunks_and_tell_each_chunk_read():
     a, b = torch.zeros(n), torch.zeros(n)
     b[0], b[-1], b[reach.DISTANCE_CHUNK] = 3.0, 4.0, 12.0  # one value in each chunk: √(9 + 16 + 144) = 13
     read = []
-    assert reach.distances([a, a], [b, a], done=read.append) == [13.0, 0.0]
+    assert reach.distances([a, a], [b, a], let_go=read.append) == [13.0, 0.0]
     assert read[:3] == [slice(0, reach.DISTANCE_CHUNK), slice(reach.DISTANCE_CHUNK, 2 * reach.DISTANCE_CHUNK),
                         slice(2 * reach.DISTANCE_CHUNK, n)]
 
@@ -269,6 +269,6 @@ def test_a_state_is_judged_by_the_versions_through_its_own_history():
     ours.why_not_adopt(dict(meta, history="junk"), tensors, corroborated=False)
     assert calls == [(3, False), (3, False), (None, False)]
     read = []
-    ours.page_out = read.append
+    ours.let_go = read.append
     ours.why_not_adopt(meta, tensors, corroborated=False)
     assert read  # a parked state lets the pages of Θ and the momentum go as the distance reads them

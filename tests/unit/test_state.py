@@ -105,7 +105,7 @@ def test_error_feedback_lets_each_chunk_of_its_residual_go_and_writes_where_it_i
     fb = codec.ErrorFeedback(store=store)
     x = torch.randn(n, generator=torch.Generator().manual_seed(0))
     out, released = torch.zeros(n), []
-    merged = fb.alone(x, 4, codec.DenseFormat(4, 1), out=out, release=released.append)
+    merged = fb.alone(x, 4, codec.DenseFormat(4, 1), out=out, let_go=released.append)
     assert merged is out and released == [slice(0, exact._CHUNK), slice(exact._CHUNK, n)]
     assert store.gone == [exact._CHUNK, 7]
     store.gone.clear()
