@@ -19,38 +19,38 @@ class Seam:
 
 
 SEAMS = (
-    Seam("DecentralizedAverager._aggregate_with_group", "swarm/averager.py",
+    Seam("DecentralizedAverager._aggregate_with_group", "swarm/island_rounds.py",
          "runs our island (plan, codes, exact sums) once matchmaking formed a group; hivemind's own PowerSGD "
          "averager and its fault-tolerance tests override the same method",
          "tests/integration/test_swarm.py::test_three_peers_stay_bitwise_equal_and_learn"),
-    Seam("DecentralizedAverager._running_groups", "swarm/averager.py",
+    Seam("DecentralizedAverager._running_groups", "swarm/island_rounds.py",
          "the group's future holds the runner that would serve hivemind's all-reduce parts: set to None, as "
          "hivemind's PowerSGD averager does, since our parts travel through rpc_codes_*",
          "tests/integration/test_swarm.py::test_three_peers_stay_bitwise_equal_and_learn"),
-    Seam("DecentralizedAverager._p2p", "swarm/averager.py",
+    Seam("DecentralizedAverager._p2p", "swarm/island_rounds.py",
          "the averager process's libp2p handle, for stubs of our own RPCs to the group's members",
          "tests/integration/test_swarm.py::test_three_peers_stay_bitwise_equal_and_learn"),
-    Seam("DecentralizedAverager._inner_pipe", "swarm/averager.py",
+    Seam("DecentralizedAverager._inner_pipe", "swarm/island_rounds.py",
          "the averager process's command pipe, read whole messages at a time (WholeMessagePipe)",
          "tests/unit/test_averager_pipe.py::test_the_averagers_pipe_reads_a_split_message_whole_and_stays_nonblocking"),
-    Seam("DecentralizedAverager._get_current_state_from_host_process", "swarm/averager.py",
+    Seam("DecentralizedAverager._get_current_state_from_host_process", "swarm/island_rounds.py",
          "the averager's channel to the host's state, which our part server serves a part at a time",
          "tests/integration/test_churn.py::test_joiner_gets_the_state_when_its_donor_dies_mid_transfer"),
-    Seam("DecentralizedAverager.run / run_in_background", "swarm/averager.py",
+    Seam("DecentralizedAverager.run / run_in_background", "swarm/island_rounds.py, swarm/averager.py",
          "hivemind ignores SIGINT in the host when it starts the child; we ignore it in the child instead",
          "tests/integration/test_churn.py::test_whole_swarm_restarted_from_checkpoints_continues_where_it_stopped"),
-    Seam("DecentralizedAverager.rpc_join_group", "swarm/averager.py",
+    Seam("DecentralizedAverager.rpc_join_group", "swarm/island_rounds.py",
          "turns away members we rejected or blame, and keeps the join stream open after its last message",
          "tests/unit/test_averager_seams.py::test_members_rejected_left_out_or_blamed_are_turned_away_at_"
          "matchmaking_for_a_while"),
-    Seam("DecentralizedAverager.rpc_aggregate_part", "swarm/averager.py",
+    Seam("DecentralizedAverager.rpc_aggregate_part", "swarm/island_rounds.py",
          "hivemind's reducer RPC, refused: our rounds never use it",
          "tests/unit/test_averager_seams.py::test_hivemind_reducer_rpc_takes_no_part_from_anyone"),
-    Seam("DecentralizedAverager.rpc_download_state", "swarm/averager.py",
+    Seam("DecentralizedAverager.rpc_download_state", "swarm/island_rounds.py",
          "hivemind's whole-state download, refused in a swarm with a key (its request has no room for a pass)",
          "tests/unit/test_averager_seams.py::test_in_a_swarm_with_a_key_state_parts_go_only_to_requesters_with_"
          "their_own_valid_pass"),
-    Seam("gathered metadata as (bandwidth, mode, user)", "swarm/averager.py",
+    Seam("gathered metadata as (bandwidth, mode, user)", "swarm/island_rounds.py",
          "what each member gathered, unwrapped to our record and hivemind's client-mode flag",
          "tests/unit/test_remote_input.py::test_the_averager_turns_an_undecodable_gathered_record_into_an_"
          "excluded_member"),

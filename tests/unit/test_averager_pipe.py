@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from p2pdiloco.swarm.averager import WholeMessagePipe
+from p2pdiloco.swarm.island_rounds import WholeMessagePipe
 
 
 def send_in_two_writes(connection, obj, pause: float = 0.2) -> threading.Thread:

@@ -13,7 +13,8 @@ from hivemind.utils.serializer import MSGPackSerializer
 from p2pdiloco.core import exact
 from p2pdiloco.protocol.island import PenaltyBox, Stragglers, plan_island
 from p2pdiloco.protocol.remote import Expect, parse_island
-from p2pdiloco.swarm.averager import REFUSE_SECONDS, ExactAverager
+from p2pdiloco.swarm.averager import ExactAverager
+from p2pdiloco.swarm.island_rounds import REFUSE_SECONDS
 from p2pdiloco.swarm.codes import LATE
 
 
