@@ -51,7 +51,8 @@ class SwarmMerger:
     def __init__(self, settings: MergeSettings, dht: DHT, averager: ExactAverager, heartbeat: Heartbeat,
                  fetcher: StateFetcher, feedback: Optional[codec.ErrorFeedback], why_not_adopt: WhyNotAdopt,
                  stop: threading.Event, clock: RoundClock):
-        self.settings, self.dht, self.averager, self.heartbeat, self.fetcher = settings, dht, averager, heartbeat, fetcher
+        self.settings, self.dht, self.averager, self.heartbeat = settings, dht, averager, heartbeat
+        self.fetcher = fetcher
         self.feedback, self.why_not_adopt, self.stop, self.clock = feedback, why_not_adopt, stop, clock
         self.penalties = PenaltyBox()  # whom we blame for failed rounds: gathered with our record
         self.refused = RefusedKeys()  # states we downloaded and would not take (p2pdiloco.core.reach)
