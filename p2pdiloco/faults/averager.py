@@ -1,22 +1,21 @@
-"""Faults of the averager's process: dying mid all-reduce or mid state transfer, and serving state slowly."""
+"""Faults of the averager's process: dying mid all-reduce or mid state transfer, and serving state slowly. Like
+every module outside swarm/, it does not import hivemind: it overrides our own methods, whose requests and contexts
+it only passes on or reads as swarm.statefetch does."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 from collections import Counter
 from typing import Optional
 
-from hivemind.p2p import P2PContext
-from hivemind.proto import averaging_pb2
-from hivemind.utils.logging import get_logger
-
 from p2pdiloco.faults.plan import FaultPlan
 from p2pdiloco.swarm.averager import ExactAverager
 from p2pdiloco.swarm.statefetch import parse_part_request
 
-logger = get_logger(__name__)
+logger = logging.getLogger(__name__)
 SLOW_PART_SECONDS = 0.2  # `slow_sharing`: each part of our state this late
 
 
@@ -36,7 +35,7 @@ class FaultyAverager(ExactAverager):
             asyncio.get_running_loop().call_later(0.05, die)  # once our codes are on their way
         return await super()._codes_round(island, plan, group_info, my_index, started)
 
-    async def _serve_part(self, request: averaging_pb2.DownloadData, context: P2PContext):
+    async def _serve_part(self, request, context):
         await self._maybe_die_while_sharing(request, context)
         transfer = transfer_of(request, context)
         async for message in super()._serve_part(request, context):
@@ -46,7 +45,7 @@ class FaultyAverager(ExactAverager):
             if message.HasField("tensor_part"):
                 self._parts_served[transfer] += 1
 
-    async def _maybe_die_while_sharing(self, request: averaging_pb2.DownloadData, context: P2PContext) -> None:
+    async def _maybe_die_while_sharing(self, request, context) -> None:
         """Die with a part request in flight; aimed at peers, once one got a part of this state from us (on
         loopback a whole part arrives in one message, so only a request we never answer reliably breaks a
         transfer midway)."""
@@ -72,8 +71,8 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def transfer_of(request: averaging_pb2.DownloadData, context: P2PContext) -> Optional[tuple[str, int, str]]:
-    """(requester, version, digest) of a part request, None if malformed."""
+def transfer_of(request, context) -> Optional[tuple[str, int, str]]:
+    """(requester, version, digest) of a part request (hivemind's DownloadData), None if malformed."""
     try:
         version, digest, _, _ = parse_part_request(request.metadata)
     except ValueError:

@@ -35,7 +35,7 @@ SEAMS = (
          "tests/unit/test_averager_pipe.py::test_the_averagers_pipe_reads_a_split_message_whole_and_stays_nonblocking"),
     Seam("DecentralizedAverager._get_current_state_from_host_process", "swarm/island_rounds.py",
          "the averager's channel to the host's state, which our part server serves a part at a time",
-         "tests/integration/test_churn.py::test_joiner_gets_the_state_when_its_donor_dies_mid_transfer"),
+         "tests/integration/test_churn.py::test_late_join_bootstrap_death_status_graceful_leave_restart_and_a_kill"),
     Seam("DecentralizedAverager.run / run_in_background", "swarm/island_rounds.py, swarm/averager.py",
          "hivemind ignores SIGINT in the host when it starts the child; we ignore it in the child instead",
          "tests/integration/test_churn.py::test_whole_swarm_restarted_from_checkpoints_continues_where_it_stopped"),

@@ -47,6 +47,14 @@ def test_imports_point_down_the_layers(layer, rel, tree):
             assert RANK[target] <= RANK[layer] and not same_rank_other, f"{rel} imports {name}: upwards or sideways"
 
 
+@pytest.mark.parametrize("layer, rel, tree", [m for m in modules() if m[0] != "swarm"],
+                         ids=lambda v: str(v) if isinstance(v, Path) else "")
+def test_only_the_swarm_layer_imports_hivemind(layer, rel, tree):
+    """The hivemind driver is the only hivemind user: the simulator, the faults and the wiring reach it through
+    swarm/ (test-only faults included: a subclass of our averager overrides our methods, not hivemind's)."""
+    assert not any(name.split(".")[0] == "hivemind" for name in imported(tree)), f"{rel} imports hivemind"
+
+
 @pytest.mark.parametrize("layer, rel, tree", [m for m in modules() if m[0] in FORBIDDEN],
                          ids=lambda v: str(v) if isinstance(v, Path) else "")
 def test_the_protocol_and_the_math_use_neither_hivemind_nor_the_clock(layer, rel, tree):
