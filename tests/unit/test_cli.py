@@ -93,24 +93,17 @@ def test_a_restarted_peer_that_cannot_reach_the_swarm_says_so_and_leaves_its_che
     assert newest.path == saved.path and newest.meta["inner_step"] == saved.meta["inner_step"]
 
 
-def descendants(pid: int) -> list[str]:
-    """The command names of every process below `pid` (from /proc)."""
-    parents, names = {}, {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+def descendant_names(pid: int) -> list[str]:
+    """The command names of every live process below `pid` (the lifeline's own walk of /proc)."""
+    from p2pdiloco.runtime.lifeline import descendants
+
+    names = []
+    for child in descendants(pid):
         try:
-            text = stat.read_text()
+            names.append(Path(f"/proc/{child}/comm").read_text().strip())
         except OSError:  # gone meanwhile
-            continue
-        child = int(stat.parent.name)
-        names[child] = text[text.index("(") + 1:text.rindex(")")]
-        parents[child] = int(text[text.rindex(")") + 1:].split()[1])
-    below, found = {pid}, []
-    for _ in range(8):  # the daemon is a grandchild: a few generations suffice
-        for child, parent in parents.items():
-            if parent in below and child not in below:
-                below.add(child)
-                found.append(names[child])
-    return found
+            pass
+    return names
 
 
 def test_sigterm_while_a_restarted_peer_is_still_connecting_leaves_within_the_bound(tmp_path):
@@ -127,7 +120,7 @@ def test_sigterm_while_a_restarted_peer_is_still_connecting_leaves_within_the_bo
                                  "--connect-timeout", "60"], stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
-        while not any("p2pd" in name for name in descendants(peer.pid)) \
+        while not any("p2pd" in name for name in descendant_names(peer.pid)) \
                 and time.monotonic() < deadline:  # the DHT's daemon runs: connecting
             time.sleep(0.2)
         time.sleep(2.0)  # still connecting
