@@ -1,6 +1,6 @@
 """The one subclass of hivemind's DecentralizedAverager: exact, verified rounds and state sharing, split by
 process. Here is what the host (the training process) imports and calls: the averager's construction and its
-limits, the shared buffer, the gathered record of a round (`BodyStatistics`, `gather_record`) and the state it
+limits, the shared buffer, the gathered record of a round (`gather_record`, of p2pdiloco.protocol.merge's `BodyStatistics`) and the state it
 serves from the host. What runs in the averager's own process, forked by hivemind (the island's round after
 matchmaking, our RPCs and hooks on hivemind's), is p2pdiloco.swarm.island_rounds. Every wire format goes through
 our own exact sums: hivemind's fp32 all-reduce is not used. Every seam below hivemind's public API is listed with
@@ -20,8 +20,8 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.utils.logging import get_logger
 
 from p2pdiloco.core import codec
-from p2pdiloco.core.claims import block_norms
 from p2pdiloco.protocol.island import Bounds, PenaltyBox, Stragglers
+from p2pdiloco.protocol.merge import BodyStatistics, wire_format
 from p2pdiloco.protocol.remote import Expect
 from p2pdiloco.protocol.timing import allreduce_wire_bytes
 from p2pdiloco.runtime.paging import FileVectors
@@ -103,9 +103,7 @@ class ExactAverager(IslandRounds, DecentralizedAverager):
             self._paged.let_go(part)
 
     def wire_format(self, group_size: int):
-        if self.topk:
-            return codec.TopKFormat(self.bits, group_size, self.topk)
-        return codec.DenseFormat(self.bits, group_size)
+        return wire_format(self.bits, self.topk, group_size)
 
     def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
         """hivemind==1.1.12 sets SIGINT to ignored in the *host* process here, before starting the child, so a
@@ -153,29 +151,6 @@ def _paged_buffer(n: int, folder: Optional[Path]) -> Optional[FileVectors]:
     except (OSError, ValueError) as e:
         logger.warning(f"cannot keep the averaging buffer in {folder} ({e}): it stays in memory ({4 * n / 1e9:.2f} GB)")
         return None
-
-
-class BodyStatistics:
-    """What our gathered record says of what we send, per block: the statistic the wire format agrees its scales
-    from (the block maximum, but for int2) and the block norms that bound what our codes may hold
-    (p2pdiloco.core.claims). Per block, so a pass can add them a chunk of whole blocks at a time, with the same
-    bits as over the whole vector, and let each chunk of the buffer go once done."""
-
-    def __init__(self, n: int, wire_format: codec.DenseFormat):
-        self.wire_format = wire_format
-        self.statistic = torch.empty(codec.n_blocks(n), dtype=torch.float32)
-        self.norms = torch.empty(codec.n_blocks(n), dtype=torch.float32)
-
-    def add(self, piece: torch.Tensor, blocks: slice) -> None:
-        """`piece`: whole blocks `blocks` of the vector (the last may be short: the vector's own end)."""
-        self.statistic[blocks] = self.wire_format.block_statistic(piece)
-        self.norms[blocks] = block_norms(piece)
-
-    @classmethod
-    def of(cls, body: torch.Tensor, wire_format: codec.DenseFormat) -> "BodyStatistics":
-        statistics = cls(body.numel(), wire_format)
-        statistics.add(body, slice(0, None))
-        return statistics
 
 
 def gather_record(peer: str, name: str, version: int, tokens: int, steps: int, statistics: BodyStatistics,

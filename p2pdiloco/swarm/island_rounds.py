@@ -31,6 +31,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from p2pdiloco.core import codec
 from p2pdiloco.core.claims import Claims, claims_in_codes
 from p2pdiloco.protocol.island import plan_island
+from p2pdiloco.protocol.merge import encode_piece, group_scales, land_piece
 from p2pdiloco.protocol.remote import parse_island
 from p2pdiloco.protocol.round import IslandReduced
 from p2pdiloco.runtime.heap import give_back_free_heap
@@ -83,11 +84,10 @@ class IslandRounds:
         """Each member's w·Δ as b-bit codes on block scales agreed from the gathered statistics, summed exactly by
         our own streamed reduce-scatter and all-gather (p2pdiloco.swarm.codes)."""
         included = plan.included  # only they send and reduce parts: an excluded member's codes are never summed
-        maxabs = [plan.maxabs[i].double() * plan.weights[i] for i in included]
         with self.buffer() as buffer:  # our Δ, read in place a piece at a time as the streams ask for its codes;
             vector = buffer[: self.n_elements]  # Σ wᵢΔᵢ lands there piece by piece as the sums come (the host
             # reads it only once we return, and writes Δ again for its next attempt if this one fails)
-        scales = codec.agreed_scales(maxabs, self.bits)
+        scales = group_scales(plan, self.bits)
         fmt = self.wire_format(len(included))
         # hivemind's contract at this seam (its PowerSGD averager does the same): the group's future holds the
         # runner that serves its all-reduce parts; ours has none, our parts travel through rpc_codes_*
@@ -100,13 +100,13 @@ class IslandRounds:
         claims = claims_for(plan, included, group_info.peer_ids, scales, levels, maxima=levels > 1)
         weights = {str(group_info.peer_ids[i]): plan.weights[i] for i in included}
         ours = Codes(self.n_elements, self._paged_after(functools.partial(
-            _encode_piece, vector, plan.weights[my_index], scales, self.bits, fmt)))
+            encode_piece, vector, plan.weights[my_index], scales, self.bits, fmt)))
         cpu = codec_cpu_seconds()
         try:
             exchanged = await self._codes.run(
                 group_info.group_id, peers, reducers, self.peer_id, ours, fmt,
                 lambda peer: self.get_stub(self._p2p, peer, namespace=self.prefix), plan.deadline, claims,
-                land=self._paged_after(functools.partial(_land_piece, vector, scales, weights)))
+                land=self._paged_after(functools.partial(land_piece, vector, scales, weights)))
         except Exception as e:  # a reducer that served no sum, a part we could not push: the round rolls back
             logger.warning(f"round in group {group_info.group_id.hex()[:8]} failed: {e!r}")
             failed = self._reduced(island, plan, group_info, False, f"all-reduce failed: {e}", started)
@@ -277,37 +277,8 @@ def codes_exchange(n_elements: int, robust: bool) -> CodesExchange:
                          max_pieces=pieces)
 
 
-def _encode_piece(delta: torch.Tensor, weight: float, scales: torch.Tensor, bits: int, fmt, start: int,
-                  end: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Our codes of [start, end), a block-aligned piece: the same bits as the whole vector's codes there (codes
-    and top-k selection are per block). Read from the buffer before that piece's sum can land there: a sum needs
-    our codes, or was made without them (then what we send for it is ignored)."""
-    first = start // codec.BLOCK
-    enc = codec.encode(delta[start:end], weight, scales[first:first + codec.n_blocks(end - start)], bits, fmt,
-                       with_sent=False)
-    return enc.codes, enc.selected
-
-
-def _land_piece(merged: torch.Tensor, scales: torch.Tensor, weights: dict, start: int, end: int,
-                total: torch.Tensor, left_out: frozenset) -> None:
-    """One piece's exact sum of codes, dequantized into the buffer and scaled back to a weighted mean if its
-    reducer left senders out. Pieces start on block boundaries (swarm.codes)."""
-    first = start // codec.BLOCK
-    codec.dequantize(total, scales[first:first + codec.n_blocks(end - start)], out=merged[start:end])
-    reweigh(merged[start:end], left_out, weights)
-
-
 def claims_for(plan, senders: Sequence[int], peer_ids: Sequence, scales: torch.Tensor, limit: int,
                maxima: bool = True) -> dict[str, Claims]:
     """Sender peer id → its claims in code units, for the plan's included `senders` (group indices)."""
     return {str(peer_ids[i]): claims_in_codes(plan.maxabs[i], plan.clipped[i], plan.norms[i], plan.weights[i],
                                               scales, limit, maxima) for i in senders}
-
-
-def reweigh(piece: torch.Tensor, left_out: frozenset, weights: dict) -> None:
-    """A piece some senders were left out of sums the others' weights only: scale it back to the weights' total
-    (1, but where stale members were discounted: p2pdiloco.protocol.island). The names come from the piece's
-    reducer, the same for every member, so every member gets the same bits."""
-    kept = sum(w for peer, w in weights.items() if peer not in left_out)  # dict order: the group's, everywhere
-    if left_out and kept > 0:
-        piece.mul_(torch.tensor(sum(weights.values()) / kept, dtype=torch.float32))

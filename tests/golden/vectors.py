@@ -63,7 +63,8 @@ def parts() -> dict[str, tuple[torch.Tensor, str]]:
 
 def records() -> tuple[dict, "PeerRecord"]:
     from p2pdiloco.protocol.remote import PeerRecord
-    from p2pdiloco.swarm.averager import BodyStatistics, gather_record
+    from p2pdiloco.protocol.merge import BodyStatistics
+    from p2pdiloco.swarm.averager import gather_record
 
     statistics = BodyStatistics.of(signal(), formats()[0])
     member = gather_record("12D3KooWgolden", "golden", 7, 4096, 32, statistics, "0123456789abcdef", 12.5,

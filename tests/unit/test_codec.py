@@ -326,7 +326,7 @@ def test_top_k_error_feedback_carries_the_unselected_values_whole():
 def test_the_averager_encodes_and_lands_piece_by_piece_with_the_bits_of_the_whole_vector(fmt):
     """No model-sized codes or sums: each piece is quantized (and top-k selected) on its own block scales as its
     stream asks, and each piece's sum is dequantized into the buffer as it comes: the same bits as the whole."""
-    from p2pdiloco.swarm.island_rounds import _encode_piece, _land_piece
+    from p2pdiloco.protocol.merge import encode_piece as _encode_piece, land_piece as _land_piece
     from p2pdiloco.swarm.codes import PIECE, part_ranges, piece_ranges
 
     n = 2 * PIECE + 5 * codec.BLOCK + 123  # two parts of two pieces; the last piece ends inside a block

@@ -235,7 +235,7 @@ def test_a_robust_reduction_sums_only_the_kept_parts():
 
 
 def test_a_piece_missing_a_sender_is_scaled_back_to_a_weighted_mean():
-    from p2pdiloco.swarm.island_rounds import reweigh
+    from p2pdiloco.protocol.merge import reweigh
 
     weights = {"a": 0.3, "b": 0.3, "c": 0.4}
     whole, missing_c = torch.tensor([0.6, 0.6]), torch.tensor([0.6, 0.6])  # the second piece's reducer left out c

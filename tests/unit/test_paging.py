@@ -13,8 +13,8 @@ from p2pdiloco.protocol.outcomes import Contribution, Solo
 from p2pdiloco.core.state import GlobalState
 from p2pdiloco.protocol.round import FormIsland
 from p2pdiloco.runtime.paging import FileVectors, PagedStore
-from p2pdiloco.swarm.averager import AVERAGED_CHUNK, BodyStatistics, ExactAverager, _paged_buffer, hivemind_schema
-from p2pdiloco.swarm.island_rounds import _encode_piece, _land_piece
+from p2pdiloco.protocol.merge import BodyStatistics, encode_piece as _encode_piece, land_piece as _land_piece
+from p2pdiloco.swarm.averager import AVERAGED_CHUNK, ExactAverager, _paged_buffer, hivemind_schema
 from tests.harness.merger import fake_merger
 
 MB = 1 << 20
