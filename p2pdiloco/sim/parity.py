@@ -1,0 +1,234 @@
+"""Data-parallel training against DiLoCo at equal tokens, in one process: the rows of the parity benchmark
+(scripts/bench/bench_parity.py). Every row trains the same model from the same initial weights, on the same
+data, with the same inner hyper-parameters, and is measured on the same validation windows in bits per byte:
+
+- `data_parallel`: AdamW at every step over M× the batch (one process: the same mathematics as M ranks
+  all-reducing their gradients);
+- `diloco`: M learners (p2pdiloco.sim.learners: each a peer's own DiLoCo), merging every H steps in synchronous
+  rounds on a given wire;
+- a learner alone is `diloco` with M = 1: its rounds are solo (K = 1), as a peer alone in a swarm;
+- `decoupled`: M learners at unequal speeds (one 3× slower by default) on a simulated clock, merging without a
+  barrier by a peer's default round rules (p2pdiloco.sim.timeline), so contributions arrive stale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from p2pdiloco.config import InnerConfig, SwarmConfig
+from p2pdiloco.core import codec
+from p2pdiloco.core.state import GlobalState
+from p2pdiloco.protocol.round import RoundRules
+from p2pdiloco.protocol.timing import GracePolicy, RoundClock
+from p2pdiloco.sim.learners import Board, IslandMerger, Sender, Wire
+from p2pdiloco.sim.timeline import Deferred, Runner, Timeline
+from p2pdiloco.training.data import BatchStream, load_data, order_seed, stream_seed, validation_batches, \
+    bits_per_byte_factor
+from p2pdiloco.training.diloco import DiLoCo
+from p2pdiloco.training.inner import InnerTrainer, evaluate, flat_params
+from p2pdiloco.training.model import build_model, resolve_config
+from p2pdiloco.training.tokenizer import vocab_size
+
+CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every row shares. `steps`: inner steps per learner (data-parallel: steps of M× the batch)."""
+
+    data: tuple[str, ...] = ()  # prepared datasets or text (training.data.load_data); () = the built-in corpus
+    tokenizer: Optional[str] = None
+    model: str = "tiny"
+    batch_size: int = 8
+    seq_len: int = 128
+    inner_lr: float = 1e-3
+    warmup_steps: int = 20
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    learners: int = 4
+    steps: int = 400
+    eval_every: int = 50
+    eval_batches: int = 16
+    seed: int = 0
+    run: str = "parity"
+
+    def inner(self, batch_size: Optional[int] = None) -> InnerConfig:
+        return InnerConfig(batch_size=batch_size or self.batch_size, seq_len=self.seq_len, lr=self.inner_lr,
+                           warmup_steps=self.warmup_steps)
+
+
+@dataclass(frozen=True)
+class Bench:
+    """The data, the model's config and the validation windows: loaded once, shared by every row."""
+
+    setup: Setup
+    data: object
+    model_config: object
+    val: list
+    bpb_factor: float
+
+    @classmethod
+    def load(cls, setup: Setup) -> "Bench":
+        data = load_data(setup.data, setup.tokenizer)
+        config = resolve_config(setup.model, vocab_size(data.tokenizer), setup.seq_len, None)
+        val = validation_batches(data.val, setup.eval_batches, setup.batch_size, setup.seq_len)
+        return cls(setup, data, config, val, bits_per_byte_factor(val, data.tokenizer))
+
+    def model(self, seed: int) -> torch.nn.Module:
+        return build_model(self.model_config, seed)
+
+    def stream(self, name: str, batch_size: int) -> BatchStream:
+        run = f"{self.setup.run}-{self.setup.seed}"
+        return BatchStream(self.data.sources, batch_size, self.setup.seq_len, seed=stream_seed(name, run),
+                           run_seed=order_seed(run))
+
+    def bpb(self, model: torch.nn.Module, params: Optional[torch.Tensor] = None) -> float:
+        return evaluate(model, self.val, CPU, params=params) * self.bpb_factor
+
+
+@dataclass
+class Curve:
+    """Validation bits per byte against the tokens trained (all learners' together)."""
+
+    tokens: list[int] = field(default_factory=list)
+    bpb: list[float] = field(default_factory=list)
+    notes: dict = field(default_factory=dict)
+
+    def add(self, tokens: int, bpb: float) -> None:
+        self.tokens.append(int(tokens))
+        self.bpb.append(round(float(bpb), 5))
+
+    @property
+    def final(self) -> float:
+        return self.bpb[-1]
+
+
+def data_parallel(bench: Bench) -> Curve:
+    s = bench.setup
+    torch.manual_seed(s.seed)
+    model = bench.model(s.seed)
+    batch = s.batch_size * s.learners
+    trainer = InnerTrainer(model, bench.stream("data-parallel", batch), s.inner(batch), CPU)
+    curve = Curve()
+    curve.add(0, bench.bpb(model))
+    for step in range(1, s.steps + 1):
+        trainer.train_step()
+        if step % s.eval_every == 0 or step == s.steps:
+            curve.add(step * batch * s.seq_len, bench.bpb(model))
+    return curve
+
+
+@dataclass
+class Learner:
+    name: str
+    diloco: DiLoCo
+
+
+def sync_rules(h: int) -> RoundRules:
+    """Synchronous rounds: everyone waits for everyone at the same version, then one island merges them all."""
+    return RoundRules(mode="sync", sync_wait=600.0, overlap_steps=h, grace=GracePolicy(floor=30.0, cap=60.0),
+                      poll=0.05)
+
+
+def learners(bench: Bench, board: Board, rules: RoundRules, m: int) -> list[Learner]:
+    s = bench.setup
+    made = []
+    for i in range(m):
+        name = f"learner{i}"
+        model = bench.model(s.seed)  # every learner starts from the same Θ, as a swarm does
+        state = GlobalState(flat_params(model).clone(), s.outer_lr, s.outer_momentum)
+        trainer = InnerTrainer(model, bench.stream(name, s.batch_size), s.inner(), CPU)
+        feedback = codec.ErrorFeedback() if board.wire.error_feedback else None
+        clock = RoundClock()
+        diloco = DiLoCo(trainer, state, IslandMerger(board, name, rules, feedback, clock), name, name, clock=clock)
+        board.publish(name, state)
+        made.append(Learner(name, diloco))
+    return made
+
+
+def diloco(bench: Bench, h: int, wire: Wire, m: Optional[int] = None) -> Curve:
+    """M learners (default: the setup's), H inner steps each between synchronous rounds."""
+    s = bench.setup
+    m = m or s.learners
+    torch.manual_seed(s.seed)
+    n = sum(p.numel() for p in bench.model(s.seed).parameters())
+    board = Board(wire, n)
+    group = learners(bench, board, sync_rules(h), m)
+    first = group[0].diloco
+    curve, rounds, forks = Curve(), s.steps // h, 0
+    curve.add(0, bench.bpb(first.trainer.model, first.state.params))
+    try:
+        for r in range(1, rounds + 1):
+            for learner in group:
+                for _ in range(h):
+                    learner.diloco.inner_step()
+                learner.diloco.contribute()
+            for learner in group:
+                settled = learner.diloco.wait(timeout=600)
+                if not settled.outcome.committed:
+                    raise RuntimeError(f"{learner.name}'s round {r} was not merged: {settled.outcome.reason}")
+                board.publish(learner.name, learner.diloco.state)
+            forks += len({x.diloco.state.digest for x in group}) - 1
+            if (r * h) % s.eval_every == 0 or r == rounds:
+                curve.add(r * h * m * s.batch_size * s.seq_len, bench.bpb(first.trainer.model, first.state.params))
+    finally:
+        for learner in group:
+            learner.diloco.close()
+    curve.notes = dict(rounds=rounds, forks=forks)
+    return curve
+
+
+def decoupled_rules(h: int, step_seconds: float) -> RoundRules:
+    """A peer's default rules (SwarmConfig's), in simulated seconds: no matchmaking floor, the grace window capped
+    at a round of the slowest learner's steps."""
+    cfg = SwarmConfig()
+    return RoundRules(mode="decoupled", quorum=cfg.quorum, max_staleness=cfg.max_staleness, overlap_steps=h,
+                      wait_for_newest=cfg.wait_for_newest, wait_for_island=cfg.wait_for_island,
+                      grace=GracePolicy(gamma=cfg.grace_gamma, floor=0.0, cap=h * step_seconds), poll=1.0)
+
+
+def decoupled(bench: Bench, h: int, wire: Wire, speeds: tuple[float, ...] = (1.0, 1.0, 1.0, 3.0),
+              sync_seconds: float = 2.0) -> Curve:
+    """len(speeds) learners, learner i taking speeds[i] simulated seconds per inner step, until they have trained
+    the tokens of M learners × the setup's steps; `sync_seconds`: an all-reduce's duration."""
+    s = bench.setup
+    torch.manual_seed(s.seed)
+    n = sum(p.numel() for p in bench.model(s.seed).parameters())
+    board = Board(wire, n)
+    runners = []
+    for i, speed in enumerate(speeds):
+        name = f"learner{i}"
+        model = bench.model(s.seed)
+        state = GlobalState(flat_params(model).clone(), s.outer_lr, s.outer_momentum)
+        trainer = InnerTrainer(model, bench.stream(name, s.batch_size), s.inner(), CPU)
+        feedback = codec.ErrorFeedback() if wire.error_feedback else None
+        merger = Deferred()
+        runners.append(Runner(name, DiLoCo(trainer, state, merger, name, name), merger, Sender(name, wire, feedback),
+                              speed))
+        board.publish(name, state)
+    timeline = Timeline(board, decoupled_rules(h, max(speeds)), runners, h, sync_seconds)
+    per_eval = s.eval_every * len(speeds) * s.batch_size * s.seq_len
+    budget = s.steps * len(speeds) * s.batch_size * s.seq_len
+    curve = Curve()
+
+    def measure(tokens: int) -> None:
+        if tokens % per_eval == 0 and tokens < budget:
+            newest = board.newest()
+            curve.add(tokens, bench.bpb(runners[0].diloco.trainer.model, newest.params))
+
+    measure(0)
+    try:
+        seconds = timeline.run(budget, measure)
+    finally:
+        for r in runners:
+            if r.answer is not None and not r.answer.done():
+                r.answer.cancel()
+            r.diloco.close()
+    curve.add(budget, bench.bpb(runners[0].diloco.trainer.model, board.newest().params))
+    curve.notes = dict(simulated_seconds=round(seconds, 1), outcomes=timeline.outcomes,
+                       stale_merges=timeline.stale_merges, versions=board.newest().version,
+                       steps={r.name: r.diloco.trainer.total_steps for r in runners})
+    return curve

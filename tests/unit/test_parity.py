@@ -1,0 +1,67 @@
+"""The parity benchmark's rows (p2pdiloco.sim.parity): the same tokens in every row, learners that stay bitwise
+equal in synchronous rounds, and decoupled learners on a simulated clock that merge a slow learner's late work
+and repeat a run exactly."""
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from p2pdiloco.protocol.island import Bounds
+from p2pdiloco.sim.learners import Wire
+from p2pdiloco.sim.parity import Bench, Setup, data_parallel, decoupled, diloco
+
+SETUP = Setup(batch_size=2, seq_len=32, eval_batches=2, learners=3, steps=6, eval_every=3, warmup_steps=2,
+              inner_lr=3e-3)
+
+
+@pytest.fixture(scope="module")
+def bench():
+    torch.set_num_threads(1)
+    return Bench.load(SETUP)
+
+
+def test_every_row_trains_the_same_tokens_from_the_same_weights(bench):
+    dp = data_parallel(bench)
+    sync = diloco(bench, 3, Wire.named("int4"))
+    solo = diloco(bench, 3, Wire.named("int4"), m=1)
+    assert dp.tokens == sync.tokens == [0, 3 * 2 * 32 * 3, 6 * 2 * 32 * 3]
+    assert solo.tokens[-1] == sync.tokens[-1] // 3
+    assert dp.bpb[0] == sync.bpb[0] == solo.bpb[0]  # one initial Θ
+    assert sync.notes == dict(rounds=2, forks=0)  # every learner ended every round on the same Θ, bit for bit
+    assert sync.final < sync.bpb[0] and dp.final < dp.bpb[0]
+
+
+def test_each_wire_reaches_the_merge(bench):
+    runs = {name: diloco(bench, 3, Wire.named(name)).final for name in ("fp32", "int4", "topk2")}
+    assert len(set(runs.values())) == 3  # each wire's codes reach Θ: no row silently merges another's way
+
+
+def test_decoupled_learners_merge_a_slow_learners_late_work_and_repeat_a_run_exactly(bench):
+    setup = dataclasses.replace(SETUP, steps=12)
+    slow = dataclasses.replace(bench, setup=setup)
+    first = decoupled(slow, 3, Wire.named("int4"), speeds=(1.0, 1.0, 3.0), sync_seconds=0.5)
+    steps = first.notes["steps"]
+    assert sum(steps.values()) == 12 * 3  # the tokens of 3 learners × 12 steps, however they were shared
+    assert steps["learner2"] * 3 == pytest.approx(steps["learner0"], abs=3)  # 3× slower, a third of the steps
+    assert first.notes["outcomes"].get("committed", 0) >= 6 and first.notes["versions"] >= 3
+    assert first.notes["stale_merges"] >= 1, first.notes  # the slow learner's Δ came from an older Θ, and merged
+    again = decoupled(slow, 3, Wire.named("int4"), speeds=(1.0, 1.0, 3.0), sync_seconds=0.5)
+    assert again.bpb == first.bpb and again.notes == first.notes  # the simulated clock alone orders events
+    discounted = decoupled(slow, 3, Wire.named("int4", bounds=Bounds(stale_factor=0.5)), speeds=(1.0, 1.0, 3.0),
+                           sync_seconds=0.5)
+    assert discounted.bpb != first.bpb  # the stale factor reaches the merge
+
+
+def test_bench_parity_checks_every_row_name_before_training():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
+    try:
+        from bench_parity import parse_row
+    finally:
+        sys.path.pop(0)
+    assert parse_row("dec-H100-int4-stale0.5") == ("dec", 100, "int4", {"stale": 0.5})
+    assert parse_row("H50-topk2-olr1.0-om0.8") == ("sync", 50, "topk2", {"olr": 1.0, "om": 0.8})
+    with pytest.raises(SystemExit, match="unknown row 'H100-int3'"):
+        parse_row("H100-int3")
