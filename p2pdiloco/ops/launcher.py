@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from p2pdiloco.ops import swarmreport
 from p2pdiloco.runtime.lifeline import descendants, kill_snapshot, remove_shared_memory
 from p2pdiloco.runtime.schema import Round, Summary, of_kind, read_records
 
@@ -109,8 +110,21 @@ def run_local_swarm(n_peers: int, log_dir: Path, join_args: list[str], stagger: 
             stop_tree(proc)
     summaries = collect_summaries(log_dir, n_peers)
     print_summary(summaries)
+    print_val_by_version(log_dir, n_peers)
     print_report(log_dir)
     return summaries
+
+
+def print_val_by_version(log_dir: Path, n_peers: int) -> None:
+    """The merged model's validation loss at each version, and every round that raised it."""
+    val = swarmreport.val_by_version(read_records(log_dir / f"peer{i}.jsonl") for i in range(n_peers))
+    if not val:
+        return
+    rises = swarmreport.val_rises(val)
+    verdict = "fell at every round" if not rises else "rose at " + ", ".join(
+        f"v{v} ({a:.4f} -> {b:.4f})" for v, a, b in rises)
+    print("validation loss of the merged model by version: " + " -> ".join(f"{x:.4f}" for x in val.values()) +
+          f" ({verdict})", flush=True)
 
 
 def print_report(log_dir: Path) -> None:

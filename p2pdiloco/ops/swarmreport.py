@@ -160,6 +160,24 @@ def stale_merges(records: Iterable[Iterable[Record]]) -> list[dict]:
     return sorted(seen.values(), key=lambda x: x["version"])
 
 
+def val_by_version(records: Iterable[Iterable[Record]]) -> dict[int, float]:
+    """The global model's validation loss at each version it was evaluated at, as the swarm's peers logged it
+    (where a version was forked, the lowest of its states' losses)."""
+    val: dict[int, float] = {}
+    for rec in records:
+        for r in rec:
+            if r.kind == "round" and r.applied and r.val_loss is not None:
+                val[r.version] = min(r.val_loss, val.get(r.version, r.val_loss))
+    return dict(sorted(val.items()))
+
+
+def val_rises(val: dict[int, float], noise: float = 0.0) -> list[tuple[int, float, float]]:
+    """(version, loss before, loss after) wherever a round raised the global model's validation loss by more than
+    `noise`, compared with the last version evaluated before it."""
+    versions = sorted(val)
+    return [(b, val[a], val[b]) for a, b in zip(versions, versions[1:]) if val[b] > val[a] + noise]
+
+
 def forks(records: Iterable[Iterable[Record]]) -> dict[int, int]:
     """Versions at which the swarm's peers made more than one global state: version → how many."""
     states: dict[int, set] = {}

@@ -46,15 +46,21 @@ class Wire:
     bits: int = codec.BITS["none"]
     topk: Optional[float] = None
     error_feedback: bool = False
+    feedback_decay: float = 1.0  # error feedback carries its residual times this (SparseLoCo's β)
     weighting: str = "tokens2"
     bounds: Bounds = Bounds()
+
+    def feedback(self) -> Optional[codec.ErrorFeedback]:
+        """A learner's own error feedback, where this wire has it."""
+        return codec.ErrorFeedback(decay=self.feedback_decay) if self.error_feedback else None
 
     @classmethod
     def named(cls, name: str, **kwargs) -> "Wire":
         """fp32 (20-bit codes, the swarm's `--compression none`), int8, int4, int2, or topk2 (top 2 % of each
-        block on int2 codes); error feedback on where a peer has it by default (int4 and narrower, top-k)."""
+        block on int2 codes, error feedback decayed by 0.95: peers/slow-uplink.toml's wire); error feedback on where
+        a peer has it by default (int4 and narrower, top-k)."""
         if name == "topk2":
-            return cls(bits=codec.BITS["int2"], topk=0.02, error_feedback=True, **kwargs)
+            return cls(bits=codec.BITS["int2"], topk=0.02, error_feedback=True, feedback_decay=0.95, **kwargs)
         bits = codec.BITS["none" if name == "fp32" else name]
         return cls(bits=bits, error_feedback=bits <= 4, **kwargs)
 

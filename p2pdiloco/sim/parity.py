@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from p2pdiloco.config import InnerConfig, SwarmConfig
+from p2pdiloco.config import InnerConfig, OuterConfig, SwarmConfig
 from p2pdiloco.core import codec
 from p2pdiloco.core.state import GlobalState
 from p2pdiloco.protocol.round import RoundRules
@@ -46,8 +46,8 @@ class Setup:
     seq_len: int = 128
     inner_lr: float = 1e-3
     warmup_steps: int = 20
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    outer_lr: float = OuterConfig().lr  # a peer's defaults
+    outer_momentum: float = OuterConfig().momentum
     learners: int = 4
     steps: int = 400
     eval_every: int = 50
@@ -141,7 +141,7 @@ def learners(bench: Bench, board: Board, rules: RoundRules, m: int) -> list[Lear
         model = bench.model(s.seed)  # every learner starts from the same Θ, as a swarm does
         state = GlobalState(flat_params(model).clone(), s.outer_lr, s.outer_momentum)
         trainer = InnerTrainer(model, bench.stream(name, s.batch_size), s.inner(), CPU)
-        feedback = codec.ErrorFeedback() if board.wire.error_feedback else None
+        feedback = board.wire.feedback()
         clock = RoundClock()
         diloco = DiLoCo(trainer, state, IslandMerger(board, name, rules, feedback, clock), name, name, clock=clock)
         board.publish(name, state)
@@ -191,9 +191,10 @@ def decoupled_rules(h: int, step_seconds: float) -> RoundRules:
 
 
 def decoupled(bench: Bench, h: int, wire: Wire, speeds: tuple[float, ...] = (1.0, 1.0, 1.0, 3.0),
-              sync_seconds: float = 2.0) -> Curve:
+              sync_seconds: float = 2.0, eager: bool = False) -> Curve:
     """len(speeds) learners, learner i taking speeds[i] simulated seconds per inner step, until they have trained
-    the tokens of M learners × the setup's steps; `sync_seconds`: an all-reduce's duration."""
+    the tokens of M learners × the setup's steps; `sync_seconds`: an all-reduce's duration; `eager`: the in-flight
+    steps start from an estimate of the next global model (`--application eager`), not from the local model."""
     s = bench.setup
     torch.manual_seed(s.seed)
     n = sum(p.numel() for p in bench.model(s.seed).parameters())
@@ -204,10 +205,10 @@ def decoupled(bench: Bench, h: int, wire: Wire, speeds: tuple[float, ...] = (1.0
         model = bench.model(s.seed)
         state = GlobalState(flat_params(model).clone(), s.outer_lr, s.outer_momentum)
         trainer = InnerTrainer(model, bench.stream(name, s.batch_size), s.inner(), CPU)
-        feedback = codec.ErrorFeedback() if wire.error_feedback else None
+        feedback = wire.feedback()
         merger = Deferred()
-        runners.append(Runner(name, DiLoCo(trainer, state, merger, name, name), merger, Sender(name, wire, feedback),
-                              speed))
+        diloco = DiLoCo(trainer, state, merger, name, name, eager=eager)
+        runners.append(Runner(name, diloco, merger, Sender(name, wire, feedback), speed))
         board.publish(name, state)
     timeline = Timeline(board, decoupled_rules(h, max(speeds)), runners, h, sync_seconds)
     per_eval = s.eval_every * len(speeds) * s.batch_size * s.seq_len

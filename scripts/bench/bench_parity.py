@@ -3,13 +3,16 @@ data, initial weights and inner hyper-parameters in every row (p2pdiloco.sim.par
 
   dp                 AdamW at every step over M× the batch
   H<h>-<wire>        M learners, each a peer's own DiLoCo (p2pdiloco.sim.learners), synchronous rounds every h
-                     steps, merged on <wire>: fp32 (20-bit codes), int8, int4, int2 or topk2 (top 2 % on int2)
+                     steps, merged on <wire>: fp32 (20-bit codes), int8, int4, int2 or topk2 (top 2 % on int2,
+                     with peers/slow-uplink.toml's error-feedback decay 0.95, outer lr 3 and momentum 0)
   solo-H<h>-<wire>   one learner alone (solo rounds), M× fewer tokens: what a volunteer gets without a swarm,
                      at equal wall-clock
   dec-H<h>-<wire>    M learners, one 3× slower, merging without a barrier on a simulated clock by a peer's
                      default round rules (p2pdiloco.sim.timeline): late contributions are merged stale
 Any row takes modifiers, each -<name><value>: -stale<f> (the merge's stale factor), -olr<f> and -om<f> (outer lr
-and momentum), -ilr<f> (inner lr); e.g. dec-H100-int4-stale0.5, H100-int4-olr1.0-om0.8.
+and momentum), -ilr<f> (inner lr); decoupled rows also -slow<f> (the last learner's slowness, 3 by default; 1: all
+equal) and -sync<f> (an all-reduce's simulated seconds, 2 by default; a step is 1); e.g. dec-H100-int4-stale0.5,
+H100-int4-olr1.0-om0.8, dec-H100-int4-slow1-sync120 (rounds longer than H steps: every Δ a round late).
 
 Reports validation bits per byte at the end of each row (mean and spread over seeds) and each row's difference to
 `dp` at equal tokens (paired by seed), writes the JSON as it goes (a row at a time) and a PNG of bits per byte
@@ -35,7 +38,7 @@ from p2pdiloco.sim.learners import Wire
 from p2pdiloco.protocol.island import Bounds
 from p2pdiloco.sim.parity import Bench, Curve, Setup, data_parallel, decoupled, diloco
 
-ROW = re.compile(r"^(?:dp|(solo-|dec-)?H(\d+)-(fp32|int8|int4|int2|topk2))((?:-(?:stale|olr|om|ilr)[0-9.]+)*)$")
+ROW = re.compile(r"^(?:dp|(solo-|dec-)?H(\d+)-(fp32|int8|int4|int2|topk2))((?:-(?:stale|olr|om|ilr|sync|slow)[0-9.]+)*)$")
 SETUP_MODIFIERS = {"olr": "outer_lr", "om": "outer_momentum", "ilr": "inner_lr"}
 
 
@@ -44,16 +47,21 @@ def parse_row(row: str) -> tuple[str, int, str, dict]:
     match = ROW.match(row)
     if not match:
         raise SystemExit(f"unknown row {row!r}: dp, H<steps>-<fp32|int8|int4|int2|topk2>, solo-H<steps>-<wire> or "
-                         "dec-H<steps>-<wire>, each with optional -stale<f>, -olr<f>, -om<f>, -ilr<f>")
+                         "dec-H<steps>-<wire>, each with optional -stale<f>, -olr<f>, -om<f>, -ilr<f> (dec: -slow<f>, -sync<f>)")
     kind, h, wire, mods = match.groups()
-    modifiers = {name: float(value) for name, value in re.findall(r"-(stale|olr|om|ilr)([0-9.]+)", mods or "")}
+    modifiers = {name: float(value) for name, value in re.findall(r"-(stale|olr|om|ilr|sync|slow)([0-9.]+)", mods or "")}
     if row.startswith("dp"):
         return "dp", 0, "", modifiers
     return (kind or "sync-").rstrip("-"), int(h), wire, modifiers
 
 
+# a wire's own outer step, where a peer's profile gives one (peers/slow-uplink.toml: SparseLoCo's rounds)
+WIRE_OUTER = {"topk2": {"olr": 3.0, "om": 0.0}}
+
+
 def run_row(row: str, bench: Bench) -> Curve:
     kind, h, wire_name, modifiers = parse_row(row)
+    modifiers = {**WIRE_OUTER.get(wire_name, {}), **modifiers}
     changes = {SETUP_MODIFIERS[k]: v for k, v in modifiers.items() if k in SETUP_MODIFIERS}
     if changes:
         bench = dataclasses.replace(bench, setup=dataclasses.replace(bench.setup, **changes))
@@ -61,7 +69,8 @@ def run_row(row: str, bench: Bench) -> Curve:
         return data_parallel(bench)
     wire = Wire.named(wire_name, bounds=Bounds(stale_factor=modifiers.get("stale", 1.0)))
     if kind == "dec":
-        return decoupled(bench, h, wire)
+        speeds = (1.0,) * (bench.setup.learners - 1) + (modifiers.get("slow", 3.0),)
+        return decoupled(bench, h, wire, speeds=speeds, sync_seconds=modifiers.get("sync", 2.0))
     return diloco(bench, h, wire, m=1 if kind == "solo" else None)
 
 
@@ -112,8 +121,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--inner-lr", type=float, default=1e-3)
-    p.add_argument("--outer-lr", type=float, default=0.7)
-    p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument("--outer-lr", type=float, default=Setup.outer_lr, help="default: a peer's")
+    p.add_argument("--outer-momentum", type=float, default=Setup.outer_momentum, help="default: a peer's")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-batches", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)

@@ -7,6 +7,7 @@ import pytest
 
 FAULTS_ENV = "P2PDILOCO_FAULT_PLAN"  # the hidden `join --fault-plan`, set through the environment
 from p2pdiloco.protocol.island import Bounds, member_weights
+from p2pdiloco.ops.swarmreport import val_by_version, val_rises
 from tests.harness.swarm import alive, digests_by_version, islands_disagreeing, local_swarm, unresolved_forks
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
@@ -61,6 +62,9 @@ def test_three_peers_stay_bitwise_equal_and_learn(tmp_path, wire, median_ratio):
         assert all(len(d) == 1 for d in final.values()), summaries
         for s in summaries:
             assert s.final_val < s.initial_val - 2.0, s  # byte-level loss starts ~5.5 (ln 256)
+        # the merged model's validation loss fell at every round (issue 46: the demo's loss once rose)
+        val = val_by_version(swarm.records(name, "round") for name in names)
+        assert len(val) >= 4 and val_rises(val) == [], val
 
 
 def mapping_processes(swarm, name: str, folder, within: float) -> int:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from p2pdiloco.ops.swarmreport import (advances, goodput, islands_disagreeing, longest_stalls, split_lives,
+from p2pdiloco.ops.swarmreport import (val_by_version, val_rises, advances, goodput, islands_disagreeing, longest_stalls, split_lives,
                                    unresolved_forks, uptime)
 from p2pdiloco.runtime.schema import from_dict
 
@@ -74,3 +74,16 @@ def test_a_fork_that_outlives_its_bound_is_reported():
     assert unresolved_forks({"a": resolved}, within_rounds=2) == []
     assert unresolved_forks({"a": stuck}, within_rounds=2) == [("a", 1)]
     assert unresolved_forks({"a": stuck}, within_rounds=2, from_version=2) == []
+
+
+def test_the_merged_models_loss_by_version_and_the_rounds_that_raised_it():
+    from p2pdiloco.runtime.schema import Round
+    a = [Round(version=1, applied=True, val_loss=5.0), Round(version=2, applied=True, val_loss=4.5),
+         Round(version=3, applied=False, val_loss=9.0),  # not merged: not the global model's
+         Round(version=3, applied=True, val_loss=4.6, digest="x")]
+    b = [Round(version=3, applied=True, val_loss=4.55, digest="y"),  # a fork at v3: its better state counts
+         Round(version=4, applied=True, val_loss=None), Round(version=5, applied=True, val_loss=4.4)]
+    val = val_by_version([a, b])
+    assert val == {1: 5.0, 2: 4.5, 3: 4.55, 5: 4.4}
+    assert val_rises(val) == [(3, 4.5, 4.55)]
+    assert val_rises(val, noise=0.05) == [] and val_rises({1: 2.0, 2: 2.0}) == []  # equal is not a rise
