@@ -11,6 +11,8 @@ data=runs/demo-data
 [ -f "$data/shakespeare/manifest.json" ] || $p2pdiloco data prepare builtin:shakespeare \
   --tokenizer "$data/tokenizer" --out "$data/shakespeare" --shard-tokens 500000
 $p2pdiloco swarm --peers 3 --log-dir runs/demo "$@" -- --profile peers/demo-cpu.toml --data "$data/shakespeare"
+# the merged model's validation loss must fall at every round (the swarm command printed it by version)
+.venv/bin/python -m p2pdiloco.ops.swarmreport --falling runs/demo
 rm -rf runs/demo/model
 $p2pdiloco export runs/demo/checkpoints --out runs/demo/model
 echo "a sample of the merged model, loaded by transformers from its exported folder:"

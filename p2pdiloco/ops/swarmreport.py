@@ -14,6 +14,7 @@ Used by the chaos tool, the benchmarks and the tests. A slot is one peer name; i
 from __future__ import annotations
 
 import statistics
+import sys
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -223,3 +224,29 @@ def summarize(lives: list[Life], start: float, end: float, step_window: int) -> 
         final_val_median=statistics.median(finals) if finals else None,
         lives=len(lives),
     )
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """`python -m p2pdiloco.ops.swarmreport --falling LOG_DIR`: exit 1, saying where, if a round raised the merged
+    model's validation loss (the demo's check)."""
+    import argparse
+    from pathlib import Path
+
+    from p2pdiloco.runtime.schema import read_records
+
+    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    parser.add_argument("--falling", type=Path, required=True, metavar="LOG_DIR")
+    args = parser.parse_args(argv)
+    val = val_by_version(read_records(path) for path in sorted(args.falling.glob("*.jsonl")))
+    rises = val_rises(val)
+    if not val:
+        print(f"{args.falling}: no evaluated round", file=sys.stderr)
+        return 1
+    for version, before, after in rises:
+        print(f"round to v{version} raised the merged model's validation loss: {before:.4f} -> {after:.4f}",
+              file=sys.stderr)
+    return 1 if rises else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -87,3 +87,22 @@ def test_the_merged_models_loss_by_version_and_the_rounds_that_raised_it():
     assert val == {1: 5.0, 2: 4.5, 3: 4.55, 5: 4.4}
     assert val_rises(val) == [(3, 4.5, 4.55)]
     assert val_rises(val, noise=0.05) == [] and val_rises({1: 2.0, 2: 2.0}) == []  # equal is not a rise
+
+
+def test_the_demos_check_fails_naming_the_round_that_raised_the_loss(tmp_path, capsys):
+    from p2pdiloco.ops.swarmreport import main
+    from p2pdiloco.runtime.metrics import JsonlSink
+    from p2pdiloco.runtime.schema import Round
+    for name, losses in {"peer0": [5.0, 4.0, 4.2], "peer1": [5.0, 4.0, 4.2]}.items():
+        sink = JsonlSink(tmp_path / "rose" / f"{name}.jsonl")
+        for version, loss in enumerate(losses, 1):
+            sink.write(Round(peer=name, version=version, applied=True, val_loss=loss))
+        sink.close()
+        sink = JsonlSink(tmp_path / "fell" / f"{name}.jsonl")
+        for version, loss in enumerate(sorted(losses, reverse=True), 1):
+            sink.write(Round(peer=name, version=version, applied=True, val_loss=loss))
+        sink.close()
+    assert main(["--falling", str(tmp_path / "fell")]) == 0
+    assert main(["--falling", str(tmp_path / "rose")]) == 1
+    assert "round to v3 raised the merged model's validation loss: 4.0000 -> 4.2000" in capsys.readouterr().err
+    assert main(["--falling", str(tmp_path / "nothing")]) == 1
