@@ -110,8 +110,21 @@ def plot(curves: dict[str, dict[int, Curve]], path: Path, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def curves_in(paths: list[str]) -> dict[str, dict[int, Curve]]:
+    """The curves of earlier runs' JSON (several runs' rows side by side; a later file's row of a seed wins)."""
+    curves: dict[str, dict[int, Curve]] = {}
+    for path in paths:
+        for row, entry in json.loads(Path(path).read_text())["rows"].items():
+            for seed, c in entry["curves"].items():
+                curves.setdefault(row, {})[int(seed)] = Curve(c["tokens"], c["bpb"])
+    return curves
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--plot-from", default="", help="draw --plot from these runs' JSON (comma-separated): no training")
+    p.add_argument("--plot-rows", default="", help="with --plot-from: only these rows (comma-separated)")
+    p.add_argument("--title", default="")
     p.add_argument("--rows", default="dp,H100-int4,H100-fp32,H50-int4,H100-topk2,solo-H100-int4")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--steps", type=int, default=400, help="inner steps per learner (dp: steps of M× the batch)")
@@ -129,6 +142,11 @@ def main() -> None:
     p.add_argument("--out", default="runs/parity.json")
     p.add_argument("--plot", default="")
     a = p.parse_args()
+    if a.plot_from:
+        curves = curves_in(a.plot_from.split(","))
+        chosen = [r for r in a.plot_rows.split(",") if r] or list(curves)
+        plot({r: curves[r] for r in chosen if r in curves}, Path(a.plot or "runs/parity.png"), a.title)
+        return
     torch.set_num_threads(a.threads)
     base = Setup(data=tuple(x for x in a.data.split(",") if x), model=a.model, batch_size=a.batch_size,
                  seq_len=a.seq_len, inner_lr=a.inner_lr, outer_lr=a.outer_lr, outer_momentum=a.outer_momentum,
