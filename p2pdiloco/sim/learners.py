@@ -227,10 +227,6 @@ class IslandMerger:
         self.board, self.name, self.rules, self.clock = board, name, rules, clock
         self.sender = Sender(name, board.wire, feedback)
 
-    @property
-    def feedback(self) -> Optional[codec.ErrorFeedback]:
-        return self.sender.feedback
-
     def merge(self, c: Contribution) -> RoundOutcome:
         now = self.board.clock
         rnd = Round(self.rules, self.name, c, self.clock, now())

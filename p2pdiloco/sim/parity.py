@@ -19,7 +19,6 @@ from typing import Optional
 import torch
 
 from p2pdiloco.config import InnerConfig, OuterConfig, SwarmConfig
-from p2pdiloco.core import codec
 from p2pdiloco.core.state import GlobalState
 from p2pdiloco.protocol.round import RoundRules
 from p2pdiloco.protocol.timing import GracePolicy, RoundClock
@@ -85,6 +84,17 @@ class Bench:
         return BatchStream(self.data.sources, batch_size, self.setup.seq_len, seed=stream_seed(name, run),
                            run_seed=order_seed(run))
 
+    def n_params(self) -> int:
+        with torch.device("meta"):
+            return sum(p.numel() for p in self.model(self.setup.seed).parameters())
+
+    def learner(self, name: str) -> tuple[InnerTrainer, GlobalState]:
+        """A learner's trainer and global state, from the run's one initial Θ (as every peer of a swarm starts)."""
+        s = self.setup
+        model = self.model(s.seed)
+        state = GlobalState(flat_params(model).clone(), s.outer_lr, s.outer_momentum)
+        return InnerTrainer(model, self.stream(name, s.batch_size), s.inner(), CPU), state
+
     def bpb(self, model: torch.nn.Module, params: Optional[torch.Tensor] = None) -> float:
         return evaluate(model, self.val, CPU, params=params) * self.bpb_factor
 
@@ -134,16 +144,13 @@ def sync_rules(h: int) -> RoundRules:
 
 
 def learners(bench: Bench, board: Board, rules: RoundRules, m: int) -> list[Learner]:
-    s = bench.setup
     made = []
     for i in range(m):
         name = f"learner{i}"
-        model = bench.model(s.seed)  # every learner starts from the same Θ, as a swarm does
-        state = GlobalState(flat_params(model).clone(), s.outer_lr, s.outer_momentum)
-        trainer = InnerTrainer(model, bench.stream(name, s.batch_size), s.inner(), CPU)
-        feedback = board.wire.feedback()
+        trainer, state = bench.learner(name)
         clock = RoundClock()
-        diloco = DiLoCo(trainer, state, IslandMerger(board, name, rules, feedback, clock), name, name, clock=clock)
+        merger = IslandMerger(board, name, rules, board.wire.feedback(), clock)
+        diloco = DiLoCo(trainer, state, merger, name, name, clock=clock)
         board.publish(name, state)
         made.append(Learner(name, diloco))
     return made
@@ -154,8 +161,7 @@ def diloco(bench: Bench, h: int, wire: Wire, m: Optional[int] = None) -> Curve:
     s = bench.setup
     m = m or s.learners
     torch.manual_seed(s.seed)
-    n = sum(p.numel() for p in bench.model(s.seed).parameters())
-    board = Board(wire, n)
+    board = Board(wire, bench.n_params())
     group = learners(bench, board, sync_rules(h), m)
     first = group[0].diloco
     curve, rounds, forks = Curve(), s.steps // h, 0
@@ -197,18 +203,14 @@ def decoupled(bench: Bench, h: int, wire: Wire, speeds: tuple[float, ...] = (1.0
     steps start from an estimate of the next global model (`--application eager`), not from the local model."""
     s = bench.setup
     torch.manual_seed(s.seed)
-    n = sum(p.numel() for p in bench.model(s.seed).parameters())
-    board = Board(wire, n)
+    board = Board(wire, bench.n_params())
     runners = []
     for i, speed in enumerate(speeds):
         name = f"learner{i}"
-        model = bench.model(s.seed)
-        state = GlobalState(flat_params(model).clone(), s.outer_lr, s.outer_momentum)
-        trainer = InnerTrainer(model, bench.stream(name, s.batch_size), s.inner(), CPU)
-        feedback = wire.feedback()
+        trainer, state = bench.learner(name)
         merger = Deferred()
         diloco = DiLoCo(trainer, state, merger, name, name, eager=eager)
-        runners.append(Runner(name, diloco, merger, Sender(name, wire, feedback), speed))
+        runners.append(Runner(name, diloco, merger, Sender(name, wire, wire.feedback()), speed))
         board.publish(name, state)
     timeline = Timeline(board, decoupled_rules(h, max(speeds)), runners, h, sync_seconds)
     per_eval = s.eval_every * len(speeds) * s.batch_size * s.seq_len
