@@ -135,6 +135,11 @@ class InnerConfig:
         "activations in the backward pass: the activations' memory (which grows with batch size × sequence "
         "length) drops to about one block's worth, for one more forward pass of compute per step (~30 %). The "
         "same bits as without it.")
+    compile: bool = option(
+        False, "Compile each transformer block with torch.compile (inductor), which fuses the Llama's "
+        "elementwise work (RMSNorm, RoPE, SwiGLU): on an H200 the 100M Llama ran at 2.2x its eager tokens/s. "
+        "The first inner step waits for the compile (~30 s on a GPU, longer on a CPU, which needs a C++ "
+        "compiler); the bits differ from eager by float rounding.")
     round_seconds: Optional[float] = option(
         None, "Time-budgeted H: contribute every this many seconds instead of every H steps.")
     optimizer: str = option(

@@ -31,9 +31,6 @@ from p2pdiloco.training.inner import InnerTrainer, evaluate, flat_params
 from p2pdiloco.training.model import build_model, resolve_config
 from p2pdiloco.training.tokenizer import vocab_size
 
-CPU = torch.device("cpu")
-
-
 @dataclass(frozen=True)
 class Setup:
     """What every row shares. `steps`: inner steps per learner (data-parallel: steps of M× the batch)."""
@@ -53,6 +50,7 @@ class Setup:
     eval_batches: int = 16
     seed: int = 0
     run: str = "parity"
+    device: str = "cpu"  # the inner steps' (cuda: bf16 autocast, as a GPU peer); Θ stays in host memory
 
     def inner(self, batch_size: Optional[int] = None) -> InnerConfig:
         return InnerConfig(batch_size=batch_size or self.batch_size, seq_len=self.seq_len, lr=self.inner_lr,
@@ -76,6 +74,10 @@ class Bench:
         val = validation_batches(data.val, setup.eval_batches, setup.batch_size, setup.seq_len)
         return cls(setup, data, config, val, bits_per_byte_factor(val, data.tokenizer))
 
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.setup.device)
+
     def model(self, seed: int) -> torch.nn.Module:
         return build_model(self.model_config, seed)
 
@@ -93,10 +95,10 @@ class Bench:
         s = self.setup
         model = self.model(s.seed)
         state = GlobalState(flat_params(model).clone(), s.outer_lr, s.outer_momentum)
-        return InnerTrainer(model, self.stream(name, s.batch_size), s.inner(), CPU), state
+        return InnerTrainer(model.to(self.device), self.stream(name, s.batch_size), s.inner(), self.device), state
 
     def bpb(self, model: torch.nn.Module, params: Optional[torch.Tensor] = None) -> float:
-        return evaluate(model, self.val, CPU, params=params) * self.bpb_factor
+        return evaluate(model, self.val, self.device, params=params) * self.bpb_factor
 
 
 @dataclass
@@ -119,9 +121,9 @@ class Curve:
 def data_parallel(bench: Bench) -> Curve:
     s = bench.setup
     torch.manual_seed(s.seed)
-    model = bench.model(s.seed)
+    model = bench.model(s.seed).to(bench.device)
     batch = s.batch_size * s.learners
-    trainer = InnerTrainer(model, bench.stream("data-parallel", batch), s.inner(batch), CPU)
+    trainer = InnerTrainer(model, bench.stream("data-parallel", batch), s.inner(batch), bench.device)
     curve = Curve()
     curve.add(0, bench.bpb(model))
     for step in range(1, s.steps + 1):

@@ -144,6 +144,10 @@ class InnerTrainer:
             if not hasattr(model, "checkpoint_blocks"):
                 raise ConfigError(f"--activation-checkpointing: {type(model).__name__} cannot recompute its blocks")
             model.checkpoint_blocks = True
+        if cfg.compile:
+            if not hasattr(model, "compile_blocks"):
+                raise ConfigError(f"--compile: {type(model).__name__} cannot compile its blocks")
+            model.compile_blocks()
         if cfg.step_in_backward:
             for p in model.parameters():
                 if p.requires_grad:

@@ -44,6 +44,22 @@ class CausalLM(nn.Module):
             return logits
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
+    def blocks(self) -> list[nn.Module]:
+        """The repeated blocks (decoder layers): the modules transformers keeps whole across devices."""
+        names = set(getattr(self.hf, "_no_split_modules", None) or ())
+        return [m for m in self.hf.modules() if type(m).__name__ in names]
+
+    def compile_blocks(self) -> None:
+        """Compile each block with torch.compile, in place: the names of the parameters, the state dict and
+        the flat vector stay as they were. One compiled graph serves every block of the same shape (the
+        parameters are its inputs); the first inner step waits for it. Fusing the Llama's elementwise work
+        (RMSNorm in fp32, RoPE, SwiGLU) is what brings it to the GPU's speed (docs/data.md)."""
+        found = self.blocks()
+        if not found:
+            raise ModelError(f"--compile: {type(self.hf).__name__} names no repeated blocks to compile")
+        for block in found:
+            block.compile()
+
     @property
     def checkpoint_blocks(self) -> bool:
         """Whether each decoder layer's activations are recomputed in the backward pass (transformers' own

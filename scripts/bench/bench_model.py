@@ -8,7 +8,7 @@
 - dataset size: a process that opens a prepared dataset (hashing every shard), draws batches from it and trains
   steps of a small model, on a small and on a large dataset of random tokens; its peak resident memory.
 
-    python scripts/bench/bench_model.py [--sizes small medium] [--device cpu|cuda] [--json OUT]
+    python scripts/bench/bench_model.py [--sizes small medium] [--device cpu|cuda] [--json OUT] [--profile-dir DIR]
 
 Run alone on the machine: the timings share its cores.
 """
@@ -98,7 +98,13 @@ def peak_rss() -> int:
 
 
 # ---- workers (one fresh process each) -----------------------------------------------------------------------
-def speed_worker(kind: str, size: str, device: str, batch: int, seq_len: int, steps: int, recompute: bool) -> dict:
+def blocks(model) -> list:
+    """The model's repeated blocks: the GPT's, or the Llama's decoder layers."""
+    return list(model.blocks) if hasattr(model, "blocks") else list(model.hf.model.layers)
+
+
+def speed_worker(kind: str, size: str, device: str, batch: int, seq_len: int, steps: int, recompute: bool,
+                 profile_dir: str = "", compiled: bool = False) -> dict:
     import torch
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -110,12 +116,15 @@ def speed_worker(kind: str, size: str, device: str, batch: int, seq_len: int, st
         del gpt
         model.checkpoint_blocks = recompute  # transformers' own, per decoder layer
     model = model.to(device)
+    if compiled:  # each block compiled on its own (torch.compile; the first step pays, untimed)
+        for block in blocks(model):
+            block.compile()
     n_params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device == "cuda" or None)
     data = torch.randint(0, 256, (steps + 2, batch, seq_len + 1))
-    times = []
-    for i in range(steps + 2):
-        x, y = data[i, :, :-1].to(device), data[i, :, 1:].to(device)
+
+    def one_step(i: int) -> float:
+        x, y = data[i % len(data), :, :-1].to(device), data[i % len(data), :, 1:].to(device)
         start = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else torch.autocast("cpu", enabled=False):
             loss = model(x, y)
@@ -124,10 +133,21 @@ def speed_worker(kind: str, size: str, device: str, batch: int, seq_len: int, st
         optimizer.zero_grad(set_to_none=True)
         if device == "cuda":
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+        return time.perf_counter() - start
+
+    times = [one_step(i) for i in range(steps + 2)]
     step = statistics.median(times[2:])  # the first steps pay for allocations and kernel choices
+    if profile_dir:  # where the time goes, by operator: 3 more steps (after the timed ones, not counted in them)
+        from torch.profiler import ProfilerActivity, profile
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        with profile(activities=activities) as prof:
+            for i in range(3):
+                one_step(i)
+        key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+        Path(profile_dir, f"profile-{kind}-{size}-{device}.txt").write_text(
+            prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70))
     peak = peak_rss()
-    return dict(kind=kind, size=size, device=device, recompute=recompute, params=n_params,
+    return dict(kind=kind, size=size, device=device, recompute=recompute, compiled=compiled, params=n_params,
                 tokens_per_s=batch * seq_len / step,
                 host_peak_bytes=peak, host_bytes_per_param=peak / n_params,
                 device_peak_bytes=torch.cuda.max_memory_allocated() if device == "cuda" else None)
@@ -182,7 +202,8 @@ def write_random_dataset(folder: Path, tokens: int, shard_tokens: int) -> None:
 # ---- the driver ---------------------------------------------------------------------------------------------
 def run_worker(*args: str) -> dict:
     out = subprocess.run([sys.executable, __file__, "--worker", *args], capture_output=True, text=True,
-                         cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                         cwd=ROOT, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                         filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))))
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -197,17 +218,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--recompute", action="store_true",
                         help="Both models recompute each block's activations in the backward pass.")
+    parser.add_argument("--compile", action="store_true",
+                        help="Both models compile each block (torch.compile); the untimed first steps compile.")
     parser.add_argument("--no-datasets", action="store_true", help="Leave out the dataset-size part.")
     parser.add_argument("--repeats", type=int, default=2, help="Alternating runs of each model; the best is kept.")
     parser.add_argument("--small-tokens", type=int, default=10_000_000)
     parser.add_argument("--large-tokens", type=int, default=1_000_000_000)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--profile-dir", type=Path,
+                        help="Also profile 3 steps of each model (after the timed ones): a table per model here.")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     a = parser.parse_args()
     if a.worker:
         kind, *rest = a.worker
         result = dataset_worker(rest[0], int(rest[1])) if kind == "dataset" else speed_worker(
-            kind, rest[0], rest[1], int(rest[2]), int(rest[3]), int(rest[4]), rest[5] == "1")
+            kind, rest[0], rest[1], int(rest[2]), int(rest[3]), int(rest[4]), rest[5] == "1", rest[6], rest[7] == "1")
         print(json.dumps(result))
         return
     rows = []
@@ -216,14 +241,14 @@ def main() -> None:
         for _ in range(a.repeats):
             for kind in ("gpt", "llama"):
                 r = run_worker(kind, size, a.device, str(a.batch_size), str(a.seq_len), str(a.steps),
-                               str(int(a.recompute)))
+                               str(int(a.recompute)), str(a.profile_dir or ""), str(int(a.compile)))
                 if kind not in best or r["tokens_per_s"] > best[kind]["tokens_per_s"]:
                     best[kind] = dict(r, host_peak_bytes=min(r["host_peak_bytes"],
                                                              best.get(kind, r)["host_peak_bytes"]))
         g, l = best["gpt"], best["llama"]
         rows.append(dict(size=size, gpt=g, llama=l, speed_ratio=l["tokens_per_s"] / g["tokens_per_s"],
                          host_ratio=l["host_peak_bytes"] / g["host_peak_bytes"]))
-        mode = " recompute" if a.recompute else ""
+        mode = " recompute" * a.recompute + " compiled" * a.compile
         print(f"{size:<7} {a.device}{mode}: params GPT {g['params'] / 1e6:.2f}M, Llama {l['params'] / 1e6:.2f}M | tokens/s "
               f"GPT {g['tokens_per_s']:.0f}, Llama {l['tokens_per_s']:.0f} (x{rows[-1]['speed_ratio']:.3f}) | host "
               f"peak GPT {g['host_peak_bytes'] / 1e9:.3f} GB ({g['host_bytes_per_param']:.1f} B/param), Llama "

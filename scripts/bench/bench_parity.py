@@ -19,7 +19,7 @@ Reports validation bits per byte at the end of each row (mean and spread over se
 against tokens.
 
 Usage: python scripts/bench/bench_parity.py [--rows dp,H100-int4,...] [--seeds 0,1,2] [--steps 400] [--learners 4]
-       [--data runs/corpora/docs-en-8k] [--model tiny] [--out docs/bench/parity.json] [--plot docs/bench/parity.png]
+       [--data runs/corpora/docs-en-8k] [--model tiny] [--device cuda] [--out docs/bench/parity.json] [--plot docs/bench/parity.png]
 """
 
 from __future__ import annotations
@@ -139,6 +139,7 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-batches", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="the inner steps' device (cuda: bf16 autocast, as a GPU peer)")
     p.add_argument("--out", default="runs/parity.json")
     p.add_argument("--plot", default="")
     a = p.parse_args()
@@ -150,7 +151,8 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     base = Setup(data=tuple(x for x in a.data.split(",") if x), model=a.model, batch_size=a.batch_size,
                  seq_len=a.seq_len, inner_lr=a.inner_lr, outer_lr=a.outer_lr, outer_momentum=a.outer_momentum,
-                 learners=a.learners, steps=a.steps, eval_every=a.eval_every, eval_batches=a.eval_batches)
+                 learners=a.learners, steps=a.steps, eval_every=a.eval_every, eval_batches=a.eval_batches,
+                 device=a.device)
     rows, seeds = a.rows.split(","), [int(s) for s in a.seeds.split(",")]
     for row in rows:
         parse_row(row)  # every name checked before hours of training
@@ -165,7 +167,7 @@ def main() -> None:
                   f"({time.monotonic() - t:.0f} s)", flush=True)
             done = {r: c for r, c in curves.items() if c}
             result = dict(settings=dict(dataclasses.asdict(base), seeds=seeds, threads=a.threads,
-                                        model_parameters=sum(p.numel() for p in bench.model(0).parameters()),
+                                        model_parameters=bench.n_params(),
                                         data_description=bench.data.description),
                           seconds=round(time.monotonic() - started), rows=summarize(done))
             Path(a.out).parent.mkdir(parents=True, exist_ok=True)
