@@ -59,6 +59,11 @@ class Bounds:
     norm_ratio: float = 2.0
     stale_factor: float = 1.0  # what a member's weight keeps per version it is behind the newest member (1: all)
 
+    @classmethod
+    def of(cls, outer) -> "Bounds":
+        """A swarm's bounds from its outer configuration (config.OuterConfig): the peer's and the simulator's."""
+        return cls(outer.max_weight_ratio, outer.max_scale_ratio, outer.max_norm_ratio, outer.stale_factor)
+
 
 @dataclass
 class PenaltyBox:

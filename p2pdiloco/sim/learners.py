@@ -26,6 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
+from p2pdiloco.config import OuterConfig
 from p2pdiloco.core import codec
 from p2pdiloco.core.state import GlobalState
 from p2pdiloco.protocol.island import Bounds, plan_island
@@ -48,7 +49,7 @@ class Wire:
     error_feedback: bool = False
     feedback_decay: float = 1.0  # error feedback carries its residual times this (SparseLoCo's β)
     weighting: str = "tokens2"
-    bounds: Bounds = Bounds()
+    bounds: Bounds = field(default_factory=lambda: Bounds.of(OuterConfig()))  # a peer's, by default
 
     def feedback(self) -> Optional[codec.ErrorFeedback]:
         """A learner's own error feedback, where this wire has it."""

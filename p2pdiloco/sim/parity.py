@@ -189,20 +189,29 @@ def diloco(bench: Bench, h: int, wire: Wire, m: Optional[int] = None) -> Curve:
     return curve
 
 
-def decoupled_rules(h: int, step_seconds: float) -> RoundRules:
+def decoupled_rules(h: int, step_seconds: float, overlap_steps: Optional[int] = None) -> RoundRules:
     """A peer's default rules (SwarmConfig's), in simulated seconds: no matchmaking floor, the grace window capped
-    at a round of the slowest learner's steps."""
+    at a round of the slowest learner's steps; τ of Eq. 3 (`overlap_steps`) is H unless given, as a peer's."""
     cfg = SwarmConfig()
-    return RoundRules(mode="decoupled", quorum=cfg.quorum, max_staleness=cfg.max_staleness, overlap_steps=h,
+    return RoundRules(mode="decoupled", quorum=cfg.quorum, max_staleness=cfg.max_staleness,
+                      overlap_steps=overlap_steps or h,
                       wait_for_newest=cfg.wait_for_newest, wait_for_island=cfg.wait_for_island,
                       grace=GracePolicy(gamma=cfg.grace_gamma, floor=0.0, cap=h * step_seconds), poll=1.0)
 
 
 def decoupled(bench: Bench, h: int, wire: Wire, speeds: tuple[float, ...] = (1.0, 1.0, 1.0, 3.0),
-              sync_seconds: float = 2.0, eager: bool = False) -> Curve:
+              sync_seconds: float = 2.0, eager: bool = False, overlap_steps: Optional[int] = None,
+              count: str = "trained") -> Curve:
     """len(speeds) learners, learner i taking speeds[i] simulated seconds per inner step, until they have trained
     the tokens of M learners × the setup's steps; `sync_seconds`: an all-reduce's duration; `eager`: the in-flight
-    steps start from an estimate of the next global model (`--application eager`), not from the local model."""
+    steps start from an estimate of the next global model (`--application eager`), not from the local model;
+    `overlap_steps`: τ of the grace window (Eq. 3; default H, as a peer's).
+
+    `count` says which tokens the budget and the curve count: "trained" (every learner's inner steps, merged or
+    not), or "merged" (those merged into the newest global model: the learners train on until it holds the
+    budget). A finite run ends with every learner's last steps unmerged (a round's worth for the fast ones, most
+    of one for the slow one); synchronous rounds end with none, so "merged" compares the models at equal tokens
+    in them. The notes give both counts at the end either way."""
     s = bench.setup
     torch.manual_seed(s.seed)
     board = Board(wire, bench.n_params())
@@ -214,26 +223,50 @@ def decoupled(bench: Bench, h: int, wire: Wire, speeds: tuple[float, ...] = (1.0
         diloco = DiLoCo(trainer, state, merger, name, name, eager=eager)
         runners.append(Runner(name, diloco, merger, Sender(name, wire, wire.feedback()), speed))
         board.publish(name, state)
-    timeline = Timeline(board, decoupled_rules(h, max(speeds)), runners, h, sync_seconds)
+    timeline = Timeline(board, decoupled_rules(h, max(speeds), overlap_steps), runners, h, sync_seconds)
     per_eval = s.eval_every * len(speeds) * s.batch_size * s.seq_len
     budget = s.steps * len(speeds) * s.batch_size * s.seq_len
-    curve = Curve()
+    if count not in ("trained", "merged"):
+        raise ValueError(f"count: trained or merged, not {count!r}")
+    curve, evaluated = Curve(), [0]
+    model = runners[0].diloco.trainer.model
 
-    def measure(tokens: int) -> None:
-        if tokens % per_eval == 0 and tokens < budget:
-            newest = board.newest()
-            curve.add(tokens, bench.bpb(runners[0].diloco.trainer.model, newest.params))
+    def measure(trained: int) -> None:
+        if count == "trained" and trained % per_eval == 0 and trained < budget:
+            curve.add(trained, bench.bpb(model, board.newest().params))
+        newest = board.newest()  # merged: each time the newest global model passes an evaluation point
+        while count == "merged" and newest.tokens >= evaluated[-1] + per_eval and newest.tokens < budget:
+            evaluated.append(evaluated[-1] + per_eval)
+            curve.add(newest.tokens, bench.bpb(model, newest.params))
 
-    measure(0)
+    def keep_training(trained: int) -> bool:
+        return trained < budget if count == "trained" else board.newest().tokens < budget
+
+    curve.add(0, bench.bpb(model, board.newest().params))
     try:
-        seconds = timeline.run(budget, measure)
+        seconds = timeline.run(keep_training, measure)
     finally:
         for r in runners:
             if r.answer is not None and not r.answer.done():
                 r.answer.cancel()
             r.diloco.close()
-    curve.add(budget, bench.bpb(runners[0].diloco.trainer.model, board.newest().params))
-    curve.notes = dict(simulated_seconds=round(seconds, 1), outcomes=timeline.outcomes,
-                       stale_merges=timeline.stale_merges, versions=board.newest().version,
-                       steps={r.name: r.diloco.trainer.total_steps for r in runners})
+    newest = board.newest()
+    last = bench.bpb(model, newest.params)
+    if count == "trained" or newest.tokens == budget:
+        curve.add(budget, last)
+    else:  # the last merge went past the budget: the value at the budget, between the two merges around it
+        curve.notes["last_merge"] = [newest.tokens, round(last, 5)]
+        curve.add(budget, at_tokens(curve.tokens[-1], curve.bpb[-1], newest.tokens, last, budget))
+    curve.notes.update(dict(simulated_seconds=round(seconds, 1), outcomes=timeline.outcomes,
+                       stale_merges=timeline.stale_merges, versions=newest.version, count=count,
+                       tokens_merged=newest.tokens,
+                       tokens_trained=sum(r.diloco.trainer.total_steps * r.diloco.trainer.tokens_per_step
+                                          for r in runners),
+                       steps={r.name: r.diloco.trainer.total_steps for r in runners}))
     return curve
+
+
+def at_tokens(t0: int, b0: float, t1: int, b1: float, t: int) -> float:
+    """Bits per byte at `t` tokens, on the straight line between two measured points: a loss curve is convex,
+    so this stands above the curve, against the row it is read for."""
+    return b0 + (b1 - b0) * (t - t0) / (t1 - t0)

@@ -73,8 +73,8 @@ class Timeline:
         self.stale_merges = 0  # committed rounds whose contribution came from an older state than the newest member's
         self._seen_changes = -1
 
-    def run(self, budget_tokens: int, on_tokens: Callable[[int], None] = lambda tokens: None) -> int:
-        """Train until the learners' tokens reach the budget, let the rounds in flight end, and return the
+    def run(self, keep_training: Callable[[int], bool], on_tokens: Callable[[int], None] = lambda tokens: None) -> float:
+        """Train while `keep_training(tokens trained so far)`, let the rounds in flight end, and return the
         simulated seconds it took. `on_tokens(tokens)` is called after every inner step."""
         for r in self.runners:
             self._push(r.seconds_per_step, "step", r, None)
@@ -83,7 +83,7 @@ class Timeline:
             t, _, kind, runner, payload = heapq.heappop(self.events)
             self.now = t
             if kind == "step":
-                if tokens >= budget_tokens:
+                if not keep_training(tokens):
                     continue  # the budget is spent: no more steps, only the rounds in flight go on
                 tokens += self._step(runner)
                 on_tokens(tokens)

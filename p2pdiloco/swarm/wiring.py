@@ -103,7 +103,7 @@ def start_averager(s: MergeSettings, dht: DHT, share_state: StateProvider, buffe
     averager = make(
         s.n, cfg.max_island, share_state, outer.weighting, limits.allreduce_cap,
         Expect(s.n, len(s.segments) if outer.rda else 0), s.bits, cfg.topk,
-        Bounds(outer.max_weight_ratio, outer.max_scale_ratio, outer.max_norm_ratio, outer.stale_factor),
+        Bounds.of(outer),
         cfg.robust_merge, s.passes, buffer_folder,  # in a file there, paged in a piece at a time
         dht=dht, prefix=averager_prefix(cfg, outer), start=False,
         min_group_size=max(2, cfg.quorum),  # hivemind would "form" a group of 1 at once; K=1 is ours

@@ -11,7 +11,8 @@ data, initial weights and inner hyper-parameters in every row (p2pdiloco.sim.par
                      default round rules (p2pdiloco.sim.timeline): late contributions are merged stale
 Any row takes modifiers, each -<name><value>: -stale<f> (the merge's stale factor), -olr<f> and -om<f> (outer lr
 and momentum), -ilr<f> (inner lr); decoupled rows also -slow<f> (the last learner's slowness, 3 by default; 1: all
-equal) and -sync<f> (an all-reduce's simulated seconds, 2 by default; a step is 1); e.g. dec-H100-int4-stale0.5,
+equal), -sync<f> (an all-reduce's simulated seconds, 2 by default; a step is 1) and -tau<n> (τ of the grace
+window, Eq. 3: H by default, as a peer's --overlap-steps); e.g. dec-H100-int4-stale0.5,
 H100-int4-olr1.0-om0.8, dec-H100-int4-slow1-sync120 (rounds longer than H steps: every Δ a round late).
 
 Reports validation bits per byte at the end of each row (mean and spread over seeds) and each row's difference to
@@ -34,11 +35,12 @@ from pathlib import Path
 
 import torch
 
+from p2pdiloco.config import OuterConfig
 from p2pdiloco.sim.learners import Wire
 from p2pdiloco.protocol.island import Bounds
 from p2pdiloco.sim.parity import Bench, Curve, Setup, data_parallel, decoupled, diloco
 
-ROW = re.compile(r"^(?:dp|(solo-|dec-)?H(\d+)-(fp32|int8|int4|int2|topk2))((?:-(?:stale|olr|om|ilr|sync|slow)[0-9.]+)*)$")
+ROW = re.compile(r"^(?:dp|(solo-|dec-)?H(\d+)-(fp32|int8|int4|int2|topk2))((?:-(?:stale|olr|om|ilr|sync|slow|tau)[0-9.]+)*)$")
 SETUP_MODIFIERS = {"olr": "outer_lr", "om": "outer_momentum", "ilr": "inner_lr"}
 
 
@@ -47,9 +49,9 @@ def parse_row(row: str) -> tuple[str, int, str, dict]:
     match = ROW.match(row)
     if not match:
         raise SystemExit(f"unknown row {row!r}: dp, H<steps>-<fp32|int8|int4|int2|topk2>, solo-H<steps>-<wire> or "
-                         "dec-H<steps>-<wire>, each with optional -stale<f>, -olr<f>, -om<f>, -ilr<f> (dec: -slow<f>, -sync<f>)")
+                         "dec-H<steps>-<wire>, each with optional -stale<f>, -olr<f>, -om<f>, -ilr<f> (dec: -slow<f>, -sync<f>, -tau<n>)")
     kind, h, wire, mods = match.groups()
-    modifiers = {name: float(value) for name, value in re.findall(r"-(stale|olr|om|ilr|sync|slow)([0-9.]+)", mods or "")}
+    modifiers = {name: float(value) for name, value in re.findall(r"-(stale|olr|om|ilr|sync|slow|tau)([0-9.]+)", mods or "")}
     if row.startswith("dp"):
         return "dp", 0, "", modifiers
     return (kind or "sync-").rstrip("-"), int(h), wire, modifiers
@@ -59,7 +61,7 @@ def parse_row(row: str) -> tuple[str, int, str, dict]:
 WIRE_OUTER = {"topk2": {"olr": 3.0, "om": 0.0}}
 
 
-def run_row(row: str, bench: Bench) -> Curve:
+def run_row(row: str, bench: Bench, count: str = "merged") -> Curve:
     kind, h, wire_name, modifiers = parse_row(row)
     modifiers = {**WIRE_OUTER.get(wire_name, {}), **modifiers}
     changes = {SETUP_MODIFIERS[k]: v for k, v in modifiers.items() if k in SETUP_MODIFIERS}
@@ -67,10 +69,15 @@ def run_row(row: str, bench: Bench) -> Curve:
         bench = dataclasses.replace(bench, setup=dataclasses.replace(bench.setup, **changes))
     if kind == "dp":
         return data_parallel(bench)
-    wire = Wire.named(wire_name, bounds=Bounds(stale_factor=modifiers.get("stale", 1.0)))
+    bounds = Bounds.of(OuterConfig())  # a peer's, the -stale modifier apart
+    if "stale" in modifiers:
+        bounds = dataclasses.replace(bounds, stale_factor=modifiers["stale"])
+    wire = Wire.named(wire_name, bounds=bounds)
     if kind == "dec":
         speeds = (1.0,) * (bench.setup.learners - 1) + (modifiers.get("slow", 3.0),)
-        return decoupled(bench, h, wire, speeds=speeds, sync_seconds=modifiers.get("sync", 2.0))
+        tau = modifiers.get("tau")
+        return decoupled(bench, h, wire, speeds=speeds, sync_seconds=modifiers.get("sync", 2.0),
+                         overlap_steps=int(tau) if tau else None, count=count)
     return diloco(bench, h, wire, m=1 if kind == "solo" else None)
 
 
@@ -139,6 +146,10 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-batches", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--count", default="merged", choices=("merged", "trained"),
+                   help="decoupled rows: tokens merged into the global model (default; the learners train on until "
+                        "it holds the budget) or tokens trained, merged or not (a run then ends with a round's worth "
+                        "unmerged)")
     p.add_argument("--device", default="cpu", help="the inner steps' device (cuda: bf16 autocast, as a GPU peer)")
     p.add_argument("--out", default="runs/parity.json")
     p.add_argument("--plot", default="")
@@ -162,7 +173,7 @@ def main() -> None:
         bench = Bench.load(dataclasses.replace(base, seed=seed))
         for row in rows:
             t = time.monotonic()
-            curves[row][seed] = run_row(row, bench)
+            curves[row][seed] = run_row(row, bench, a.count)
             print(f"seed {seed} {row}: {curves[row][seed].final:.4f} bpb at {curves[row][seed].tokens[-1]:,} tokens "
                   f"({time.monotonic() - t:.0f} s)", flush=True)
             done = {r: c for r, c in curves.items() if c}

@@ -50,9 +50,35 @@ def test_decoupled_learners_merge_a_slow_learners_late_work_and_repeat_a_run_exa
     assert first.notes["stale_merges"] >= 1, first.notes  # the slow learner's Δ came from an older Θ, and merged
     again = decoupled(slow, 3, Wire.named("int4"), speeds=(1.0, 1.0, 3.0), sync_seconds=0.5)
     assert again.bpb == first.bpb and again.notes == first.notes  # the simulated clock alone orders events
-    discounted = decoupled(slow, 3, Wire.named("int4", bounds=Bounds(stale_factor=0.5)), speeds=(1.0, 1.0, 3.0),
-                           sync_seconds=0.5)
-    assert discounted.bpb != first.bpb  # the stale factor reaches the merge
+    factors = {}
+    for factor in (1.0, 0.5):
+        bounds = dataclasses.replace(Wire().bounds, stale_factor=factor)
+        factors[factor] = decoupled(slow, 3, Wire.named("int4", bounds=bounds), speeds=(1.0, 1.0, 3.0),
+                                    sync_seconds=0.5).bpb
+    assert factors[1.0] != factors[0.5]  # the stale factor reaches the merge
+    assert first.bpb == factors[Wire().bounds.stale_factor]  # and by default it is a peer's
+
+
+def test_decoupled_rows_counted_by_merged_tokens_train_until_the_global_model_holds_the_budget(bench):
+    setup = dataclasses.replace(SETUP, steps=12)
+    slow = dataclasses.replace(bench, setup=setup)
+    budget = 12 * 3 * 2 * 32
+    trained = decoupled(slow, 3, Wire.named("int4"), speeds=(1.0, 1.0, 3.0), sync_seconds=0.5)
+    merged = decoupled(slow, 3, Wire.named("int4"), speeds=(1.0, 1.0, 3.0), sync_seconds=0.5, count="merged")
+    assert trained.notes["tokens_trained"] == budget > trained.notes["tokens_merged"]  # the last steps unmerged
+    assert merged.notes["tokens_merged"] >= budget and merged.notes["tokens_trained"] > budget
+    assert merged.tokens[-1] == trained.tokens[-1] == budget  # both end at the budget, each in its own count
+    if "last_merge" in merged.notes:  # past it: read between the two merges around it
+        (t1, b1), t0, b0 = merged.notes["last_merge"], merged.tokens[-2], merged.bpb[-2]
+        assert merged.bpb[-1] == pytest.approx(b0 + (b1 - b0) * (budget - t0) / (t1 - t0), abs=1e-5)
+
+
+def test_the_simulated_learners_merge_within_a_peers_bounds():
+    """One source: the learners' bounds are those the peer's wiring builds its averager with (Bounds.of)."""
+    from p2pdiloco.config import OuterConfig
+    outer = OuterConfig(max_weight_ratio=3.0, max_scale_ratio=2.5, max_norm_ratio=1.5, stale_factor=0.25)
+    assert Bounds.of(outer) == Bounds(3.0, 2.5, 1.5, 0.25)
+    assert Wire().bounds == Bounds.of(OuterConfig())
 
 
 def test_bench_parity_checks_every_row_name_before_training():
@@ -63,6 +89,7 @@ def test_bench_parity_checks_every_row_name_before_training():
         sys.path.pop(0)
     assert parse_row("dec-H100-int4-stale0.5") == ("dec", 100, "int4", {"stale": 0.5})
     assert parse_row("H50-topk2-olr1.0-om0.8") == ("sync", 50, "topk2", {"olr": 1.0, "om": 0.8})
+    assert parse_row("dec-H100-int4-tau5-slow1") == ("dec", 100, "int4", {"tau": 5.0, "slow": 1.0})
     with pytest.raises(SystemExit, match="unknown row 'H100-int3'"):
         parse_row("H100-int3")
 
