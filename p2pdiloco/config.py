@@ -188,6 +188,10 @@ class OuterConfig:
     max_norm_ratio: float = option(
         2.0, "A member whose claimed pseudo-gradient norm is above this multiple of its island's median has its "
         "merge weight cut to match (0: no cut). Every peer of a swarm must use the same.")
+    max_influence_ratio: float = option(
+        0.0, "No member's weight times its pseudo-gradient's norm (what it adds to the merge) above this multiple "
+        "of its island's median: the weight and norm bounds each cap one factor, so together they let a member add "
+        "their product (0: no bound). Every peer of a swarm must use the same.")
     stale_factor: float = option(
         1.0, "What a member's merge weight keeps per version its pseudo-gradient is behind its island's newest "
         "member's (1: no discount; 0.5 gives back a one-round-late Δ that carries a failed round's steps the weight "
@@ -206,7 +210,7 @@ class OuterConfig:
             raise ConfigError(f"outer momentum must be in [0, 1), got {self.momentum}")
         if not (isinstance(self.stale_factor, (int, float)) and 0.0 < self.stale_factor <= 1.0):
             raise ConfigError(f"stale factor must be in (0, 1], got {self.stale_factor!r}")
-        for name in ("max_weight_ratio", "max_scale_ratio", "max_norm_ratio"):
+        for name in ("max_weight_ratio", "max_scale_ratio", "max_norm_ratio", "max_influence_ratio"):
             value = getattr(self, name)
             if not (math.isfinite(value) and (value == 0 or value >= 1)):
                 raise ConfigError(f"{name.replace('_', ' ')} must be 0 (off) or a ratio >= 1, got {value}")
@@ -408,6 +412,7 @@ class PeerConfig:
                     rda=on[outer.rda], outer_lr=f"{outer.lr:g}", outer_momentum=f"{outer.momentum:g}",
                     max_weight_ratio=f"{outer.max_weight_ratio:g}", max_scale_ratio=f"{outer.max_scale_ratio:g}",
                     max_norm_ratio=f"{outer.max_norm_ratio:g}", stale_factor=f"{outer.stale_factor:g}",
+                    max_influence_ratio=f"{outer.max_influence_ratio:g}",
                     robust_merge=on[swarm.robust_merge])
 
 

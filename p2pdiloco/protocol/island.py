@@ -58,11 +58,13 @@ class Bounds:
     scale_ratio: float = 2.0
     norm_ratio: float = 2.0
     stale_factor: float = 1.0  # what a member's weight keeps per version it is behind the newest member (1: all)
+    influence_ratio: float = 0.0  # weight × Δ norm at most this multiple of the island's median (0: no bound)
 
     @classmethod
     def of(cls, outer) -> "Bounds":
         """A swarm's bounds from its outer configuration (config.OuterConfig): the peer's and the simulator's."""
-        return cls(outer.max_weight_ratio, outer.max_scale_ratio, outer.max_norm_ratio, outer.stale_factor)
+        return cls(outer.max_weight_ratio, outer.max_scale_ratio, outer.max_norm_ratio, outer.stale_factor,
+                   outer.max_influence_ratio)
 
 
 @dataclass
@@ -177,8 +179,9 @@ def member_weights(tokens: list[int], steps: list[int], norms: list[float], vers
     weights = merge_weights(tokens, steps, weighting)
     weights, capped = cap_to_median(weights, bounds.weight_ratio)
     weights, cut = cut_to_median_norm(weights, norms, bounds.norm_ratio)
+    weights, bounded = cap_influence(weights, norms, bounds.influence_ratio)
     weights, discounted = discount_stale(weights, versions, bounds.stale_factor)
-    return weights, [*capped.items(), *cut.items(), *discounted.items()]
+    return weights, [*capped.items(), *cut.items(), *bounded.items(), *discounted.items()]
 
 
 def _fp32(blob: bytes) -> torch.Tensor:
@@ -217,6 +220,27 @@ def blamed_by_a_few(island: Island) -> dict[int, str]:
         if blamers:
             out[i] = f"blamed by {', '.join(blamers)}: reduces no part"
     return out
+
+
+def cap_influence(weights: list[float], norms: list[float], ratio: float) -> tuple[list[float], dict[int, str]]:
+    """Normalised weights, each member's cut so that what it adds to the merge, its weight times its Δ's norm,
+    is at most `ratio` × the island's lower median of that product; renormalised. The weight cap and the norm
+    cut bound each factor alone, so together they let a member add their product (4× a typical member's at
+    2 and 2); this bounds the product. Members with a zero norm add nothing and count in no median. One pass
+    is enough: renormalising scales every product alike, and the median member (ratio >= 1) is never cut."""
+    products = [w * n for w, n in zip(weights, norms)]
+    positive = [x for x in products if x > 0]
+    if ratio <= 0 or len(positive) < 2:
+        return weights, {}
+    bound = ratio * lower_median(positive)
+    factors = [min(1.0, bound / x) if x > 0 else 1.0 for x in products]
+    if all(f == 1.0 for f in factors):
+        return weights, {}
+    cut = [w * f for w, f in zip(weights, factors)]
+    total = sum(cut)
+    notes = {k: f"weight cut to {f:.2g}× (weight × Δ norm {1 / f:.2g}× the bound of {ratio:g}× the island's median)"
+             for k, f in enumerate(factors) if f < 1.0}
+    return [w / total for w in cut], notes
 
 
 def lower_median(values: list[float]) -> float:

@@ -36,7 +36,7 @@ def averager_prefix(cfg: SwarmConfig, outer: OuterConfig) -> str:
     sparsity = f"top{cfg.topk:g}" if cfg.topk else "dense"
     merge_rule = (f"{outer.weighting}_{'rda' if outer.rda else 'mean'}_{cfg.compression}_{sparsity}"
                   f"_w{outer.max_weight_ratio:g}_s{outer.max_scale_ratio:g}_n{outer.max_norm_ratio:g}"
-                  f"_a{outer.stale_factor:g}{'_robust' if cfg.robust_merge else ''}"
+                  f"_a{outer.stale_factor:g}_i{outer.max_influence_ratio:g}{'_robust' if cfg.robust_merge else ''}"
                   f"_o{outer.lr:g}m{outer.momentum:g}").replace(".", "p")  # hivemind: no '.' in a prefix
     return f"{cfg.run_id}_v{WIRE_VERSION}_{merge_rule}"
 

@@ -56,6 +56,12 @@ VARIANTS = {
     "nan-fp32": Variant("hostile_nan@0", ("--compression", "none")),
     # the scaled liar in client mode: it reduces no part, so every part of its Δ goes through an honest reducer
     "scaled-client": Variant("hostile_scaled@0", ("--robust-merge",), ("--client-mode",)),
+    # the influence bound (weight × Δ norm at most r × the island's median): its price on clean runs, and the
+    # scaled liar under it
+    "clean-influence1.5": Variant("", ("--max-influence-ratio", "1.5")),
+    "scaled-influence1.5": Variant("hostile_scaled@0", ("--max-influence-ratio", "1.5")),
+    "clean-influence1": Variant("", ("--max-influence-ratio", "1")),
+    "scaled-influence1": Variant("hostile_scaled@0", ("--max-influence-ratio", "1")),
     # from v2 on, d holds, publishes and serves a state of its own 5 versions ahead (p2pdiloco.core.reach)
     "ahead": Variant("hostile_ahead@2"),
 }

@@ -417,3 +417,41 @@ def test_blame_and_refusals_end_at_their_time_and_the_oldest_refusal_goes_first(
 
 def test_top_k_keeps_one_value_of_a_block_too_small_for_its_fraction():
     assert codec.TopKFormat(4, 1, 0.01).k(50) == 1 and codec.TopKFormat(4, 1, 0.5).k(1) == 1
+
+
+def test_the_influence_bound_caps_weight_times_norm_where_the_two_caps_alone_allow_their_product():
+    """A liar whose claims match its lie: ×4 its Δ (its block norms claimed as they are) and 1000× its tokens.
+    The weight cap (2×) and the norm cut (2×) each hold, and it still adds 4× a typical member's vector; with
+    --max-influence-ratio 1.5 it adds 1.5×, and the honest members keep their ratios to one another."""
+    torch.manual_seed(0)
+    deltas = [torch.randn(N) for _ in range(3)] + [4 * torch.randn(N)]
+    records = [member(f"h{i}", d) for i, d in enumerate(deltas[:3])] + [member("evil", deltas[3], tokens=4096 * 1000)]
+    norms = [float(d.norm()) for d in deltas]
+
+    def added(bounds):  # what each member adds to the merge: its weight times its Δ's norm
+        weights = plan_island(parse_island(records, Expect(N)), "tokens2", 60.0, N, bounds).weights
+        return [w * n for w, n in zip(weights, norms)], weights
+
+    two_caps, _ = added(Bounds())
+    assert two_caps[3] / sorted(two_caps)[1] == pytest.approx(4.0, rel=0.05)  # 2 × 2, as the caps compose
+    bounded, weights = added(Bounds(influence_ratio=1.5))
+    assert bounded[3] / sorted(bounded)[1] == pytest.approx(1.5, rel=1e-6)
+    assert weights[0] / weights[1] == pytest.approx(1.0) and sum(weights) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_no_member_adds_more_than_the_influence_ratio_times_the_median(seed):
+    from p2pdiloco.protocol.island import cap_influence, lower_median
+    g = torch.Generator().manual_seed(seed)
+    k = int(torch.randint(2, 9, (1,), generator=g))
+    weights = torch.rand(k, generator=g).tolist()
+    norms = (torch.rand(k, generator=g) * torch.tensor([1.0, 100.0])[torch.randint(0, 2, (k,), generator=g)]).tolist()
+    total = sum(weights)
+    weights = [w / total for w in weights]
+    capped, notes = cap_influence(weights, norms, 1.5)
+    products = [w * n for w, n in zip(capped, norms)]
+    assert max(products) <= 1.5 * lower_median(products) * (1 + 1e-9)
+    assert sum(capped) == pytest.approx(1.0)
+    before = [w * n for w, n in zip(weights, norms)]
+    assert set(notes) == {i for i, x in enumerate(before) if x > 1.5 * lower_median(before) * (1 + 1e-12)}
+    assert cap_influence(weights, norms, 0.0) == (weights, {})  # 0: no bound
