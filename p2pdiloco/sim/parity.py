@@ -234,9 +234,9 @@ def decoupled(bench: Bench, h: int, wire: Wire, speeds: tuple[float, ...] = (1.0
     def measure(trained: int) -> None:
         if count == "trained" and trained % per_eval == 0 and trained < budget:
             curve.add(trained, bench.bpb(model, board.newest().params))
-        newest = board.newest()  # merged: each time the newest global model passes an evaluation point
-        while count == "merged" and newest.tokens >= evaluated[-1] + per_eval and newest.tokens < budget:
-            evaluated.append(evaluated[-1] + per_eval)
+        newest = board.newest()  # merged: once each time the newest global model passes an evaluation point
+        if count == "merged" and evaluated[-1] + per_eval <= newest.tokens < budget:
+            evaluated.append(newest.tokens // per_eval * per_eval)
             curve.add(newest.tokens, bench.bpb(model, newest.params))
 
     def keep_training(trained: int) -> bool:

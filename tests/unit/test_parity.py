@@ -68,6 +68,7 @@ def test_decoupled_rows_counted_by_merged_tokens_train_until_the_global_model_ho
     assert trained.notes["tokens_trained"] == budget > trained.notes["tokens_merged"]  # the last steps unmerged
     assert merged.notes["tokens_merged"] >= budget and merged.notes["tokens_trained"] > budget
     assert merged.tokens[-1] == trained.tokens[-1] == budget  # both end at the budget, each in its own count
+    assert all(a < b for a, b in zip(merged.tokens, merged.tokens[1:]))  # a point per merge, never two
     if "last_merge" in merged.notes:  # past it: read between the two merges around it
         (t1, b1), t0, b0 = merged.notes["last_merge"], merged.tokens[-2], merged.bpb[-2]
         assert merged.bpb[-1] == pytest.approx(b0 + (b1 - b0) * (budget - t0) / (t1 - t0), abs=1e-5)
