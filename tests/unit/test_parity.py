@@ -64,7 +64,9 @@ def test_decoupled_rows_counted_by_merged_tokens_train_until_the_global_model_ho
     slow = dataclasses.replace(bench, setup=setup)
     budget = 12 * 3 * 2 * 32
     trained = decoupled(slow, 3, Wire.named("int4"), speeds=(1.0, 1.0, 3.0), sync_seconds=0.5)
-    merged = decoupled(slow, 3, Wire.named("int4"), speeds=(1.0, 1.0, 3.0), sync_seconds=0.5, count="merged")
+    # evaluated every step's worth of tokens: each merge passes several evaluation points at once
+    often = dataclasses.replace(bench, setup=dataclasses.replace(setup, eval_every=1))
+    merged = decoupled(often, 3, Wire.named("int4"), speeds=(1.0, 1.0, 3.0), sync_seconds=0.5, count="merged")
     assert trained.notes["tokens_trained"] == budget > trained.notes["tokens_merged"]  # the last steps unmerged
     assert merged.notes["tokens_merged"] >= budget and merged.notes["tokens_trained"] > budget
     assert merged.tokens[-1] == trained.tokens[-1] == budget  # both end at the budget, each in its own count
