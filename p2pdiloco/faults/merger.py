@@ -13,7 +13,8 @@ from p2pdiloco.swarm.rounds import SwarmMerger
 
 
 class FaultyMerger(SwarmMerger):
-    """`hostile_scaled`, `hostile_random`, `hostile_nan` and `partition_until` (p2pdiloco.faults.plan)."""
+    """`hostile_scaled`, `hostile_claimed`, `hostile_random`, `hostile_nan` and `partition_until`
+    (p2pdiloco.faults.plan)."""
 
     def __init__(self, plan: FaultPlan, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -29,7 +30,13 @@ class FaultyMerger(SwarmMerger):
         return super()._island(c, island)
 
     def _load_buffer(self, c: Contribution, island) -> dict:
-        """The lie goes on the wire; the record keeps the statistics of the honest Δ (so they look plausible)."""
+        """The lie goes on the wire; the record keeps the statistics of the honest Δ (so they look plausible),
+        except for `hostile_claimed`, whose record is measured on its lie."""
+        at = self.plan.version_of("hostile_claimed")
+        if at is not None and c.version >= at:
+            lie = Contribution.of(c.delta * 100, tokens=min(c.tokens * 1000, MAX_VERSION), steps=c.steps,
+                                  version=c.version, peer=c.peer, name=c.name, digest=c.digest, seconds=c.seconds)
+            return super()._load_buffer(lie, island)
         record = super()._load_buffer(c, island)
         with self.averager.buffer() as buffer:
             body = buffer[: self.n]

@@ -16,6 +16,9 @@ the requests of those peers only:
 - `hostile_scaled@0`, `hostile_random@0`, `hostile_nan@0`: from version 0 on, this peer lies in every round: it
   sends 100× its Δ (scaled), noise (random) or NaN instead of it, and claims 1000× the tokens it trained (not
   with NaN); its block maxima are those of its honest Δ;
+- `hostile_claimed@0`: the scaled liar whose claims are true of its lie: 100× its Δ and 1000× its tokens, its
+  block maxima and norms measured on what it sends (no check of claims against codes can catch it; only the
+  merge's bounds limit it);
 - `hostile_ahead@1`: once this peer holds version 1, after every round it replaces its global state with one of
   its own (its Θ plus noise of Θ's spread), 5 versions ahead of the one it held, and publishes and serves
   it as its state: a member that claims a newer version than it holds (p2pdiloco.core.reach).
@@ -26,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ACTIONS = ("die_in_allreduce", "die_while_sharing", "partition_until", "slow_sharing", "hostile_scaled",
-           "hostile_random", "hostile_nan", "hostile_ahead")
+           "hostile_random", "hostile_nan", "hostile_ahead", "hostile_claimed")
 
 
 class FaultPlanError(ValueError):

@@ -8,6 +8,9 @@ seed. In a clean run d is honest too; otherwise a test fault plan makes d hostil
 Δ and 1000× its tokens (scaled-plain), noise of its Δ's spread and 1000× its tokens (random-plain), NaN in its Δ
 (nan), all with no option set; and the random liar under --robust-merge (random), the option for swarms that
 expect attackers. `ahead`: from v2 on, d claims versions it never made and serves a state of its own.
+`claimed`: the scaled liar whose claims are measured on its lie (×100 Δ, its block maxima and norms as sent,
+1000× its tokens): no claims check catches it; `clean-influence<r>` and `claimed-influence<r>` run with
+--max-influence-ratio r (1.5, 1): the bound's price and its effect.
 More variants (--variants): controls three (the honest peers without d), clean-robust and clean-fp32; the scaled
 liar on fp32 (scaled-fp32; nan-fp32 beside it), with --robust-merge (scaled) and in client mode (scaled-client).
 Saved runs (--out) can be reported together again without running anything: --load A.json B.json.
@@ -58,10 +61,12 @@ VARIANTS = {
     "scaled-client": Variant("hostile_scaled@0", ("--robust-merge",), ("--client-mode",)),
     # the influence bound (weight × Δ norm at most r × the island's median): its price on clean runs, and the
     # scaled liar under it
+    # `claimed`: the scaled liar whose claims are measured on its lie (no claims check can catch it)
+    "claimed": Variant("hostile_claimed@0"),
     "clean-influence1.5": Variant("", ("--max-influence-ratio", "1.5")),
-    "scaled-influence1.5": Variant("hostile_scaled@0", ("--max-influence-ratio", "1.5")),
+    "claimed-influence1.5": Variant("hostile_claimed@0", ("--max-influence-ratio", "1.5")),
     "clean-influence1": Variant("", ("--max-influence-ratio", "1")),
-    "scaled-influence1": Variant("hostile_scaled@0", ("--max-influence-ratio", "1")),
+    "claimed-influence1": Variant("hostile_claimed@0", ("--max-influence-ratio", "1")),
     # from v2 on, d holds, publishes and serves a state of its own 5 versions ahead (p2pdiloco.core.reach)
     "ahead": Variant("hostile_ahead@2"),
 }
@@ -71,17 +76,18 @@ DEFAULT_VARIANTS = ("clean", "scaled-plain", "random-plain", "nan", "random")
 def run_once(variant: str, seed: int, args, root: Path) -> dict:
     fault, extra, d_extra = VARIANTS[variant]
     log_dir = root / f"{variant}-{seed}"
+    run_id = f"h{variant}{seed}".replace(".", "p")  # a run id has no '.' (it prefixes hivemind's keys)
     common = ["--model", "tiny", "--batch-size", "8", "--seq-len", "64", "--threads", "1", "-H", str(args.inner_steps),
               "--max-rounds", str(args.rounds), "--compression", "int4", "--quorum", "2", "--eval-every", "0",
               "--checkpoint-every", "0", "--seed", str(seed), *extra]
     procs = {}
     try:
-        procs["bootstrap"], address = start_bootstrap(log_dir, ["--run-id", f"h{variant}{seed}"])
+        procs["bootstrap"], address = start_bootstrap(log_dir, ["--run-id", run_id])
         for name in HONEST + (("d",) if fault is not None else ()):
             env = {"P2PDILOCO_FAULT_PLAN": fault} if name == "d" and fault else None
             own = d_extra if name == "d" else ()
             procs[name] = start_process(join_command(address, name, log_dir, *common, *own,
-                                                     run_id=f"h{variant}{seed}"),
+                                                     run_id=run_id),
                                         log_dir / f"{name}.log", env=env)
         deadline = time.monotonic() + args.timeout
         for name in HONEST:
