@@ -35,8 +35,8 @@ def test_a_member_claiming_1000x_the_tokens_gets_at_most_the_capped_share():
 
 def test_with_stale_factor_half_a_member_a_version_behind_with_two_rounds_in_its_delta_moves_the_merge_one_round():
     """It fell behind because its last round failed while the others merged: its Δ, taken from the version
-    before, carries two rounds of steps, and tokens²/steps doubles its weight for them. At full weight (the
-    default) the island steps 1.5 rounds' length (3 members); --stale-factor 0.5 makes it one."""
+    before, carries two rounds of steps, and tokens²/steps doubles its weight for them. At full weight (Bounds()'s
+    default, no discount) the island steps 1.5 rounds' length (3 members); --stale-factor 0.5 makes it one."""
     direction = torch.randn(N)
     fresh = [member(f"f{i}", direction + 0.01 * torch.randn(N)) for i in range(2)]
     stale = member("stale", 2 * direction, tokens=2 * 4096, steps=2 * 32, version=2)
@@ -47,7 +47,7 @@ def test_with_stale_factor_half_a_member_a_version_behind_with_two_rounds_in_its
         merged = sum(w * d for w, d in zip(plan.weights, deltas))
         return float(merged @ direction / (direction @ direction))
 
-    full = plan_island(island, "tokens2", 60.0, N)  # the default: no discount
+    full = plan_island(island, "tokens2", 60.0, N)  # Bounds()'s default: no discount
     assert full.weights[2] == pytest.approx(0.5) and length(full) == pytest.approx(1.5)
     plan = plan_island(island, "tokens2", 60.0, N, Bounds(stale_factor=0.5))  # half the weight per version behind
     assert plan.weights[:2] == full.weights[:2] and plan.weights[2] == pytest.approx(0.25)

@@ -79,8 +79,9 @@ def test_decoupled_rows_counted_by_merged_tokens_train_until_the_global_model_ho
 def test_the_simulated_learners_merge_within_a_peers_bounds():
     """One source: the learners' bounds are those the peer's wiring builds its averager with (Bounds.of)."""
     from p2pdiloco.config import OuterConfig
-    outer = OuterConfig(max_weight_ratio=3.0, max_scale_ratio=2.5, max_norm_ratio=1.5, stale_factor=0.25)
-    assert Bounds.of(outer) == Bounds(3.0, 2.5, 1.5, 0.25)
+    outer = OuterConfig(max_weight_ratio=3.0, max_scale_ratio=2.5, max_norm_ratio=1.5, stale_factor=0.25,
+                        max_influence_ratio=1.25)
+    assert Bounds.of(outer) == Bounds(3.0, 2.5, 1.5, 0.25, 1.25)
     assert Wire().bounds == Bounds.of(OuterConfig())
 
 
