@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -230,18 +230,25 @@ def cap_influence(weights: list[float], norms: list[float], ratio: float) -> tup
     2 and 2); this bounds the product. Members with a zero norm add nothing and count in no median. One pass
     is enough: renormalising scales every product alike, and the median member (ratio >= 1) is never cut."""
     products = [w * n for w, n in zip(weights, norms)]
-    positive = [x for x in products if x > 0]
+    return _cut_to_median(weights, products, ratio, lambda f: f"weight cut to {f:.2g}× (weight × Δ norm "
+                          f"{1 / f:.2g}× the bound of {ratio:g}× the island's median)")
+
+
+def _cut_to_median(weights: list[float], values: list[float], ratio: float,
+                   why: Callable[[float], str]) -> tuple[list[float], dict[int, str]]:
+    """Normalised weights, each member's times min(1, `ratio` × the lower median of the positive `values` / its
+    value), renormalised; (member, `why(factor)`) for those cut. Nothing is cut with fewer than two positive
+    values: a bound from one member's own value never binds it."""
+    positive = [x for x in values if x > 0]
     if ratio <= 0 or len(positive) < 2:
         return weights, {}
     bound = ratio * lower_median(positive)
-    factors = [min(1.0, bound / x) if x > 0 else 1.0 for x in products]
+    factors = [min(1.0, bound / x) if x > 0 else 1.0 for x in values]
     if all(f == 1.0 for f in factors):
         return weights, {}
     cut = [w * f for w, f in zip(weights, factors)]
     total = sum(cut)
-    notes = {k: f"weight cut to {f:.2g}× (weight × Δ norm {1 / f:.2g}× the bound of {ratio:g}× the island's median)"
-             for k, f in enumerate(factors) if f < 1.0}
-    return [w / total for w in cut], notes
+    return [w / total for w in cut], {k: why(f) for k, f in enumerate(factors) if f < 1.0}
 
 
 def lower_median(values: list[float]) -> float:
@@ -271,18 +278,8 @@ def cut_to_median_norm(weights: list[float], norms: list[float], ratio: float) -
     """Normalised weights, each member's multiplied by min(1, `ratio` × lower median norm / its norm): what it
     adds to the merge is at most `ratio` times a typical member's Δ at its weight, however large the Δ it claims.
     An honest member with a large Δ (it trained longer, or from an older version) counts less, but is merged."""
-    positive = [n for n in norms if n > 0]
-    if ratio <= 0 or len(norms) < 2 or not positive:
-        return weights, {}
-    bound = ratio * lower_median(positive)
-    factors = [min(1.0, bound / n) if n > 0 else 1.0 for n in norms]
-    if all(f == 1.0 for f in factors):
-        return weights, {}
-    cut = [w * f for w, f in zip(weights, factors)]
-    total = sum(cut)
-    notes = {k: f"weight cut to {f:.2g}× (its Δ's norm is {1 / f:.2g}× the bound of {ratio:g}× the island's median)"
-             for k, f in enumerate(factors) if f < 1.0}
-    return [w / total for w in cut], notes
+    return _cut_to_median(weights, norms, ratio, lambda f: f"weight cut to {f:.2g}× (its Δ's norm is {1 / f:.2g}× "
+                          f"the bound of {ratio:g}× the island's median)")
 
 
 def discount_stale(weights: list[float], versions: list[int], factor: float) -> tuple[list[float], dict[int, str]]:
