@@ -213,6 +213,8 @@ def decoupled(bench: Bench, h: int, wire: Wire, speeds: tuple[float, ...] = (1.0
     of one for the slow one); synchronous rounds end with none, so "merged" compares the models at equal tokens
     in them. The notes give both counts at the end either way."""
     s = bench.setup
+    if count not in ("trained", "merged"):
+        raise ValueError(f"count: trained or merged, not {count!r}")
     torch.manual_seed(s.seed)
     board = Board(wire, bench.n_params())
     runners = []
@@ -224,46 +226,67 @@ def decoupled(bench: Bench, h: int, wire: Wire, speeds: tuple[float, ...] = (1.0
         runners.append(Runner(name, diloco, merger, Sender(name, wire, wire.feedback()), speed))
         board.publish(name, state)
     timeline = Timeline(board, decoupled_rules(h, max(speeds), overlap_steps), runners, h, sync_seconds)
-    per_eval = s.eval_every * len(speeds) * s.batch_size * s.seq_len
-    budget = s.steps * len(speeds) * s.batch_size * s.seq_len
-    if count not in ("trained", "merged"):
-        raise ValueError(f"count: trained or merged, not {count!r}")
-    curve, evaluated = Curve(), [0]
-    model = runners[0].diloco.trainer.model
-
-    def measure(trained: int) -> None:
-        if count == "trained" and trained % per_eval == 0 and trained < budget:
-            curve.add(trained, bench.bpb(model, board.newest().params))
-        newest = board.newest()  # merged: once each time the newest global model passes an evaluation point
-        if count == "merged" and evaluated[-1] + per_eval <= newest.tokens < budget:
-            evaluated.append(newest.tokens // per_eval * per_eval)
-            curve.add(newest.tokens, bench.bpb(model, newest.params))
-
-    def keep_training(trained: int) -> bool:
-        return trained < budget if count == "trained" else board.newest().tokens < budget
-
-    curve.add(0, bench.bpb(model, board.newest().params))
+    tokens = len(speeds) * s.batch_size * s.seq_len
+    watch = Watch(bench, board, runners[0].diloco.trainer.model, count, s.steps * tokens, s.eval_every * tokens)
     try:
-        seconds = timeline.run(keep_training, measure)
+        seconds = timeline.run(watch.keep_training, watch.after_step)
     finally:
         for r in runners:
             if r.answer is not None and not r.answer.done():
                 r.answer.cancel()
             r.diloco.close()
-    newest = board.newest()
-    last = bench.bpb(model, newest.params)
-    if count == "trained" or newest.tokens == budget:
-        curve.add(budget, last)
-    else:  # the last merge went past the budget: the value at the budget, between the two merges around it
-        curve.notes["last_merge"] = [newest.tokens, round(last, 5)]
-        curve.add(budget, at_tokens(curve.tokens[-1], curve.bpb[-1], newest.tokens, last, budget))
+    curve = watch.finish()
     curve.notes.update(dict(simulated_seconds=round(seconds, 1), outcomes=timeline.outcomes,
-                       stale_merges=timeline.stale_merges, versions=newest.version, count=count,
-                       tokens_merged=newest.tokens,
-                       tokens_trained=sum(r.diloco.trainer.total_steps * r.diloco.trainer.tokens_per_step
-                                          for r in runners),
-                       steps={r.name: r.diloco.trainer.total_steps for r in runners}))
+                            stale_merges=timeline.stale_merges, versions=board.newest().version, count=count,
+                            tokens_merged=board.newest().tokens,
+                            tokens_trained=sum(r.diloco.trainer.total_steps * r.diloco.trainer.tokens_per_step
+                                               for r in runners),
+                            steps={r.name: r.diloco.trainer.total_steps for r in runners}))
     return curve
+
+
+@dataclass
+class Watch:
+    """A decoupled row's budget and curve, in tokens trained or in tokens merged into the newest global model
+    (`decoupled`'s `count`), evaluating that model through `model`'s modules."""
+
+    bench: Bench
+    board: Board
+    model: torch.nn.Module
+    count: str
+    budget: int
+    per_eval: int
+    curve: Curve = field(default_factory=Curve)
+    evaluated: int = 0  # merged: the last evaluation point passed
+
+    def __post_init__(self):
+        self.curve.add(0, self._bpb())
+
+    def _bpb(self) -> float:
+        return self.bench.bpb(self.model, self.board.newest().params)
+
+    def keep_training(self, trained: int) -> bool:
+        return (trained if self.count == "trained" else self.board.newest().tokens) < self.budget
+
+    def after_step(self, trained: int) -> None:
+        if self.count == "trained":
+            if trained % self.per_eval == 0 and trained < self.budget:
+                self.curve.add(trained, self._bpb())
+            return
+        merged = self.board.newest().tokens  # once each time a merge passes one evaluation point or more
+        if self.evaluated + self.per_eval <= merged < self.budget:
+            self.evaluated = merged // self.per_eval * self.per_eval
+            self.curve.add(merged, self._bpb())
+
+    def finish(self) -> Curve:
+        merged, last = self.board.newest().tokens, self._bpb()
+        if self.count == "trained" or merged == self.budget:
+            self.curve.add(self.budget, last)
+        else:  # the last merge went past the budget: the value at the budget, between the two merges around it
+            self.curve.notes["last_merge"] = [merged, round(last, 5)]
+            self.curve.add(self.budget, at_tokens(self.curve.tokens[-1], self.curve.bpb[-1], merged, last,
+                                                  self.budget))
+        return self.curve
 
 
 def at_tokens(t0: int, b0: float, t1: int, b1: float, t: int) -> float:
