@@ -197,8 +197,8 @@ class OuterConfig:
     stale_factor: float = option(
         0.5, "What a member's merge weight keeps per version its pseudo-gradient is behind its island's newest "
         "member's (1: no discount; 0.5 gives back a one-round-late Δ that carries a failed round's steps the weight "
-        "of one round). Measured with one learner 3x slower: the merge that took its late Δ left the loss 4-6 % "
-        "lower than at 1 (docs/parity.md). Every peer of a swarm must use the same.")
+        "of one round). Measured with one learner 3x slower: after the merge that took its late Δ the loss was "
+        "4-5 % lower than at 1, for two merges (docs/parity.md). Every peer of a swarm must use the same.")
     application: str = option(
         "delayed", "While a round is in flight, train on from the local model and rebase onto the merge when it "
         "lands (delayed), or from an estimate of the next global model (eager).", choices=APPLICATIONS)

@@ -19,8 +19,9 @@ round failed while others merged, so its Δ carries that round's steps as well, 
 weight for them. Merged at full weight, an island of such members stepped twice the usual length, and Nesterov
 momentum carried the overshoot on (docs/hardware.md). Age-scaled pseudo-gradients are CGAD's answer to the same
 instability (arXiv 2605.09126); 0.5 per version gives back a one-round-late member the weight of one round. A
-peer's default is 0.5 (config.OuterConfig): with one learner 3× slower its late Δ, merged at full weight, raised the
-loss that 0.5 lowered (docs/parity.md); where staleness came from failed rounds it was within ±0.5 % either way.
+peer's default is 0.5 (config.OuterConfig): with one learner 3× slower, its late Δ merged at full weight left the
+loss where it was, and at 0.5 the loss fell 4-5 % (docs/parity.md); where staleness came from failed rounds, 0.5
+was within ±0.5 % either way.
 Whoever reduces a part then checks each sender's codes against its claims (p2pdiloco.core.claims): a member
 cannot claim modest statistics and send more.
 The median is the lower one: with two members, an outlier is bounded by the other, not by their average.

@@ -290,6 +290,6 @@ class Watch:
 
 
 def at_tokens(t0: int, b0: float, t1: int, b1: float, t: int) -> float:
-    """Bits per byte at `t` tokens, on the straight line between two measured points: a loss curve is convex,
-    so this stands above the curve, against the row it is read for."""
+    """Bits per byte at `t` tokens, on the straight line between two measured points (an estimate: no model
+    of the run holds exactly `t` tokens)."""
     return b0 + (b1 - b0) * (t - t0) / (t1 - t0)
