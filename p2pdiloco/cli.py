@@ -180,14 +180,16 @@ def join(**options):
 @cli.command()
 @swarm_options
 @click.option("--name", default="bootstrap", show_default=True, help="Label for the address file.")
-def bootstrap(**options):
+@click.option("--reduce", is_flag=True, help="Also reduce parts of the swarm's rounds (needs no model): peers that "
+              "nobody can dial (--client-mode, behind a NAT) merge only through a public peer or such a node.")
+def bootstrap(reduce, **options):
     """Run a DHT-only node that others join through (trains nothing). Stop it with Ctrl-C."""
     from p2pdiloco.swarm.bootstrap import run_bootstrap
     from p2pdiloco.swarm.node import SwarmConnectError
 
     try:
         swarm = build_config(options).swarm
-        run_bootstrap(swarm, options["log_dir"], options["name"])
+        run_bootstrap(swarm, options["log_dir"], options["name"], reduce=reduce)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
     except SwarmConnectError as e:

@@ -406,17 +406,23 @@ class PeerConfig:
         model, its tokenizer and data (`fingerprints`: their hashes), the wire format, the merge rule and the outer
         step (members with another outer lr or momentum would each apply another Θ' to the same merged Δ: a fork
         at the first round)."""
-        swarm, outer = self.swarm, self.outer
-        on = {True: "on", False: "off"}
         # a path or hub id may be long and differ between peers of one model: the config's hash says which model
         model = self.model if self.model in MODEL_PRESETS else "config"
-        return dict(model=model, parameters=str(n_params), **(fingerprints or {}), compression=swarm.compression,
-                    topk="off" if swarm.topk is None else f"{swarm.topk:g}", weighting=outer.weighting,
-                    rda=on[outer.rda], outer_lr=f"{outer.lr:g}", outer_momentum=f"{outer.momentum:g}",
-                    max_weight_ratio=f"{outer.max_weight_ratio:g}", max_scale_ratio=f"{outer.max_scale_ratio:g}",
-                    max_norm_ratio=f"{outer.max_norm_ratio:g}", stale_factor=f"{outer.stale_factor:g}",
-                    max_influence_ratio=f"{outer.max_influence_ratio:g}",
-                    robust_merge=on[swarm.robust_merge])
+        return dict(model=model, parameters=str(n_params), **(fingerprints or {}),
+                    **merge_rule(self.swarm, self.outer))
+
+
+def merge_rule(swarm: SwarmConfig, outer: OuterConfig) -> dict[str, str]:
+    """The settings that say how an island merges: the wire format, the bounds and the outer step. Islands are
+    looked for under a key made of them (p2pdiloco.swarm.wiring.island_prefix), so a node that only reduces
+    parts finds a swarm's islands from what its peers publish."""
+    on = {True: "on", False: "off"}
+    return dict(compression=swarm.compression, topk="off" if swarm.topk is None else f"{swarm.topk:g}",
+                weighting=outer.weighting, rda=on[outer.rda], outer_lr=f"{outer.lr:g}",
+                outer_momentum=f"{outer.momentum:g}", max_weight_ratio=f"{outer.max_weight_ratio:g}",
+                max_scale_ratio=f"{outer.max_scale_ratio:g}", max_norm_ratio=f"{outer.max_norm_ratio:g}",
+                stale_factor=f"{outer.stale_factor:g}", max_influence_ratio=f"{outer.max_influence_ratio:g}",
+                robust_merge=on[swarm.robust_merge])
 
 
 def data_entry(entry: str) -> tuple[Path, float]:

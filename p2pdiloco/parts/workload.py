@@ -46,10 +46,12 @@ class Workload:
         return None if loss is None else loss * self.bpb_factor
 
     def settings(self, cfg: PeerConfig) -> dict[str, str]:
-        """What must match to merge: the model's config, the tokenizer and the data join by hash (16 hex digits)."""
+        """What must match to merge: the model's config, the tokenizer and the data join by hash (16 hex digits);
+        the RDA norms each member sends (a node that only reduces parts reads how many from here)."""
         return cfg.merge_settings(self.n_params, dict(
             model_config=config_fingerprint(self.model_config)[:16],
-            tokenizer=self.data.tokenizer_fingerprint[:16], data=self.data.fingerprint[:16]))
+            tokenizer=self.data.tokenizer_fingerprint[:16], data=self.data.fingerprint[:16],
+            norms=str(len(self.segments) if cfg.outer.rda else 0)))
 
 
 def prepare(cfg: PeerConfig) -> Workload:

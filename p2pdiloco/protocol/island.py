@@ -115,6 +115,7 @@ class IslandPlan:
     left_out: dict = field(default_factory=dict)  # member index → why (blamed by most others)
     relieved: dict = field(default_factory=dict)  # member index → why it reduces no part (blamed by one other)
     clients: frozenset = frozenset()  # member indices in client mode: they accept no connections
+    nodes: tuple = ()  # member indices of the reducer nodes that reduce a part (they contribute nothing)
 
     @property
     def included(self) -> list[int]:
@@ -123,21 +124,47 @@ class IslandPlan:
 
     @property
     def reducers(self) -> list[int]:
-        """The included members that reduce a part of the all-reduce: those others can dial, less the relieved
-        ones unless no other is left."""
+        """The members that reduce a part of the all-reduce, in the group's order: the included members others
+        can dial, less the relieved ones unless no other is left, and the reducer nodes."""
         dialable = [i for i in self.included if i not in self.clients]
-        return [i for i in dialable if i not in self.relieved] or dialable
+        trusted = [i for i in dialable if i not in self.relieved] or ([] if self.nodes else dialable)
+        return sorted([*trusted, *self.nodes])
+
+
+NO_REDUCER = ("every merged member is in client mode and no reducer node is in the group: none can reduce a part "
+              "(a public peer, or `p2pdiloco bootstrap --reduce` on a public machine, can)")
 
 
 def plan_island(island: Island, weighting: str, cap: float, n_params: int, bounds: Bounds = Bounds(),
                 clients: frozenset = frozenset()) -> IslandPlan:
-    """`clients`: the indices of members in client mode (behind a NAT: nobody can dial them)."""
+    """`clients`: the indices of members in client mode (behind a NAT: nobody can dial them). The island's
+    reducer nodes (`island.nodes`) reduce parts and contribute nothing; one blamed by a contributor reduces
+    none, unless every node is."""
     plan = _plan(island, weighting, cap, n_params, bounds)
     plan = dataclasses.replace(plan, clients=frozenset(clients))
+    if island.nodes and plan.weights is not None:
+        if len(plan.included) < 2:
+            return IslandPlan(None, plan.deadline, "one contributor and a reducer node: nothing to merge",
+                              left_out=plan.left_out, clients=plan.clients)
+        blamed = nodes_blamed(island, plan.included)
+        trusted = sorted(set(island.nodes) - set(blamed))
+        dialable = [i for i in plan.included if i not in plan.clients]
+        plan = dataclasses.replace(plan, nodes=tuple(trusted or ([] if dialable else sorted(island.nodes))),
+                                   relieved={**plan.relieved, **blamed})
     if plan.weights is not None and not plan.reducers:
-        return IslandPlan(None, plan.deadline, "every merged member is in client mode: none can reduce a part",
-                          left_out=plan.left_out, clients=plan.clients)
+        return IslandPlan(None, plan.deadline, NO_REDUCER, left_out=plan.left_out, clients=plan.clients)
     return plan
+
+
+def nodes_blamed(island: Island, contributors: list[int]) -> dict[int, str]:
+    """Reducer node index → who blames it, for the nodes that a merged contributor blames (its part or sum
+    failed that member lately)."""
+    out = {}
+    for i, node in island.nodes.items():
+        blamers = [m.name or m.peer[-6:] for m in (island.members[j] for j in contributors) if node.peer in m.blame]
+        if blamers:
+            out[i] = f"blamed by {', '.join(blamers)}: reduces no part"
+    return out
 
 
 def _plan(island: Island, weighting: str, cap: float, n_params: int, bounds: Bounds) -> IslandPlan:

@@ -254,13 +254,45 @@ def _budget(value: Any) -> float:
         return math.inf
 
 
+_NODE_FIELDS = ("peer", "name", "budget")
+_OPTIONAL_NODE_FIELDS = ("blame", "pass")
+
+
+@dataclass(frozen=True)
+class ReducerNode:
+    """A group member that only reduces parts (`p2pdiloco bootstrap --reduce`): public, with no model, it
+    contributes nothing and sums the codes of a part for members that nobody can dial."""
+
+    peer: str
+    name: str
+    blame: frozenset = frozenset()
+    credential: bytes = b""
+
+
+def parse_reducer_node(value: Any) -> ReducerNode:
+    """A reducer node's gathered record; raises Malformed with the reason. Its budget is read and not used: the
+    round's deadline is the contributors' to agree."""
+    v = _fields(value, _NODE_FIELDS + _OPTIONAL_NODE_FIELDS, _NODE_FIELDS)
+    blame = v.get("blame", [])
+    if not isinstance(blame, (list, tuple)) or len(blame) > MAX_BLAME:
+        raise Malformed(f"blame must be a list of at most {MAX_BLAME} peer ids")
+    credential = v.get("pass", b"")
+    if not isinstance(credential, bytes) or len(credential) > MAX_PASS:
+        raise Malformed(f"pass must be at most {MAX_PASS} bytes")
+    _budget(v["budget"])
+    return ReducerNode(peer=_str(v["peer"], "peer", 1, MAX_ID), name=_str(v["name"], "name", 0, MAX_NAME),
+                       blame=frozenset(_str(p, "blame", 1, MAX_ID) for p in blame), credential=credential)
+
+
 @dataclass(frozen=True)
 class Island:
     """The gathered records of one round's group, parsed. `members[i]` is None where record i was malformed
-    (its reason in `rejected[i]`); such a member is excluded from the merge (weight 0)."""
+    (its reason in `rejected[i]`); such a member is excluded from the merge (weight 0). It is None too where
+    member i is a reducer node (`nodes[i]`), which contributes nothing."""
 
     members: tuple[Optional[Member], ...]
-    rejected: tuple[str, ...]  # "" for accepted members
+    rejected: tuple[str, ...]  # "" for accepted members and reducer nodes
+    nodes: dict = field(default_factory=dict)  # group index → ReducerNode, for the well-formed reducer nodes
 
     @property
     def accepted(self) -> list[Member]:
@@ -272,20 +304,23 @@ class Island:
 
 
 def parse_island(values: Sequence[Any], expect: Expect, peer_ids: Optional[Sequence[str]] = None,
-                 admit: Optional[Callable[[str, bytes], bool]] = None) -> Island:
+                 admit: Optional[Callable[[str, bytes], bool]] = None, nodes: frozenset = frozenset()) -> Island:
     """`peer_ids`: the ids libp2p authenticated, in the group's order; a record must name its sender's. `admit`:
-    whether a sender's pass shows it holds the swarm's key (a swarm with a key only)."""
-    members, rejected = [], []
+    whether a sender's pass shows it holds the swarm's key (a swarm with a key only). `nodes`: the indices of the
+    members that said they only reduce (hivemind's auxiliary mode): their records are a reducer node's."""
+    members, rejected, parsed_nodes = [], [], {}
     for i, value in enumerate(values):
         try:
-            member = parse_member(value, expect)
+            member = parse_reducer_node(value) if i in nodes else parse_member(value, expect)
             if peer_ids is not None and member.peer != peer_ids[i]:
                 raise Malformed(f"its record claims another peer's id ({_short(member.peer)})")
             if admit is not None and not admit(member.peer, member.credential):
                 raise Malformed("no valid pass: it does not hold this swarm's key")
-            members.append(member)
+            if i in nodes:
+                parsed_nodes[i] = member
+            members.append(None if i in nodes else member)
             rejected.append("")
         except Malformed as e:
             members.append(None)
             rejected.append(str(e))
-    return Island(tuple(members), tuple(rejected))
+    return Island(tuple(members), tuple(rejected), parsed_nodes)

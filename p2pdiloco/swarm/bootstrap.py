@@ -1,4 +1,5 @@
-"""A DHT-only node: a stable meeting point that trains nothing."""
+"""A DHT-only node: a stable meeting point that trains nothing; with `reduce`, also a reducer node for the
+swarm's islands (p2pdiloco.swarm.reducer), for peers that nobody can dial."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from p2pdiloco.runtime.lifeline import start_lifeline
 log = logging.getLogger("p2pdiloco")
 
 
-def run_bootstrap(cfg: SwarmConfig, log_dir: Path, name: str) -> None:
+def run_bootstrap(cfg: SwarmConfig, log_dir: Path, name: str, reduce: bool = False) -> None:
     from p2pdiloco.swarm import node
 
     from p2pdiloco.runtime.logs import configure_logging
@@ -31,6 +32,10 @@ def run_bootstrap(cfg: SwarmConfig, log_dir: Path, name: str) -> None:
         node.write_addresses(dht, path)
         log.info("bootstrap node up; peers join with:\n  %s\n(addresses written to %s)",
                  "\n  ".join(f"p2pdiloco join --initial-peers {a}" for a in node.visible_addresses(dht)), path)
+        if reduce:
+            from p2pdiloco.swarm.reducer import serve_islands
+
+            serve_islands(dht, cfg, name, stop)
         stop.wait()
     finally:
         node.shutdown(dht)

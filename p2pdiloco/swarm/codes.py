@@ -159,6 +159,7 @@ class Reduction:
     start: int = 0  # our part's first element in the whole vector
     summing: set = field(default_factory=set)  # background sums in flight (kept referenced until done)
     fetched: set = field(default_factory=set)  # members that were served every piece's sum
+    over: asyncio.Event = field(default_factory=asyncio.Event)  # every sender was served every sum, or we failed
 
     def begin(self, senders: list, own: Codes, fmt, claims: Optional[dict] = None, start: int = 0) -> None:
         """Our round knows the group: who sends to us (others than ourselves), our own codes of the part (made
@@ -289,6 +290,7 @@ class Reduction:
         for piece in self.pieces.values():
             piece.ready.set()
         self.known.set()
+        self.over.set()
 
     def raise_error(self) -> None:
         if self.error:
@@ -312,6 +314,8 @@ class Reduction:
     def served(self, fetcher: str) -> None:
         """`fetcher` got every piece's sum."""
         self.fetched.add(fetcher)
+        if self.spec is not None and self.fetched >= set(self.spec[0]):
+            self.over.set()
         self._drop_sums_if_done()
 
     def piece_served(self, index: int, fetcher: str) -> None:
@@ -529,6 +533,30 @@ class CodesExchange:
                          [s for sums, _ in fetched for s in sums if s is not None],
                          [o for _, out in fetched for o in out], dropped)
 
+    async def reduce_only(self, group_id: bytes, senders: list, reducers: list, me, n: int, fmt, timeout: float,
+                          claims: Optional[dict] = None) -> dict:
+        """A reducer node's round: it sends nothing and takes no sum, and reduces part j of the `n` elements
+        (j: its place among `reducers`) for `senders`, as any reducer does, until every sender was served every
+        piece's sum or `timeout`. The senders it left out of its part, and why (Reduction.dropped); CodesError
+        if its part's sum was not complete in time."""
+        parts = part_ranges(n, len(reducers), align=codec.BLOCK)
+        start, end = parts[reducers.index(me)]
+        mine = self.reduction(group_id)
+        mine.begin([str(p) for p in senders], Codes(end - start, _no_codes), fmt, claims, start)
+        for index in range(len(mine.ranges)):  # nobody here takes a sum: each goes once every sender has it
+            mine.piece_taken(index)
+        cut_off = asyncio.ensure_future(mine.cut_off_after(PART_WAIT * timeout))
+        try:
+            await mine.settle_soon()  # pieces pushed before we knew the group
+            await asyncio.wait_for(mine.over.wait(), timeout)
+            mine.raise_error()
+        except asyncio.TimeoutError:
+            raise LateError(f"not every member fetched our part's sum within {timeout:.0f} s") from None
+        finally:
+            cut_off.cancel()
+            mine.release()
+        return mine.dropped
+
     @staticmethod
     async def _begin(mine: Reduction, senders: list, codes: Codes, start: int, end: int, fmt,
                      claims: Optional[dict]) -> None:
@@ -594,6 +622,11 @@ class CodesExchange:
             left_out.append(out)
             mine.piece_taken(index)
         return sums, left_out
+
+
+def _no_codes(a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A reducer node's own codes of [a, b): it contributes nothing."""
+    return torch.zeros(b - a, dtype=torch.int8), torch.zeros(b - a, dtype=torch.bool)
 
 
 def _sum_check(claims: Optional[dict], senders: list) -> SumCheck:

@@ -61,11 +61,8 @@ class IslandRounds:
         return reduced
 
     async def _island_round(self, group_info) -> IslandReduced:
-        island = parse_island([self._user_record(blob) for blob in group_info.gathered], self.expect,
-                              [str(p) for p in group_info.peer_ids], self._passes.valid if self._passes else None)
+        island, plan = self._planned(group_info)
         my_index = list(group_info.peer_ids).index(self.peer_id)
-        clients = frozenset(i for i, blob in enumerate(group_info.gathered) if self._gathered_client(blob))
-        plan = plan_island(island, self.weighting, self.allreduce_cap, self.n_elements, self.bounds, clients)
         started = time.monotonic()
         if plan.bounded:
             logger.warning(f"group {group_info.group_id.hex()[:8]}: bounded " + ", ".join(
@@ -79,6 +76,16 @@ class IslandRounds:
         if my_index not in plan.included:  # the others merge without us; our Δ rides along next time
             return self._reduced(island, plan, group_info, False, "our contribution was not included", started)
         return await self._codes_round(island, plan, group_info, my_index, started)
+
+    def _planned(self, group_info):
+        """The group's records parsed and its island planned, as every member of it does (logged here)."""
+        modes = [self._gathered_mode(blob) for blob in group_info.gathered]
+        island = parse_island([self._user_record(blob) for blob in group_info.gathered], self.expect,
+                              [str(p) for p in group_info.peer_ids], self._passes.valid if self._passes else None,
+                              nodes=frozenset(i for i, m in enumerate(modes) if m == AveragingMode.AUX.value))
+        clients = frozenset(i for i, m in enumerate(modes) if m == AveragingMode.CLIENT.value)
+        plan = plan_island(island, self.weighting, self.allreduce_cap, self.n_elements, self.bounds, clients)
+        return island, plan
 
     async def _codes_round(self, island, plan, group_info, my_index: int, started: float) -> IslandReduced:
         """Each member's w·Δ as b-bit codes on block scales agreed from the gathered statistics, summed exactly by
@@ -151,7 +158,8 @@ class IslandRounds:
         """Members the island rejected (a malformed record) or left out (blamed by most): turned away at
         matchmaking for a while, by the id libp2p authenticated (their records' ids cannot be trusted)."""
         refused = [str(group_info.peer_ids[i]) for i in range(len(island.members))
-                   if (island.members[i] is None or i in plan.left_out) and group_info.peer_ids[i] != self.peer_id]
+                   if (island.members[i] is None and i not in island.nodes or i in plan.left_out)
+                   and group_info.peer_ids[i] != self.peer_id]
         self._refused.blame(refused, time.monotonic())
 
     def refuse(self, peers) -> None:
@@ -185,12 +193,13 @@ class IslandRounds:
         """hivemind's reducer RPC: our rounds never use it, so no part a stranger streams here is read or summed."""
         yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
 
-    def _gathered_client(self, blob: bytes) -> bool:
-        """Whether a member said it is in client mode (hivemind's own field: its all-reduce reads it too)."""
+    def _gathered_mode(self, blob: bytes):
+        """The mode a member said it is in (hivemind's own field: its all-reduce reads it too): client (nobody
+        can dial it), auxiliary (a reducer node), or a plain member; None if undecodable (its record is rejected)."""
         try:
-            return self.serializer.loads(blob)[1] == AveragingMode.CLIENT.value
-        except Exception:  # undecodable: its record is rejected anyway
-            return False
+            return self.serializer.loads(blob)[1]
+        except Exception:
+            return None
 
     def _user_record(self, blob: bytes):
         """The record a member gathered (hivemind wraps it in (bandwidth, mode, user)); None if undecodable."""

@@ -23,7 +23,7 @@ SEAMS = (
          "runs our island (plan, codes, exact sums) once matchmaking formed a group; hivemind's own PowerSGD "
          "averager and its fault-tolerance tests override the same method",
          "tests/integration/test_swarm.py::test_three_peers_stay_bitwise_equal_and_learn"),
-    Seam("DecentralizedAverager._running_groups", "swarm/island_rounds.py",
+    Seam("DecentralizedAverager._running_groups", "swarm/island_rounds.py, swarm/reducer.py",
          "the group's future holds the runner that would serve hivemind's all-reduce parts: set to None, as "
          "hivemind's PowerSGD averager does, since our parts travel through rpc_codes_*",
          "tests/integration/test_swarm.py::test_three_peers_stay_bitwise_equal_and_learn"),
@@ -51,7 +51,8 @@ SEAMS = (
          "tests/unit/test_averager_seams.py::test_in_a_swarm_with_a_key_state_parts_go_only_to_requesters_with_"
          "their_own_valid_pass"),
     Seam("gathered metadata as (bandwidth, mode, user)", "swarm/island_rounds.py",
-         "what each member gathered, unwrapped to our record and hivemind's client-mode flag",
+         "what each member gathered, unwrapped to our record and hivemind's mode (client, or auxiliary: a "
+         "reducer node)",
          "tests/unit/test_remote_input.py::test_the_averager_turns_an_undecodable_gathered_record_into_an_"
          "excluded_member"),
     Seam("ServicerBase RPC names from the class name", "faults/averager.py",

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 from hivemind import DHT
 
-from p2pdiloco.config import OuterConfig, SwarmConfig
+from p2pdiloco.config import OuterConfig, SwarmConfig, merge_rule
 from p2pdiloco.core import codec
 from p2pdiloco.core.outer import Segment
 from p2pdiloco.protocol.island import Bounds
@@ -33,12 +33,19 @@ WhyNotAdopt = Callable[[dict, list, bool], Optional[str]]  # a validated state t
 
 def averager_prefix(cfg: SwarmConfig, outer: OuterConfig) -> str:
     """The DHT prefix of the run's islands: peers with another merge rule, codec or outer step never meet."""
-    sparsity = f"top{cfg.topk:g}" if cfg.topk else "dense"
-    merge_rule = (f"{outer.weighting}_{'rda' if outer.rda else 'mean'}_{cfg.compression}_{sparsity}"
-                  f"_w{outer.max_weight_ratio:g}_s{outer.max_scale_ratio:g}_n{outer.max_norm_ratio:g}"
-                  f"_a{outer.stale_factor:g}_i{outer.max_influence_ratio:g}{'_robust' if cfg.robust_merge else ''}"
-                  f"_o{outer.lr:g}m{outer.momentum:g}").replace(".", "p")  # hivemind: no '.' in a prefix
-    return f"{cfg.run_id}_v{WIRE_VERSION}_{merge_rule}"
+    return island_prefix(cfg.run_id, merge_rule(cfg, outer))
+
+
+def island_prefix(run_id: str, settings: dict[str, str]) -> str:
+    """The prefix from a peer's published merge settings (config.merge_rule): a reducer node, which has no
+    configuration of the model, finds the islands of the swarm it serves from it."""
+    s = settings
+    sparsity = f"top{s['topk']}" if s["topk"] != "off" else "dense"
+    rule = (f"{s['weighting']}_{'rda' if s['rda'] == 'on' else 'mean'}_{s['compression']}_{sparsity}"
+            f"_w{s['max_weight_ratio']}_s{s['max_scale_ratio']}_n{s['max_norm_ratio']}_a{s['stale_factor']}"
+            f"_i{s['max_influence_ratio']}{'_robust' if s['robust_merge'] == 'on' else ''}"
+            f"_o{s['outer_lr']}m{s['outer_momentum']}").replace(".", "p")  # hivemind: no '.' in a prefix
+    return f"{run_id}_v{WIRE_VERSION}_{rule}"
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from p2pdiloco.core import codec, exact
 from p2pdiloco.core.claims import block_norms
 from p2pdiloco.protocol.island import (Bounds, PenaltyBox, Stragglers, cap_to_median, clip_to_block_median, cut_to_median_norm,
                                        discount_stale, member_weights, plan_island)
+from p2pdiloco.protocol.island import NO_REDUCER
 from p2pdiloco.protocol.remote import Expect, parse_island
 
 N = 4 * codec.BLOCK
@@ -381,7 +382,7 @@ def test_an_island_of_clients_keeps_its_deadline_and_who_was_left_out():
     records = [dict(member("a", delta), budget=20.0), member("b", delta)]
     plan = plan_island(parse_island(records, Expect(N)), "tokens2", 60.0, N, clients=frozenset({0, 1}))
     assert plan.weights is None and plan.deadline == 20.0 and plan.clients == {0, 1} and plan.left_out == {}
-    assert plan.reason == "every merged member is in client mode: none can reduce a part"
+    assert plan.reason == NO_REDUCER
     blamed = [dict(member("a", delta), blame=["c"]), dict(member("b", delta), blame=["c"]), member("c", delta)]
     plan = plan_island(parse_island(blamed, Expect(N)), "tokens2", 60.0, N, clients=frozenset({0, 1}))
     assert plan.weights is None and set(plan.left_out) == {2}  # the one dialable member was left out

@@ -1,0 +1,125 @@
+"""A reducer node (`p2pdiloco bootstrap --reduce`), without a network: the island's plan gives it a part to reduce
+and no weight, and its part of the exact sum is what any reducer's would be, for members that nobody can dial."""
+
+import asyncio
+
+import pytest
+import torch
+
+from p2pdiloco.config import OuterConfig, SwarmConfig, merge_rule
+from p2pdiloco.core import codec
+from p2pdiloco.protocol.island import NO_REDUCER, plan_island
+from p2pdiloco.protocol.remote import Expect, parse_island
+from p2pdiloco.swarm.codes import CodesExchange, LateError
+from p2pdiloco.swarm.reducer import SwarmMergeRule, swarm_rule
+from p2pdiloco.swarm.wiring import averager_prefix
+from tests.unit.test_codes_transport import LoopbackStub, made
+from tests.unit.test_island_bounds import N, member
+
+
+def node(peer: str, **extra) -> dict:
+    return dict(peer=peer, name=peer, budget=30.0, **extra)
+
+
+def planned(records, nodes=frozenset(), clients=frozenset()):
+    island = parse_island(records, Expect(N), [r["peer"] for r in records], nodes=frozenset(nodes))
+    return island, plan_island(island, "tokens2", 60.0, N, clients=frozenset(clients))
+
+
+def test_an_island_of_clients_merges_through_a_reducer_node_that_has_no_weight():
+    deltas = [torch.randn(N) for _ in range(3)]
+    trainers = [member(f"c{i}", d) for i, d in enumerate(deltas)]
+    _, alone = planned(trainers, clients={0, 1, 2})
+    assert alone.weights is None and alone.reason == NO_REDUCER
+    island, plan = planned([*trainers[:2], node("z"), trainers[2]], nodes={2}, clients={0, 1, 3})
+    assert island.rejected == ("", "", "", "") and island.members[2] is None and island.nodes[2].peer == "z"
+    assert plan.included == [0, 1, 3] and plan.weights[2] == 0.0 and plan.reducers == [2]
+    # the node changes nobody's weight: the contributors' are those of the same island without it
+    _, public = planned(trainers)
+    assert [plan.weights[i] for i in (0, 1, 3)] == public.weights
+
+
+def test_a_public_member_and_a_reducer_node_share_the_parts_and_one_contributor_is_no_island():
+    deltas = [torch.randn(N) for _ in range(2)]
+    _, plan = planned([member("p", deltas[0]), node("z"), member("c", deltas[1])], nodes={1}, clients={2})
+    assert plan.reducers == [0, 1] and plan.included == [0, 2]
+    _, one = planned([member("c", deltas[0]), node("z")], nodes={1}, clients={0})
+    assert one.weights is None and "nothing to merge" in one.reason
+
+
+def test_a_reducer_node_blamed_by_a_contributor_reduces_no_part_unless_no_other_can():
+    deltas = [torch.randn(N) for _ in range(3)]
+    blamer = dict(member("c0", deltas[0]), blame=["z"])
+    _, plan = planned([blamer, member("p", deltas[1]), node("z")], nodes={2}, clients={0})
+    assert plan.reducers == [1] and "blamed by c0" in plan.relieved[2]
+    _, only = planned([blamer, member("c1", deltas[1]), node("z"), node("y")], nodes={2, 3}, clients={0, 1})
+    assert only.reducers == [3]  # the other node takes every part
+    _, last = planned([blamer, member("c1", deltas[1]), node("z")], nodes={2}, clients={0, 1})
+    assert last.reducers == [2]  # blamed, but nobody else can: the round is tried, and checked as always
+
+
+@pytest.mark.parametrize("record, why", [
+    (dict(node("z"), tokens=10 ** 6), "unknown fields"),  # a node claims no contribution
+    (dict(node("z"), peer="someone else"), "another peer's id"),
+    (dict(node("z"), blame="everyone"), "blame must be a list"),
+    ({"peer": "z", "name": "z"}, "missing fields"),
+])
+def test_a_malformed_reducer_node_record_is_rejected_with_its_reason(record, why):
+    records = [member("c0", torch.randn(N)), member("c1", torch.randn(N)), record]
+    island = parse_island(records, Expect(N), ["c0", "c1", "z"], nodes=frozenset({2}))
+    assert why in island.rejected[2] and 2 not in island.nodes
+    plan = plan_island(island, "tokens2", 60.0, N, clients=frozenset({0, 1}))
+    assert plan.weights is None and plan.reason == NO_REDUCER
+
+
+def exchange_through(reducers, n=3 * codec.BLOCK, fetch_from_node=True):
+    """Clients a, b, c push to and fetch from `reducers` (node z among them); z reduces and sends nothing."""
+    fmt = codec.DenseFormat(4, 3)
+    ex = {name: CodesExchange(max_payload=1 << 20) for name in "abcz"}
+    codes = {name: torch.randint(-7, 8, (n,), generator=torch.Generator().manual_seed(i)) for i, name in enumerate("abc")}
+    selected = torch.ones(n, dtype=torch.bool)
+
+    def stub_of(me):
+        def stub(peer):
+            assert peer in reducers, f"{me} dialled {peer}, which reduces nothing"
+            return LoopbackStub(ex[peer], me)
+        return stub
+
+    async def everyone():
+        members = [ex[me].run(b"g", list("abc"), reducers, me, made(codes[me], selected), fmt, stub_of(me),
+                              timeout=3.0) for me in ("abc" if fetch_from_node else "ab")]
+        reduced = ex["z"].reduce_only(b"g", list("abc"), reducers, "z", n, fmt, 2.0)
+        return await asyncio.gather(reduced, *members, return_exceptions=True)
+
+    return asyncio.run(everyone()), codes, ex
+
+
+def test_clients_get_the_exact_sum_through_a_reducer_node_which_keeps_nothing_once_served():
+    (dropped, *results), codes, ex = exchange_through(["z"])
+    assert dropped == {}
+    for r in results:
+        assert torch.equal(torch.cat(r.sums).to(torch.int64), codes["a"] + codes["b"] + codes["c"])
+    (reduction,) = ex["z"].reductions.values()
+    assert reduction.released and all(p.result is None and not p.payloads for p in reduction.pieces.values())
+    (_, *shared), codes, _ = exchange_through(["a", "z"])  # a public member takes the first part, z the second
+    assert all(torch.equal(torch.cat(r.sums).to(torch.int64), codes["a"] + codes["b"] + codes["c"]) for r in shared)
+
+
+def test_a_reducer_node_whose_sum_a_member_never_fetched_says_it_was_late():
+    (outcome, *_), _, _ = exchange_through(["z"], fetch_from_node=False)  # c never pushes nor fetches
+    assert isinstance(outcome, LateError)
+
+
+def test_a_reducer_node_finds_the_swarms_islands_from_what_its_peers_publish():
+    from p2pdiloco.protocol.remote import PeerRecord
+
+    swarm, outer = SwarmConfig(run_id="r", compression="int4", topk=0.05), OuterConfig(max_influence_ratio=1.25)
+    settings = dict(parameters=str(N), norms="0", **merge_rule(swarm, outer))
+    rule = SwarmMergeRule.of("r", settings)
+    assert rule.prefix == averager_prefix(swarm, outer)  # the very key its peers look for groups under
+    assert (rule.n, rule.bits, rule.topk, rule.bounds.influence_ratio) == (N, 4, 0.05, 1.25)
+    records = [PeerRecord(peer=p, name=p, version=0, digest="abcdef", settings=s)
+               for p, s in (("a", settings), ("b", settings), ("c", {**settings, "compression": "int8"}),
+                            ("d", {}), ("e", {**settings, "parameters": "many"}))]
+    assert swarm_rule("r", records) == rule  # the most common readable rule; unreadable ones are skipped
+    assert swarm_rule("r", records[3:]) is None
