@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 from p2pdiloco.core.consensus import consensus_distance
 from p2pdiloco.protocol.remote import PeerRecord
@@ -42,6 +42,7 @@ class SwarmView:
     version_spread: int
     consensus_distance: float
     rounds_per_minute: Optional[float] = None  # global versions per minute, once two views are compared
+    reducers: list = field(default_factory=list)  # the live reducer nodes' names (or ids' last 8 characters)
     at: float = field(default_factory=time.monotonic)
 
     def as_dict(self) -> dict:
@@ -49,9 +50,10 @@ class SwarmView:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "at"} | {"n_peers": len(self.peers)}
 
 
-def view_of(run_id: str, seen: list[tuple[PeerRecord, Optional[float]]], before: Optional[SwarmView] = None) -> SwarmView:
-    """The swarm from its peers' records (with the seconds since each was published); `before`, an earlier view,
-    gives the rate of global versions."""
+def view_of(run_id: str, seen: list[tuple[PeerRecord, Optional[float]]], before: Optional[SwarmView] = None,
+            reducers: Sequence[dict] = ()) -> SwarmView:
+    """The swarm from its peers' records (with the seconds since each was published) and its reducer nodes'
+    announcements; `before`, an earlier view, gives the rate of global versions."""
     records = [r for r, _ in seen]
     peers = sorted((_peer_view(r, age) for r, age in seen), key=lambda p: (p.name, p.peer))
     versions = [r.version for r in records]
@@ -59,7 +61,8 @@ def view_of(run_id: str, seen: list[tuple[PeerRecord, Optional[float]]], before:
     view = SwarmView(run_id=run_id, peers=peers, tokens_per_s=sum(p.tokens_per_s for p in peers),
                      newest_version=newest, version_spread=newest - min(versions, default=0),
                      consensus_distance=consensus_distance([(r.version, r.digest, r.sketch) for r in records
-                                                            if r.sketch]))
+                                                            if r.sketch]),
+                     reducers=[r["name"] or r["peer"][-8:] for r in reducers])
     if before is not None and view.at > before.at:
         rate = 60.0 * (view.newest_version - before.newest_version) / (view.at - before.at)
         view = dataclasses.replace(view, rounds_per_minute=max(rate, 0.0))
@@ -81,7 +84,8 @@ def table(view: SwarmView):
     t = Table(title=f"swarm {view.run_id!r}: {len(view.peers)} peers",
               caption=f"{view.tokens_per_s:,.0f} tokens/s · version {view.newest_version} "
                       f"(spread {view.version_spread}) · {rpm} rounds/min · consensus distance "
-                      f"{view.consensus_distance:.3g}")
+                      f"{view.consensus_distance:.3g}\nreducer nodes: {', '.join(view.reducers) or 'none'}"
+                      f"{_nobody_reduces(view)}")
     for column in ("name", "id", "version", "tokens/s", "loss", "island", "rounds", "sent", "mode", "seen"):
         t.add_column(column, justify="left" if column in ("name", "id", "mode") else "right")
     for p in view.peers:
@@ -90,6 +94,12 @@ def table(view: SwarmView):
                   _bytes(p.bytes_sent), ("client" if p.client_mode else "full") + _activity(p),
                   "-" if p.seen_seconds_ago is None else f"{p.seen_seconds_ago:.0f}s ago")
     return t
+
+
+def _nobody_reduces(view: SwarmView) -> str:
+    if view.peers and not view.reducers and all(p.client_mode for p in view.peers):
+        return " (every peer is in client mode: no island can form without a public peer or a reducer node)"
+    return ""
 
 
 def _activity(p: PeerView) -> str:
@@ -112,7 +122,7 @@ def run_status(cfg, as_json: bool, watch: bool, interval: float, echo=print, max
     import json
 
     from p2pdiloco.swarm.node import start_dht
-    from p2pdiloco.swarm.records import fetch_records_seen
+    from p2pdiloco.swarm.records import fetch_records_seen, fetch_reducers
 
     dht = start_dht(cfg, client_mode=True)
     try:
@@ -120,7 +130,8 @@ def run_status(cfg, as_json: bool, watch: bool, interval: float, echo=print, max
 
         def observe() -> SwarmView:
             recent = [v for v in views if v.at >= time.monotonic() - RATE_WINDOW]
-            view = view_of(cfg.run_id, fetch_records_seen(dht, cfg.run_id), recent[0] if recent else None)
+            view = view_of(cfg.run_id, fetch_records_seen(dht, cfg.run_id), recent[0] if recent else None,
+                           fetch_reducers(dht, cfg.run_id))
             views[:] = recent + [view]
             return view
 

@@ -56,6 +56,11 @@ def announce(cfg: PeerConfig, helpers: Helpers, name: str) -> None:
     """Our addresses, in a file for launchers and, for the first peer, in the log for people."""
     addresses = cfg.log_dir / f"{name}.addrs"
     node.write_addresses(helpers.dht, addresses)
+    if cfg.swarm.client_mode:
+        log.info("reachable: no, in client mode (nobody dials this peer; it merges through public peers or "
+                 "reducer nodes)")
+    else:
+        log.info("reachable: yes, accepting connections at %s", ", ".join(node.visible_addresses(helpers.dht)))
     if not cfg.swarm.initial_peers:
         log.info("started a new swarm; others join with:\n  %s\n(addresses written to %s)",
                  "\n  ".join(f"p2pdiloco join --initial-peers {a}" for a in node.visible_addresses(helpers.dht)),

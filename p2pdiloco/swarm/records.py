@@ -22,6 +22,31 @@ def records_key(run_id: str) -> str:
     return f"{run_id}.peers"
 
 
+def reducers_key(run_id: str) -> str:
+    return f"{run_id}.reducers"
+
+
+def announce_reducer(dht: DHT, run_id: str, peer: str, name: str) -> None:
+    """A reducer node says it is up (it publishes no peer record: trainers would count it as a peer that is never
+    ready)."""
+    bounded(dht.store(reducers_key(run_id), subkey=peer, value=dict(peer=peer, name=name),
+                      expiration_time=get_dht_time() + TTL, return_future=True), DHT_CALL_TIMEOUT)
+
+
+def fetch_reducers(dht: DHT, run_id: str, timeout: float = DHT_CALL_TIMEOUT) -> list[dict]:
+    """The live reducer nodes' announcements ({peer, name}), the malformed ones skipped."""
+    found = bounded(dht.get(reducers_key(run_id), latest=True, return_future=True), timeout)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    out = []
+    for item in found.value.values():
+        value = getattr(item, "value", None)
+        if isinstance(value, dict) and all(isinstance(value.get(k), str) and len(value[k]) <= 128
+                                           for k in ("peer", "name")):
+            out.append(dict(peer=value["peer"], name=value["name"]))
+    return sorted(out, key=lambda r: (r["name"], r["peer"]))
+
+
 def bounded(future, timeout: float):
     """A DHT call's result within `timeout`: hivemind's blocking calls wait forever once the DHT's daemon is
     gone (a terminal's Ctrl-C reaches p2pd too), and a leaving peer must not."""

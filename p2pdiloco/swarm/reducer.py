@@ -41,7 +41,7 @@ from p2pdiloco.swarm.averager import ExactAverager, averager_limits, hivemind_sc
 from p2pdiloco.swarm.codes import CodesError
 from p2pdiloco.swarm.island_rounds import REFUSE_SECONDS, IslandRounds, claims_for, codes_exchange
 from p2pdiloco.swarm.node import STOP_WAIT
-from p2pdiloco.swarm.records import HEARTBEAT, fetch_records
+from p2pdiloco.swarm.records import HEARTBEAT, announce_reducer, fetch_records
 from p2pdiloco.swarm.wiring import island_prefix
 
 log = logging.getLogger("p2pdiloco")
@@ -137,7 +137,17 @@ class ReducerAverager(IslandRounds, DecentralizedAverager):
 ReducerAverager.__name__ = ReducerAverager.__qualname__ = ExactAverager.__name__
 
 
+class _NoGroupIsNews(logging.Filter):
+    """A node's search ends without a group whenever fewer than two contributors came: not an error, for it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "could not find a group" not in record.getMessage()
+
+
 def start_reducer(dht: DHT, cfg: SwarmConfig, rule: SwarmMergeRule) -> ReducerAverager:
+    # hivemind logs each search that found no group, with its traceback, from the averager's process (which
+    # inherits this filter as it forks)
+    logging.getLogger("hivemind.averaging.averager").addFilter(_NoGroupIsNews())
     key = load_swarm_key(cfg.swarm_key_file)
     limits = averager_limits(rule.n, cfg.max_island, cfg.bandwidth_mbps)
     averager = ReducerAverager(
@@ -168,11 +178,23 @@ def serve_islands(dht: DHT, cfg: SwarmConfig, name: str, stop: threading.Event) 
     # whom it blames lives in its averager's process, which turns them away from the groups it leads
     record = dict(peer=peer, name=name, budget=float(averager.allreduce_cap),
                   **({"pass": averager._passes.of(peer)} if averager._passes else {}))
+    threading.Thread(target=_announce, args=(dht, cfg.run_id, peer, name, stop), daemon=True,
+                     name="reducer-announce").start()
     try:
         while not stop.is_set():
             _one_group(averager, record, stop)
     finally:
         averager.shutdown()
+
+
+def _announce(dht: DHT, run_id: str, peer: str, name: str, stop: threading.Event) -> None:
+    """Say we are up, every beat, until `stop` (for `status`, and for trainers deciding whether to warn)."""
+    while not stop.is_set():
+        try:
+            announce_reducer(dht, run_id, peer, name)
+        except Exception:  # the DHT may be shutting down; the next beat retries
+            pass
+        stop.wait(HEARTBEAT)
 
 
 def _one_group(averager: ReducerAverager, record: dict, stop: threading.Event) -> None:

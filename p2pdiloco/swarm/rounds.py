@@ -36,13 +36,16 @@ from p2pdiloco.runtime.heap import give_back_free_heap
 from p2pdiloco.runtime.procio import io_counters, moved_since
 from p2pdiloco.runtime.waiting import result_unless_closed
 from p2pdiloco.swarm.averager import BodyStatistics, ExactAverager, gather_record
-from p2pdiloco.swarm.records import TTL, Heartbeat, fetch_records, other_wires
+from p2pdiloco.swarm.records import TTL, Heartbeat, fetch_records, fetch_reducers, other_wires
 from p2pdiloco.swarm.statefetch import StateFetcher
 
 if TYPE_CHECKING:  # swarm.wiring builds us
     from p2pdiloco.swarm.wiring import MergeSettings, WhyNotAdopt
 
 logger = get_logger(__name__)
+NOBODY_REDUCES = ("no island can form: this peer and every live peer are in client mode (nobody can dial them) "
+                  "and no reducer node is up; training on alone. Fix: a public peer, or `p2pdiloco bootstrap "
+                  "--reduce` on a public machine (docs/internet.md)")
 
 
 class SwarmMerger:
@@ -58,6 +61,7 @@ class SwarmMerger:
         self.refused = RefusedKeys()  # states we downloaded and would not take (p2pdiloco.core.reach)
         self.closed = threading.Event()  # set on shutdown: a round still waiting gives up at once
         self._control = None  # the averager step of the round in flight, once it is looking for a group
+        self._said_nobody_reduces = False
 
     @property
     def cfg(self):
@@ -165,6 +169,8 @@ class SwarmMerger:
             if self.stop.is_set():
                 return None
             reason = f"{type(e).__name__}: {e}"
+            if not began:
+                self._say_if_nobody_reduces()
             return IslandFailed(reason) if began else NoIsland(reason)
         finally:
             self._control = None
@@ -183,6 +189,19 @@ class SwarmMerger:
             # a view, not a copy: the host applies it before its next round writes the buffer again (DiLoCo keeps
             # a copy only for eager estimates)
             return dataclasses.replace(result, merged=buffer[: self.n], let_go=self.averager.let_go)
+
+    def _say_if_nobody_reduces(self) -> None:
+        """Once, in one line: we are in client mode and so is every live peer, and no reducer node is up. Then no
+        island can form (nobody can be dialled to reduce a part, nor lead a group): we train on alone."""
+        if self._said_nobody_reduces or not self.cfg.client_mode:
+            return
+        try:
+            if any(not r.client_mode for r in self.live_others()) or fetch_reducers(self.dht, self.cfg.run_id):
+                return
+        except Exception:  # the DHT did not answer: nothing to say yet
+            return
+        self._said_nobody_reduces = True
+        logger.warning(NOBODY_REDUCES)
 
     def _load_buffer(self, c: Contribution, island: FormIsland) -> dict:
         """Write what we send into the averaging buffer; our gathered record. Nothing here holds Δ while the

@@ -45,6 +45,18 @@ def test_the_table_has_a_row_per_peer_and_the_totals():
     assert "ready" in rows["gamma"] and "merging" not in rows["gamma"] and "3.250" not in rows["beta"]
 
 
+def test_the_table_names_the_reducer_nodes_and_says_when_nobody_can_reduce():
+    clients = [(record("a", 1, client_mode=True), 1.0), (record("b", 1, client_mode=True), 1.0)]
+    stuck = _render(table(view_of("run", clients)))
+    assert "reducer nodes: none" in stuck and "no island can form" in stuck and "client" in stuck
+    served = _render(table(view_of("run", clients, reducers=[dict(peer="Qm" + "z" * 20, name="vps")])))
+    assert "reducer nodes: vps" in served and "no island can form" not in served
+    mixed = _render(table(view_of("run", [*clients, (record("c", 1), 1.0)])))
+    assert "no island can form" not in mixed  # c is public: it reduces
+    assert json.loads(json.dumps(view_of("run", clients, reducers=[dict(peer="Qm" + "z" * 20, name="")]).as_dict())
+                      )["reducers"] == ["zzzzzzzz"]
+
+
 def test_status_fields_from_the_network_are_validated_like_every_other_field():
     good = dataclasses.asdict(record("a", 1, loss=2.0, island=3, rounds=4, bytes_sent=5, client_mode=True))
     assert parse_peer_record(good) is not None
