@@ -47,6 +47,8 @@ def start(cfg: PeerConfig, stop: threading.Event) -> Stay:
         membership = Membership(cfg, workload, merger, diloco, tensors, metrics, name)
         membership.publish()  # our record tells the restored state from its first beat
         merger.heartbeat.start()
+        if merger.pusher is not None:
+            merger.pusher.start()
         if warm:  # trains from its checkpoint while it joins
             membership.join_in_background()
         else:

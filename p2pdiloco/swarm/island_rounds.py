@@ -243,6 +243,11 @@ class IslandRounds:
         async for message in self._serve_part(request, context):
             yield message
 
+    async def rpc_state_push(self, requests: AsyncIterator[averaging_pb2.DownloadData],
+                             context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """A state pushed for a peer that needs it: only a reducer node takes one (p2pdiloco.swarm.staterelay)."""
+        yield averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(dict(error="this peer relays no state")))
+
     def _serve_part(self, request: averaging_pb2.DownloadData, context: P2PContext):
         """The messages of one part we serve, once the requester was let in."""
         if getattr(self, "_part_server", None) is None:

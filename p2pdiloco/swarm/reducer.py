@@ -23,11 +23,13 @@ import logging
 import threading
 import time
 from collections import Counter
-from typing import Optional
+from typing import AsyncIterator, Optional
 
 import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 
 from p2pdiloco.config import SwarmConfig
@@ -42,6 +44,7 @@ from p2pdiloco.swarm.codes import CodesError
 from p2pdiloco.swarm.island_rounds import REFUSE_SECONDS, IslandRounds, claims_for, codes_exchange
 from p2pdiloco.swarm.node import STOP_WAIT
 from p2pdiloco.swarm.records import HEARTBEAT, announce_reducer, fetch_records
+from p2pdiloco.swarm.staterelay import HeldState, serializer
 from p2pdiloco.swarm.wiring import island_prefix
 
 log = logging.getLogger("p2pdiloco")
@@ -98,6 +101,7 @@ class ReducerAverager(IslandRounds, DecentralizedAverager):
         self._passes = passes
         self._refused = PenaltyBox(seconds=REFUSE_SECONDS)
         self._stragglers = Stragglers()
+        self._held = HeldState(rule.n, passes.valid if passes else None)  # a state relayed for a peer in need
         super().__init__(hivemind_schema(torch.zeros(1).expand(rule.n)), target_group_size=max_group,
                          auxiliary=True, allow_state_sharing=False, **kwargs)
 
@@ -105,6 +109,16 @@ class ReducerAverager(IslandRounds, DecentralizedAverager):
 
     def wire_format(self, group_size: int):
         return wire_format(self.bits, self.topk, group_size)
+
+    async def rpc_state_push(self, requests: AsyncIterator[averaging_pb2.DownloadData],
+                             context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """A holder's state, for a peer that wants it and can dial nobody else (p2pdiloco.swarm.staterelay)."""
+        error = await self._held.receive(requests, str(context.remote_id))
+        yield averaging_pb2.DownloadData(metadata=serializer.dumps(dict(error=error)) if error else b"")
+
+    def _serve_part(self, request: averaging_pb2.DownloadData, context: P2PContext):
+        """The relayed state's parts, once its holder pushed it (IslandRounds.rpc_state_part let the asker in)."""
+        return self._held.serve_part(request)
 
     async def _island_round(self, group_info) -> IslandReduced:
         island, plan = self._planned(group_info)

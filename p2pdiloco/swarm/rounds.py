@@ -38,11 +38,14 @@ from p2pdiloco.runtime.waiting import result_unless_closed
 from p2pdiloco.swarm.averager import BodyStatistics, ExactAverager, gather_record
 from p2pdiloco.swarm.records import TTL, Heartbeat, fetch_records, fetch_reducers, other_wires
 from p2pdiloco.swarm.statefetch import StateFetcher
+from p2pdiloco.swarm.staterelay import StatePusher, want_state
 
 if TYPE_CHECKING:  # swarm.wiring builds us
     from p2pdiloco.swarm.wiring import MergeSettings, WhyNotAdopt
 
 logger = get_logger(__name__)
+RELAY_WAIT = 60.0  # seconds a state relayed through a reducer node may take to come (its holder pushes, we fetch)
+RELAY_RETRY = 1.0  # seconds between asks, until its holder has pushed it
 NOBODY_REDUCES = ("no island can form: this peer and every live peer are in client mode (nobody can dial them) "
                   "and no reducer node is up; training on alone. Fix: a public peer, or `p2pdiloco bootstrap "
                   "--reduce` on a public machine (docs/internet.md)")
@@ -53,9 +56,9 @@ class SwarmMerger:
 
     def __init__(self, settings: MergeSettings, dht: DHT, averager: ExactAverager, heartbeat: Heartbeat,
                  fetcher: StateFetcher, feedback: Optional[codec.ErrorFeedback], why_not_adopt: WhyNotAdopt,
-                 stop: threading.Event, clock: RoundClock):
+                 stop: threading.Event, clock: RoundClock, pusher: Optional[StatePusher] = None):
         self.settings, self.dht, self.averager, self.heartbeat = settings, dht, averager, heartbeat
-        self.fetcher = fetcher
+        self.fetcher, self.pusher = fetcher, pusher  # pusher: a client's state, to a reducer node for a peer in need
         self.feedback, self.why_not_adopt, self.stop, self.clock = feedback, why_not_adopt, stop, clock
         self.penalties = PenaltyBox()  # whom we blame for failed rounds: gathered with our record
         self.refused = RefusedKeys()  # states we downloaded and would not take (p2pdiloco.core.reach)
@@ -266,7 +269,8 @@ class SwarmMerger:
                               gone_after=TTL)
         while True:
             donors = rules.donors(self.live_others(), time.monotonic())
-            loaded, served = self._from_donors(donors, rules.deadline)
+            loaded, served = self._from_donors(donors, rules.deadline) if donors is not None else \
+                self._through_node(rules)
             if loaded is None and rules.may_fetch_whole(donors, self.settings.passes is not None) \
                     and not self._stopping():
                 loaded, served = self.load_state(timeout=max(1.0, rules.deadline - time.monotonic())), []
@@ -303,6 +307,25 @@ class SwarmMerger:
         served = [donor for donor, parts in t.parts_by_donor.items() if parts]
         return (t.metadata, [t.flat[: self.n], t.flat[self.n:]]), served
 
+    def _through_node(self, rules: StateDownload) -> tuple[Optional[StateTuple], list[str]]:
+        """Where no live peer can be dialled: the newest state their records announce, pushed by one of its holders
+        to a reducer node and fetched from there (p2pdiloco.swarm.staterelay); the state and its holders, who
+        vouch for its digest as its donors would."""
+        live = rules.live(self.live_others(), time.monotonic())
+        keys = [r.key for r in live if r.version >= rules.min_version]
+        nodes = fetch_reducers(self.dht, self.cfg.run_id) if keys else []
+        if not nodes:
+            return None, []
+        key, node = max(keys), nodes[0]["peer"]
+        until = min(rules.deadline, time.monotonic() + RELAY_WAIT)
+        while time.monotonic() < until and not self._stopping():
+            want_state(self.dht, self.cfg.run_id, self.peer, key, node)
+            loaded, _ = self._from_donors((key, [node]), until)
+            if loaded is not None:
+                return loaded, [r.peer for r in live if r.key == key]
+            time.sleep(RELAY_RETRY)
+        return None, []
+
     def _stopping(self) -> bool:
         return self.stop.is_set() or self.closed.is_set()
 
@@ -328,6 +351,8 @@ class SwarmMerger:
 
     def shutdown(self) -> None:
         self.closed.set()  # before the averager goes: its pending step would never resolve
+        if self.pusher is not None:
+            self.pusher.stop()
         self.fetcher.close()
         if self.averager.is_alive():
             self.averager.shutdown()

@@ -26,6 +26,7 @@ from p2pdiloco.swarm.node import STOP_WAIT
 from p2pdiloco.swarm.records import Heartbeat
 from p2pdiloco.swarm.rounds import SwarmMerger
 from p2pdiloco.swarm.statefetch import StateFetcher
+from p2pdiloco.swarm.staterelay import StatePusher
 from p2pdiloco.swarm.transfer import MAX_PART
 
 WhyNotAdopt = Callable[[dict, list, bool], Optional[str]]  # a validated state too far from ours: why (None: take it)
@@ -134,7 +135,10 @@ def build_merger(s: MergeSettings, dht: DHT, averager: ExactAverager, heartbeat:
                  why_not_adopt: WhyNotAdopt, stop: threading.Event, clock: RoundClock,
                  buffer_folder: Optional[Path], make: Callable[..., SwarmMerger] = SwarmMerger) -> SwarmMerger:
     """The merger, whole (`make`: SwarmMerger, or a fault plan's subclass of it)."""
-    fetcher = StateFetcher(dht, lambda p2p, peer: averager.get_stub(p2p, peer, namespace=averager.prefix),
-                           s.part_timeout, s.credential)
+    stub_of = functools.partial(averager.get_stub, namespace=averager.prefix)
+    fetcher = StateFetcher(dht, stub_of, s.part_timeout, s.credential)
+    # a client serves its state to nobody directly: through a reducer node, to a peer that wants it
+    pusher = StatePusher(dht, s.cfg.run_id, s.peer, heartbeat.records, averager.get_current_state, stub_of,
+                         s.credential) if s.cfg.client_mode else None
     return make(s, dht, averager, heartbeat, fetcher, error_feedback(s, buffer_folder),
-                                 why_not_adopt, stop, clock)
+                why_not_adopt, stop, clock, pusher)

@@ -5,6 +5,9 @@ import asyncio
 
 import pytest
 import torch
+from hivemind.compression import deserialize_torch_tensor
+from hivemind.proto import averaging_pb2
+from hivemind.utils.streaming import combine_from_streaming
 
 from p2pdiloco.config import OuterConfig, SwarmConfig, merge_rule
 from p2pdiloco.core import codec
@@ -12,6 +15,7 @@ from p2pdiloco.protocol.island import NO_REDUCER, plan_island
 from p2pdiloco.protocol.remote import Expect, parse_island
 from p2pdiloco.swarm.codes import CodesExchange, LateError
 from p2pdiloco.swarm.reducer import SwarmMergeRule, swarm_rule
+from p2pdiloco.swarm.staterelay import HELD_SECONDS, HeldState, push_state, pusher_of, serializer
 from p2pdiloco.swarm.wiring import averager_prefix
 from tests.unit.test_codes_transport import LoopbackStub, made
 from tests.unit.test_island_bounds import N, member
@@ -123,3 +127,81 @@ def test_a_reducer_node_finds_the_swarms_islands_from_what_its_peers_publish():
                             ("d", {}), ("e", {**settings, "parameters": "many"}))]
     assert swarm_rule("r", records) == rule  # the most common readable rule; unreadable ones are skipped
     assert swarm_rule("r", records[3:]) is None
+
+
+class PushStub:
+    """A reducer node's rpc_state_push, as a holder's stub calls it, in one process."""
+
+    def __init__(self, held, caller="holder"):
+        self.held, self.caller = held, caller
+
+    async def rpc_state_push(self, messages):
+        error = await self.held.receive(messages, self.caller)
+
+        async def answer():
+            yield averaging_pb2.DownloadData(metadata=serializer.dumps(dict(error=error)) if error else b"")
+        return answer()
+
+
+def served(held, key, start, length):
+    async def parts():
+        request = averaging_pb2.DownloadData(metadata=serializer.dumps(dict(
+            version=key[0], digest=key[1], start=start, length=length)))
+        return [m async for m in held.serve_part(request)]
+    messages = asyncio.run(parts())
+    first = serializer.loads(messages[0].metadata)
+    if "error" in first:
+        return first["error"]
+    return first, deserialize_torch_tensor(combine_from_streaming([m.tensor_part for m in messages]))
+
+
+def test_a_reducer_node_holds_a_pushed_state_and_serves_its_parts_like_a_donor(monkeypatch):
+    from p2pdiloco.core.state import digest
+    from p2pdiloco.swarm import staterelay
+
+    monkeypatch.setattr(staterelay, "MAX_PART", 1000)  # several parts, one of them short
+    n = 1700
+    theta, momentum = torch.randn(n), torch.randn(n)
+    key = (5, digest(theta, momentum))
+    held = HeldState(n)
+    assert served(held, key, 0, 10).startswith("this reducer node does not hold state v5")
+    assert asyncio.run(push_state(PushStub(held), dict(version=5, digest=key[1], tokens=7), [theta, momentum])) == ""
+    metadata, part = served(held, key, n - 5, 10)  # across Θ and the momentum, as a donor serves it
+    assert metadata["tokens"] == 7 and torch.equal(part, torch.cat([theta[-5:], momentum[:5]]))
+    assert served(held, (5, "other"), 0, 10).startswith("this reducer node does not hold")
+    # an older state is not taken over a newer one; the same one again is fine
+    assert "newer" in asyncio.run(push_state(PushStub(held), dict(version=4, digest="x" * 8), [theta, momentum]))
+    assert asyncio.run(push_state(PushStub(held), dict(version=5, digest=key[1]), [theta, momentum])) == ""
+
+
+@pytest.mark.parametrize("tensors, why", [
+    ([torch.randn(1700), torch.randn(1699)], "incomplete"),
+    ([torch.randn(1700), torch.randn(1701)], "wrong size"),
+    ([torch.full((1700,), float("nan")), torch.randn(1700)], "not finite"),
+])
+def test_a_reducer_node_refuses_a_push_that_is_not_a_whole_finite_state(monkeypatch, tensors, why):
+    from p2pdiloco.swarm import staterelay
+
+    monkeypatch.setattr(staterelay, "MAX_PART", 1000)
+    held = HeldState(1700)
+    error = asyncio.run(push_state(PushStub(held), dict(version=1, digest="d" * 8), tensors))
+    assert why in error and held.key is None
+
+
+def test_a_held_state_goes_once_nobody_asked_for_it_for_a_while_and_a_swarm_key_is_checked():
+    now = [0.0]
+    held = HeldState(10, admit=lambda peer, token: token == b"ok", clock=lambda: now[0])
+    state = [torch.zeros(10), torch.zeros(10)]
+    assert "no valid pass" in asyncio.run(push_state(PushStub(held), dict(version=1, digest="d" * 8), state))
+    assert asyncio.run(push_state(PushStub(held), dict(version=1, digest="d" * 8), state, b"ok")) == ""
+    now[0] = HELD_SECONDS + 1
+    assert "does not hold" in served(held, (1, "d" * 8), 0, 5) and held.metadata is None
+
+
+def test_one_holder_pushes_a_wanted_state_the_first_by_peer_id():
+    from p2pdiloco.protocol.remote import PeerRecord
+
+    records = [PeerRecord(peer=p, name=p, version=v, digest=d) for p, v, d in
+               (("b", 3, "abcdef"), ("a", 3, "abcdef"), ("c", 2, "fedcba"))]
+    assert pusher_of(records, (3, "abcdef")) == "a" and pusher_of(records, (2, "fedcba")) == "c"
+    assert pusher_of(records, (4, "abcdef")) is None
