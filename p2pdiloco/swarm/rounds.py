@@ -311,14 +311,14 @@ class SwarmMerger:
         """Where no live peer can be dialled: the newest state their records announce, pushed by one of its holders
         to a reducer node and fetched from there (p2pdiloco.swarm.staterelay); the state and its holders, who
         vouch for its digest as its donors would."""
-        live = rules.live(self.live_others(), time.monotonic())
-        keys = [r.key for r in live if r.version >= rules.min_version]
-        nodes = fetch_reducers(self.dht, self.cfg.run_id) if keys else []
-        if not nodes:
-            return None, []
-        key, node = max(keys), nodes[0]["peer"]
+        nodes = fetch_reducers(self.dht, self.cfg.run_id)
         until = min(rules.deadline, time.monotonic() + RELAY_WAIT)
-        while time.monotonic() < until and not self._stopping():
+        while nodes and time.monotonic() < until and not self._stopping():
+            live = rules.live(self.live_others(), time.monotonic())  # the swarm may have moved on since the last try
+            keys = [r.key for r in live if r.version >= rules.min_version]
+            if not keys:
+                break
+            key, node = max(keys), nodes[0]["peer"]
             want_state(self.dht, self.cfg.run_id, self.peer, key, node)
             loaded, _ = self._from_donors((key, [node]), until)
             if loaded is not None:

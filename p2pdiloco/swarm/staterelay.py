@@ -5,11 +5,13 @@ accept connections. Where every live peer is in client mode, none can, so the st
 member there is, the reducer node, which holds none of its own:
 
 1. the peer in need publishes a want on the DHT: the state key it will take (the newest its live peers announce)
-   and the node it will fetch from (`want_state`);
-2. one holder of that key, the first by peer id among the live peers announcing it (`pusher_of`), pushes its
-   state to that node (`push_state`, over a connection the holder opens: it can dial out);
-3. the node keeps that one state (`HeldState`: twice the model's parameters, while it is wanted) and serves its
-   parts as any donor does; the peer fetches them and checks them against the key's digest, as from any donor.
+   and the node it will fetch from (`want_state`), again at every try;
+2. a holder of that state or a newer one pushes its own to that node (`push_state`, over a connection the holder
+   opens: it can dial out): of those holding the same state, the first by peer id (`pusher_of`);
+3. the node keeps the newest state pushed (`HeldState`: twice the model's parameters, while it is wanted) and
+   serves its parts as any donor does; the peer, which at each try asks for the newest key its peers announce,
+   fetches them and checks them against the key's digest, as from any donor. (The swarm may move on between a
+   want and its push: the holders push what they hold, and the next try asks for that.)
 
 Chosen over a node that keeps the state of every round (it would need the model's memory and every round's
 sum, not a part of it, for good) and over relays of libp2p (measured unusable between two NAT'd peers:
@@ -213,10 +215,11 @@ class StatePusher:
     state wanted and we are its pusher (`pusher_of`). A thread of its own with its own event loop (for the DHT's
     libp2p replica), looking every `interval` seconds."""
 
-    def __init__(self, dht, run_id: str, peer: str, records: Callable[[], list[PeerRecord]],
+    def __init__(self, dht, run_id: str, peer: str, records: Callable[[], list[PeerRecord]], own: Callable[[], Key],
                  state: Callable[[], tuple[dict, list]], get_stub: Callable, credential: bytes = b"",
-                 interval: float = 2.0):
+                 interval: float = 1.0):
         self.dht, self.run_id, self.peer, self.records, self.state = dht, run_id, peer, records, state
+        self.own = own  # the key of the state our record announces
         self.get_stub, self.credential, self.interval = get_stub, credential, interval
         self.pushed: dict[tuple[Key, str], float] = {}
         self._stop = threading.Event()
@@ -247,15 +250,19 @@ class StatePusher:
             loop.close()
 
     def _ours(self, wants: list[Want]) -> list[Want]:
-        """The wants we serve now: for a state we hold and push, not pushed to that node lately."""
-        now, records = time.monotonic(), self.records()
-        return [w for w in set(wants) if pusher_of(records, w.key) == self.peer
-                and now - self.pushed.get((w.key, w.node), -PUSH_AGAIN) >= PUSH_AGAIN]
+        """The wants we serve now: for our state or an older one, where we push ours (the first by peer id of its
+        holders), to nodes we have not pushed it to lately."""
+        now, records, key = time.monotonic(), self.records(), self.own()
+        if pusher_of(records, key) != self.peer:
+            return []
+        nodes = {w.node for w in wants if w.key[0] <= key[0]}
+        return [Want(key, node) for node in sorted(nodes)
+                if now - self.pushed.get((key, node), -PUSH_AGAIN) >= PUSH_AGAIN]
 
     async def _push(self, p2p, want: Want) -> None:
         metadata, tensors, *_ = self.state()
         if (metadata.get("version"), metadata.get("digest")) != want.key:
-            return  # we moved on since our record said so
+            return  # we moved on since our record said so: the next look pushes the new one
         self.pushed[(want.key, want.node)] = time.monotonic()
         started = time.monotonic()
         error = await push_state(self.get_stub(p2p, PeerID.from_base58(want.node)), metadata, tensors,

@@ -138,7 +138,7 @@ def build_merger(s: MergeSettings, dht: DHT, averager: ExactAverager, heartbeat:
     stub_of = functools.partial(averager.get_stub, namespace=averager.prefix)
     fetcher = StateFetcher(dht, stub_of, s.part_timeout, s.credential)
     # a client serves its state to nobody directly: through a reducer node, to a peer that wants it
-    pusher = StatePusher(dht, s.cfg.run_id, s.peer, heartbeat.records, averager.get_current_state, stub_of,
-                         s.credential) if s.cfg.client_mode else None
+    pusher = StatePusher(dht, s.cfg.run_id, s.peer, heartbeat.records, lambda: heartbeat.record.key,
+                         averager.get_current_state, stub_of, s.credential) if s.cfg.client_mode else None
     return make(s, dht, averager, heartbeat, fetcher, error_feedback(s, buffer_folder),
                 why_not_adopt, stop, clock, pusher)

@@ -39,7 +39,7 @@ def stop_all(procs: list) -> list[int]:
 
 
 def test_trainers_that_nobody_can_dial_merge_through_a_reducer_node_and_a_late_one_catches_up(tmp_path):
-    """p1 and p2 start together; p3 joins once they have merged twice, and takes the state they hold through the
+    """p1 and p2 start together; p3 joins once they have merged, and takes the state they hold through the
     node (one of them pushes it there: p2pdiloco.swarm.staterelay), then merges with them."""
     with Testbed(4, Link(rate_mbit=50), prefix="p2pdt-home", natted=frozenset(TRAINERS)) as tb:
         assert not connects(tb, 0, 1, tb.address(1)) and not connects(tb, 2, 1, tb.address(1))  # the NATs hold
@@ -49,11 +49,11 @@ def test_trainers_that_nobody_can_dial_merge_through_a_reducer_node_and_a_late_o
             args = ["--initial-peers", (tmp_path / "bootstrap.addrs").read_text().split()[0], "--client-mode",
                     "--compression", "int4"]
             procs += [join(tb, i, tmp_path, *args) for i in TRAINERS[:2]]
-            wait_for(lambda: all(len(with_others(tmp_path, f"p{i}")) >= 2 for i in TRAINERS[:2])
-                     or any(p.poll() is not None for p in procs), 180, "two merged rounds of the first two")
+            wait_for(lambda: all(with_others(tmp_path, f"p{i}") for i in TRAINERS[:2])
+                     or any(p.poll() is not None for p in procs), 180, "a merged round of the first two")
             procs.append(join(tb, 3, tmp_path, *args))
-            wait_for(lambda: len(with_others(tmp_path, "p3")) >= 2 or any(p.poll() is not None for p in procs), 180,
-                     "two merged rounds of the late joiner")
+            wait_for(lambda: with_others(tmp_path, "p3") or any(p.poll() is not None for p in procs), 180,
+                     "a merged round of the late joiner")
             codes = stop_all(procs)
         finally:
             for p in procs:
@@ -65,9 +65,9 @@ def test_trainers_that_nobody_can_dial_merge_through_a_reducer_node_and_a_late_o
     assert all("reachable: no" in text and NOBODY_REDUCES not in text for text in logs.values())
     assert "reduced a part for" in node_log and "Traceback" not in node_log, node_log[-3000:]
     joined = [r for r in of_kind(read_records(tmp_path / "p3.jsonl"), Resync) if r.why == "joining"]
-    assert joined and joined[0].version >= 2, logs[3][-3000:]  # the swarm's state, through the node
+    assert joined and joined[0].version >= 1, logs[3][-3000:]  # the swarm's state, through the node
     assert any("to reducer node" in logs[i] and "pushed our state" in logs[i] for i in TRAINERS[:2])
-    assert len(with_others(tmp_path, "p3")) >= 2, logs[3][-3000:]
+    assert with_others(tmp_path, "p3"), logs[3][-3000:]
     digests = {}
     for i in TRAINERS:
         for r in merged(tmp_path, f"p{i}"):
