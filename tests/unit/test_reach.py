@@ -126,6 +126,7 @@ def driver(monkeypatch, ours: GlobalState, states: dict, extra=()):
     records = [PeerRecord(peer=name, name=name, version=m["version"], digest=m["digest"])
                for name, (m, _) in states.items()] + list(extra)
     monkeypatch.setattr(rounds, "fetch_records", lambda dht, run_id: records)
+    monkeypatch.setattr(rounds, "fetch_reducers", lambda dht, run_id: [])  # no reducer node: see below for one
     fetched = []
 
     def fetch(donors, key, size, timeout, leaving):
@@ -198,6 +199,33 @@ def test_a_download_whose_only_holder_left_gives_up_once_a_record_would_have_exp
     started = time.monotonic()
     assert SwarmMerger.download(merger, ours.version + 2, "behind", timeout=30.0) is None
     assert time.monotonic() - started < 5  # not the deadline's 30 s
+
+
+def test_where_only_clients_hold_the_state_it_comes_through_a_reducer_node_once_a_holder_pushed_it(monkeypatch):
+    """Two clients hold v+2 and nobody can dial them: the download wants their key from the reducer node, asks
+    until the node holds it (a holder pushes it: p2pdiloco.swarm.staterelay), and takes it, vouched for by both."""
+    ours, _ = lineage()
+    other = GlobalState(ours.params.clone(), LR, MU)
+    other.load(*served(ours))
+    holders = [PeerRecord(peer=p, name=p, version=ours.version + 2, digest=ours.digest, client_mode=True)
+               for p in ("c1", "c2")]
+    metadata, tensors = served(other)
+    merger = driver(monkeypatch, ours, {"node": ({**metadata, "version": ours.version + 2}, tensors)}, holders)
+    monkeypatch.setattr(rounds, "fetch_records", lambda dht, run_id: holders)  # the node publishes no peer record
+    monkeypatch.setattr(rounds, "fetch_reducers", lambda dht, run_id: [dict(peer="node", name="vps")])
+    monkeypatch.setattr(rounds, "RELAY_RETRY", 0.01)
+    wants, fetch = [], merger.fetcher.fetch
+
+    def not_yet_then_served(donors, key, size, timeout, leaving):
+        if len(wants) < 3:
+            raise RuntimeError("this reducer node does not hold state (yet)")
+        return fetch(donors, key, size, timeout, leaving)
+
+    merger.fetcher.fetch = not_yet_then_served
+    monkeypatch.setattr(rounds, "want_state", lambda dht, run_id, peer, key, node: wants.append((key, node)))
+    loaded = SwarmMerger.download(merger, ours.version + 1, "behind", timeout=30.0)
+    assert loaded is not None and loaded[0]["version"] == ours.version + 2
+    assert wants[0] == ((ours.version + 2, ours.digest), "node") and merger.fetched == ["node"]
 
 
 def test_a_download_waits_for_a_state_a_live_peer_is_still_making(monkeypatch):

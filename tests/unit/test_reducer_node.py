@@ -205,3 +205,24 @@ def test_one_holder_pushes_a_wanted_state_the_first_by_peer_id():
                (("b", 3, "abcdef"), ("a", 3, "abcdef"), ("c", 2, "fedcba"))]
     assert pusher_of(records, (3, "abcdef")) == "a" and pusher_of(records, (2, "fedcba")) == "c"
     assert pusher_of(records, (4, "abcdef")) is None
+
+
+def test_a_reducer_node_that_dies_mid_round_fails_the_round_for_every_member_alike():
+    """The node serves its first piece's sum and dies: no member may commit what it has, and every one blames the
+    node (each member's round raises, so each rolls back and keeps its Δ for the next)."""
+    from p2pdiloco.swarm.codes import PIECE, CodesError
+    from tests.unit.test_codes_transport import DiesAfterOnePiece
+
+    n, fmt = 3 * PIECE, codec.DenseFormat(4, 2)
+    ex = {name: CodesExchange(max_payload=1 << 22) for name in "abz"}
+    codes = {name: torch.randint(-7, 8, (n,), generator=torch.Generator().manual_seed(i)) for i, name in enumerate("ab")}
+    selected = torch.ones(n, dtype=torch.bool)
+
+    async def round_():
+        members = [ex[me].run(b"g", ["a", "b"], ["z"], me, made(codes[me], selected), fmt,
+                              lambda peer, me=me: DiesAfterOnePiece(ex[peer], me), timeout=2.0) for me in "ab"]
+        node = ex["z"].reduce_only(b"g", ["a", "b"], ["z"], "z", n, fmt, 1.5)
+        return await asyncio.gather(node, *members, return_exceptions=True)
+
+    node, *members = asyncio.run(round_())
+    assert all(isinstance(m, CodesError) and "z" in m.culprits for m in members), members
