@@ -211,9 +211,7 @@ class Expect:
 def parse_member(value: Any, expect: Expect) -> Member:
     """A gathered member record; raises Malformed with the reason."""
     v = _fields(value, _MEMBER_FIELDS + _OPTIONAL_MEMBER_FIELDS, _MEMBER_FIELDS)
-    blame = v.get("blame", [])
-    if not isinstance(blame, (list, tuple)) or len(blame) > MAX_BLAME:
-        raise Malformed(f"blame must be a list of at most {MAX_BLAME} peer ids")
+    blame, credential = _blame_and_pass(v)
     tokens, steps = _int(v["tokens"], "tokens"), _int(v["steps"], "steps")
     if tokens and not steps:
         raise Malformed("tokens without steps")
@@ -221,14 +219,21 @@ def parse_member(value: Any, expect: Expect) -> Member:
     if len(norms) != expect.n_norms:
         raise Malformed(f"norms: expected {expect.n_norms}, got {len(norms)}")
     maxabs, block_norms = _block_statistic(v, "maxabs", expect), _block_statistic(v, "block_norms", expect)
-    credential = v.get("pass", b"")
-    if not isinstance(credential, bytes) or len(credential) > MAX_PASS:
-        raise Malformed(f"pass must be at most {MAX_PASS} bytes")
     return Member(peer=_str(v["peer"], "peer", 1, MAX_ID), name=_str(v["name"], "name", 0, MAX_NAME),
                   version=_int(v["version"], "version"), digest=_str(v["digest"], "digest", MIN_DIGEST, MAX_DIGEST),
                   tokens=tokens, steps=steps, budget=_budget(v["budget"]), norms=norms, maxabs=maxabs,
-                  block_norms=block_norms, blame=frozenset(_str(p, "blame", 1, MAX_ID) for p in blame),
-                  credential=credential)
+                  block_norms=block_norms, blame=blame, credential=credential)
+
+
+def _blame_and_pass(v: dict) -> tuple[frozenset, bytes]:
+    """A gathered record's optional blame list and swarm pass."""
+    blame = v.get("blame", [])
+    if not isinstance(blame, (list, tuple)) or len(blame) > MAX_BLAME:
+        raise Malformed(f"blame must be a list of at most {MAX_BLAME} peer ids")
+    credential = v.get("pass", b"")
+    if not isinstance(credential, bytes) or len(credential) > MAX_PASS:
+        raise Malformed(f"pass must be at most {MAX_PASS} bytes")
+    return frozenset(_str(p, "blame", 1, MAX_ID) for p in blame), credential
 
 
 def _block_statistic(v: dict, name: str, expect: Expect) -> bytes:
@@ -254,8 +259,7 @@ def _budget(value: Any) -> float:
         return math.inf
 
 
-_NODE_FIELDS = ("peer", "name", "budget")
-_OPTIONAL_NODE_FIELDS = ("blame", "pass")
+_NODE_FIELDS = ("peer", "name", "budget")  # and, as a member's, "blame" and "pass"
 
 
 @dataclass(frozen=True)
@@ -272,16 +276,11 @@ class ReducerNode:
 def parse_reducer_node(value: Any) -> ReducerNode:
     """A reducer node's gathered record; raises Malformed with the reason. Its budget is read and not used: the
     round's deadline is the contributors' to agree."""
-    v = _fields(value, _NODE_FIELDS + _OPTIONAL_NODE_FIELDS, _NODE_FIELDS)
-    blame = v.get("blame", [])
-    if not isinstance(blame, (list, tuple)) or len(blame) > MAX_BLAME:
-        raise Malformed(f"blame must be a list of at most {MAX_BLAME} peer ids")
-    credential = v.get("pass", b"")
-    if not isinstance(credential, bytes) or len(credential) > MAX_PASS:
-        raise Malformed(f"pass must be at most {MAX_PASS} bytes")
+    v = _fields(value, _NODE_FIELDS + _OPTIONAL_MEMBER_FIELDS, _NODE_FIELDS)
+    blame, credential = _blame_and_pass(v)
     _budget(v["budget"])
     return ReducerNode(peer=_str(v["peer"], "peer", 1, MAX_ID), name=_str(v["name"], "name", 0, MAX_NAME),
-                       blame=frozenset(_str(p, "blame", 1, MAX_ID) for p in blame), credential=credential)
+                       blame=blame, credential=credential)
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,8 @@ from p2pdiloco.swarm.wiring import island_prefix
 
 log = logging.getLogger("p2pdiloco")
 
-WINDOW = 3.0  # seconds a reducer node's group stays open to contributors before it begins (if two are in it)
+WINDOW = 3.0  # seconds a reducer node's group stays open, from when two trainers look for an island
+LOOK_AGAIN = 0.25  # seconds between reads of the trainers' records while fewer than two look
 STEP_TIMEOUT = WINDOW + 2.0
 LAST_CALLS = 1.0  # seconds a cancelled search's calls to the DHT get before the averager stops  # one search: too few contributors by then, and the node looks again at once
 
@@ -121,6 +122,7 @@ class ReducerAverager(IslandRounds, DecentralizedAverager):
         return self._held.serve_part(request)
 
     async def _island_round(self, group_info) -> IslandReduced:
+        self._held.drop_if_idle()  # a relayed state nobody asked for lately: its memory goes back
         island, plan = self._planned(group_info)
         started = time.monotonic()
         self._refuse_left_out(island, plan, group_info)
@@ -176,8 +178,9 @@ def start_reducer(dht: DHT, cfg: SwarmConfig, rule: SwarmMergeRule) -> ReducerAv
 
 def serve_islands(dht: DHT, cfg: SwarmConfig, name: str, stop: threading.Event) -> None:
     """Reduce parts for the swarm's islands until `stop`: once a trainer has published the swarm's merge rule,
-    lead group after group (each open WINDOW seconds, for up to twice the largest island a peer seeks: hivemind
-    would have a power of two), and say what each round did."""
+    lead a group whenever two trainers are looking for an island, open WINDOW seconds from then to any other that
+    comes (for up to twice the largest island a peer seeks: hivemind would have a power of two), and say what
+    each round did."""
     rule = None
     while rule is None and not stop.is_set():
         rule = swarm_rule(cfg.run_id, fetch_records(dht, cfg.run_id))
@@ -196,9 +199,22 @@ def serve_islands(dht: DHT, cfg: SwarmConfig, name: str, stop: threading.Event) 
                      name="reducer-announce").start()
     try:
         while not stop.is_set():
-            _one_group(averager, record, stop)
+            if _looking(dht, cfg.run_id) >= 2:
+                _one_group(averager, record, stop)
+            else:
+                stop.wait(LOOK_AGAIN)
     finally:
         averager.shutdown()
+
+
+def _looking(dht: DHT, run_id: str) -> int:
+    """How many live trainers look for an island now, as their records say. A group opened before the second
+    came would begin with one contributor too few, or run out under one that was a moment late; and a node that
+    leads while nobody looks only churns the DHT."""
+    try:
+        return sum(r.ready >= 0 for r in fetch_records(dht, run_id))
+    except Exception:  # the DHT did not answer in time: look again
+        return 0
 
 
 def _announce(dht: DHT, run_id: str, peer: str, name: str, stop: threading.Event) -> None:

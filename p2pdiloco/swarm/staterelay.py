@@ -125,7 +125,7 @@ class HeldState:
     def key(self) -> Optional[Key]:
         return None if self.metadata is None else (self.metadata["version"], self.metadata["digest"])
 
-    def _drop_if_idle(self) -> None:
+    def drop_if_idle(self) -> None:
         if self.metadata is not None and self.clock() - self.used > HELD_SECONDS:
             self.metadata = self.flat = None
 
@@ -133,7 +133,7 @@ class HeldState:
         """Take a pushed state; why not, or "". Anything but exactly 2n finite fp32 elements in order is refused;
         a state no newer than the one held is not taken (the held one stays until idle)."""
         async with self._taking:
-            self._drop_if_idle()
+            self.drop_if_idle()
             header = await anext(requests, None)
             try:
                 value = serializer.loads(header.metadata) if header is not None else None
@@ -185,7 +185,7 @@ class HeldState:
     async def serve_part(self, request: averaging_pb2.DownloadData) -> AsyncIterator[averaging_pb2.DownloadData]:
         """A part of the held state, as a donor serves one (statefetch.PartServer), or why not (not held yet: the
         fetcher asks again until its holder has pushed it)."""
-        self._drop_if_idle()
+        self.drop_if_idle()
         try:
             version, digest, start, length = parse_part_request(request.metadata)
         except ValueError as e:

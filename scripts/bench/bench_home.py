@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 
 from p2pdiloco.core import codec
@@ -56,8 +57,7 @@ class NodeMemory:
             children = sorted((p for p in read_procs() if p.ppid == self.pid and "python" in p.cmdline),
                               key=lambda p: p.started)
             averager = children[-1].pid if len(children) >= 2 else None  # the DHT's child is forked first
-            self.samples.append((time.monotonic(), rss_bytes(self.pid),
-                                 rss_bytes(averager) if averager else 0))
+            self.samples.append((time.time(), rss_bytes(self.pid), rss_bytes(averager) if averager else 0))
 
 
 def interface_bytes(tb: Testbed) -> int:
@@ -76,7 +76,7 @@ def run(variant: str, args) -> dict:
                  prefix="p2pdt-homeb", natted=frozenset(trainers)) as tb:
         node = subprocess.Popen([*tb.exec_prefix(0), sys.executable, "-m", "p2pdiloco.cli", "bootstrap", "--listen",
                                  f"/ip4/{tb.host_address(0)}/tcp/0", "--log-dir", str(log_dir), "--run-id", "home",
-                                 "--bandwidth-mbps", str(args.rate_mbit), *(["--reduce"] if variant == "node" else [])],
+                                 *(["--reduce"] if variant == "node" else [])],
                                 stdout=open(log_dir / "node.out", "w"), stderr=subprocess.STDOUT)
         procs = [node]
         try:
@@ -104,31 +104,44 @@ def run(variant: str, args) -> dict:
     return summarize(log_dir, args, variant, codes, wall, moved, memory.samples)
 
 
+def logged_at(line: str) -> float:
+    """The wall-clock time of a log line ("2026-11-28 21:29:31,717 INFO ...")."""
+    return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
 def summarize(log_dir: Path, args, variant: str, codes: list, wall: float, moved: int, memory: list) -> dict:
-    rounds = {f"p{i}": of_kind(read_records(log_dir / f"p{i}.jsonl"), Round) for i in range(1, args.trainers + 1)}
-    summaries = [s for i in range(1, args.trainers + 1) for s in of_kind(read_records(log_dir / f"p{i}.jsonl"),
-                                                                        Summary)]
+    names = [f"p{i}" for i in range(1, args.trainers + 1)]
+    rounds = {name: of_kind(read_records(log_dir / f"{name}.jsonl"), Round) for name in names}
+    summaries = [s for name in names for s in of_kind(read_records(log_dir / f"{name}.jsonl"), Summary)]
     merged = {name: [r for r in rs if r.applied and len(r.members) > 1] for name, rs in rounds.items()}
-    versions = {r.version for rs in merged.values() for r in rs}
-    sizes = [len(r.members) for rs in merged.values() for r in rs]
     n = next((s.n_params for s in of_kind(read_records(log_dir / "p1.jsonl"), Start) if s.n_params), 0)
     bits = codec.BITS[args.compression]
-    senders = statistics.median(sizes) if sizes else 0
-    one_part = codec.packed_bytes(n, bits) if n else None
-    single_reducer = senders * (codec.packed_bytes(n, bits) + codec.packed_bytes(n, codec.sum_width(bits, int(senders)))) \
-        if n and senders else None
+    # what the node reduced: one line per group, naming its members; as the only reducer of a group of N it takes
+    # N senders' codes of the whole model and serves the sum N times
+    groups = [line.split("reduced a part for ", 1)[1].split(" in ")[0].count(",") + 1
+              for line in (log_dir / "node.out").read_text().splitlines() if "reduced a part for" in line]
+    needed = sum(k * (codec.packed_bytes(n, bits) + codec.packed_bytes(n, codec.sum_width(bits, k))) for k in groups)
+    # the state relayed for peers in need: each push comes in, and goes out again to the peer that fetches it
+    pushes = [logged_at(line) for name in names for line in (log_dir / f"{name}.log").read_text().splitlines()
+              if "pushed our state" in line]
+    relayed = 2 * len(pushes) * 2 * n * 4
+    before_relay = [a for t, _, a in memory if a and (not pushes or t < min(pushes))]
     baseline = next((a for _, _, a in memory if a), 0)
     peak = max((a for _, _, a in memory), default=0)
     return dict(variant=variant, exit_codes=codes, wall_seconds=round(wall, 1), n_params=n,
                 rounds_tried={k: len(v) for k, v in rounds.items()}, rounds_merged={k: len(v) for k, v in merged.items()},
                 merged_share=sum(map(len, merged.values())) / max(1, sum(map(len, rounds.values()))),
-                island_sizes=sizes, global_versions=len(versions),
+                not_merged={k: [r.reason for r in v if not (r.applied and len(r.members) > 1)] for k, v in rounds.items()},
+                global_versions=len({r.version for rs in merged.values() for r in rs}), node_groups=groups,
                 utilization=statistics.mean(s.utilization for s in summaries) if summaries else None,
-                node_bytes=moved, node_bytes_per_round=moved / len(versions) if versions else None,
-                single_reducer_bytes_per_round=single_reducer,
-                node_over_single_reducer=(moved / len(versions) / single_reducer) if versions and single_reducer else None,
+                node_bytes=moved, node_bytes_needed_by_its_groups=needed, state_pushes=len(pushes),
+                state_relay_bytes=relayed,
+                node_over_needed=(moved - relayed) / needed if needed else None,
+                node_over_needed_with_relay=moved / needed if needed else None,
                 node_averager_rss_before=baseline, node_averager_rss_peak=peak,
-                node_averager_extra=peak - baseline if baseline else None, one_senders_codes=one_part)
+                node_averager_extra=peak - baseline if baseline else None,
+                node_averager_extra_before_relay=(max(before_relay) - baseline) if before_relay and baseline else None,
+                one_senders_codes=codec.packed_bytes(n, bits) if n else None)
 
 
 def main():
