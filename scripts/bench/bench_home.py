@@ -1,9 +1,9 @@
 """A swarm of home volunteers on the testbed: TRAINERS peers, each behind its own masquerading NAT that lets
 nothing in, and one public node at RATE Mbit/s and DELAY ms one way, with and without `bootstrap --reduce`.
 
-Per variant: the rounds each trainer tried and merged, compute utilization, the node's bytes on its interface per
-merged round against what an all-reduce through one reducer moves (each of the N senders pushes its codes of the
-whole model and fetches the sum), and the peak memory of the node's averager process above its resident size
+Per variant: the rounds each trainer tried and merged, compute utilization, the node's bytes on its interface
+against what its groups need (each of the N senders pushes its codes of the whole model and fetches the sum: as
+packed, before the lossless stage) and against what the trainers' averagers measured sending and receiving, and the peak memory of the node's averager process above its resident size
 before the first round, against the bytes of one sender's codes. Needs root; run it as
     python scripts/bench/bench_home.py [--model small] [-H 20] [--rounds 6] [--variants node,none]
 """
@@ -125,6 +125,9 @@ def summarize(log_dir: Path, args, variant: str, codes: list, wall: float, moved
     pushes = [logged_at(line) for name in names for line in (log_dir / f"{name}.log").read_text().splitlines()
               if "pushed our state" in line]
     relayed = 2 * len(pushes) * 2 * n * 4
+    # what the rounds moved, as every trainer measured it at its averager: the node is the only public member,
+    # so each of those bytes went to it or came from it
+    trainers_moved = sum((r.bytes_sent or 0) + (r.bytes_received or 0) for rs in rounds.values() for r in rs)
     before_relay = [a for t, _, a in memory if a and (not pushes or t < min(pushes))]
     baseline = next((a for _, _, a in memory if a), 0)
     peak = max((a for _, _, a in memory), default=0)
@@ -134,7 +137,8 @@ def summarize(log_dir: Path, args, variant: str, codes: list, wall: float, moved
                 not_merged={k: [r.reason for r in v if not (r.applied and len(r.members) > 1)] for k, v in rounds.items()},
                 global_versions=len({r.version for rs in merged.values() for r in rs}), node_groups=groups,
                 utilization=statistics.mean(s.utilization for s in summaries) if summaries else None,
-                node_bytes=moved, node_bytes_needed_by_its_groups=needed, state_pushes=len(pushes),
+                node_bytes=moved, node_bytes_needed_by_its_groups=needed, trainers_round_bytes=trainers_moved,
+                node_over_trainers=moved / trainers_moved if trainers_moved else None, state_pushes=len(pushes),
                 state_relay_bytes=relayed,
                 node_over_needed=(moved - relayed) / needed if needed else None,
                 node_over_needed_with_relay=moved / needed if needed else None,
