@@ -73,8 +73,10 @@ def with_others(tmp_path, name: str) -> list[Round]:
 
 
 @pytest.mark.parametrize("compression", [
-    "none",  # hivemind's all-reduce: a client-mode member gets no part to reduce
-    pytest.param("int4", marks=pytest.mark.slow),  # p2pdiloco's reduce-scatter (its client side: test_codes_transport)
+    # both slow (42 s each): the default suite's budget. There, test_home_volunteers runs NAT'd clients end to end
+    # (through a reducer node), test_churn a late join from public donors, test_codes_transport a client's part
+    pytest.param("none", marks=pytest.mark.slow),
+    pytest.param("int4", marks=pytest.mark.slow),
 ])
 def test_a_peer_behind_a_nat_joins_in_client_mode_fetches_state_and_contributes_to_merged_rounds(tmp_path, compression):
     wire = ["--compression", compression]

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 import torch
 from hivemind.compression import deserialize_torch_tensor
-from hivemind.proto import averaging_pb2
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming
 
 from p2pdiloco.config import OuterConfig, SwarmConfig, merge_rule
@@ -226,3 +226,47 @@ def test_a_reducer_node_that_dies_mid_round_fails_the_round_for_every_member_ali
 
     node, *members = asyncio.run(round_())
     assert all(isinstance(m, CodesError) and "z" in m.culprits for m in members), members
+
+
+def test_a_reducer_node_that_serves_more_than_its_senders_could_send_is_refused_and_blamed_by_every_member():
+    """The node is held to its senders' claims like any reducer: it serves 20× the sum (clamped to the sum's
+    width); every member finds it beyond what the senders claimed, rolls back and names the node."""
+    from p2pdiloco.core.claims import block_norms, claims_in_codes
+    from p2pdiloco.swarm.codes import CodesError
+    from tests.unit.test_codes_transport import LoopbackStub
+
+    n, fmt = 4 * codec.BLOCK, codec.DenseFormat(4, 2)
+    g = torch.Generator().manual_seed(7)
+    xs = {name: torch.randn(n, generator=g) for name in "ab"}
+    scales = codec.agreed_scales([codec.block_maxabs(x) for x in xs.values()], 4)
+    codes = {name: codec.quantize(x, scales, 4).to(torch.int64) for name, x in xs.items()}
+    claims = {name: claims_in_codes(codec.block_maxabs(x), torch.zeros(4, dtype=torch.bool), block_norms(x), 1.0,
+                                    scales, 7) for name, x in xs.items()}
+    selected = torch.ones(n, dtype=torch.bool)
+
+    class Forging(LoopbackStub):
+        async def rpc_codes_fetch(self, request):
+            honest = await super().rpc_codes_fetch(request)
+
+            async def answer():
+                async for message in honest:
+                    total = (fmt.decode_sum(message.tensor_part.buffer, n) * 20).clamp(-15, 15)
+                    yield averaging_pb2.DownloadData(metadata=message.metadata, tensor_part=runtime_pb2.Tensor(
+                        buffer=fmt.encode_sum(total)))
+            return answer()
+
+    def run_round(stub):
+        ex = {name: CodesExchange(max_payload=1 << 20) for name in "abz"}
+
+        async def everyone():
+            members = [ex[me].run(b"g", ["a", "b"], ["z"], me, made(codes[me], selected), fmt,
+                                  lambda peer, me=me: stub(ex[peer], me), timeout=3.0, claims=claims) for me in "ab"]
+            node = ex["z"].reduce_only(b"g", ["a", "b"], ["z"], "z", n, fmt, 2.0, claims)
+            return await asyncio.gather(node, *members, return_exceptions=True)
+        return asyncio.run(everyone())
+
+    _, *honest = run_round(LoopbackStub)
+    assert all(torch.equal(torch.cat(r.sums).to(torch.int64), codes["a"] + codes["b"]) for r in honest)
+    _, *forged = run_round(Forging)
+    assert all(isinstance(r, CodesError) and r.culprits == frozenset({"z"}) and "beyond" in str(r) for r in forged), \
+        forged
