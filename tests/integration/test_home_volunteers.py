@@ -104,3 +104,42 @@ def test_without_a_reducer_node_they_say_why_no_island_forms_once_and_keep_train
 def rounds(tmp_path, name: str) -> list[Round]:
     path = tmp_path / f"{name}.jsonl"
     return of_kind(read_records(path), Round) if path.exists() else []
+
+
+@pytest.mark.slow  # 30 s: the default suite's budget
+def test_two_reducer_nodes_share_the_parts_of_every_round(tmp_path):
+    """Two nodes (the second joins through the first) and two clients on loopback: both nodes reduce a part of
+    each round, and the clients stay bitwise-equal."""
+    def node(name: str, *args: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "p2pdiloco.cli", "bootstrap", "--reduce", "--name", name,
+                                 "--listen", "/ip4/127.0.0.1/tcp/0", "--log-dir", str(tmp_path), "--run-id", "two",
+                                 *args], stdout=open(tmp_path / f"{name}.out", "w"), stderr=subprocess.STDOUT)
+
+    procs, codes = [node("a")], []
+    try:
+        wait_for(lambda: (tmp_path / "a.addrs").exists(), 60, "node a's address")
+        address = ["--initial-peers", (tmp_path / "a.addrs").read_text().split()[0]]
+        procs.append(node("b", *address))
+        wait_for(lambda: (tmp_path / "b.addrs").exists(), 60, "node b's address")
+        procs += [subprocess.Popen(
+            [sys.executable, "-m", "p2pdiloco.cli", "join", *address, "--client-mode", "--name", f"p{i}", "--model",
+             "tiny", "--threads", "1", "-H", "10", "--eval-every", "0", "--checkpoint-every", "0", "--compression",
+             "int4", "--log-dir", str(tmp_path), "--run-id", "two", "--max-rounds", "4"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in (1, 2)]
+        codes = [p.wait(timeout=180) for p in procs[2:]]
+        for p in procs[:2]:
+            p.send_signal(signal.SIGINT)
+            codes.append(p.wait(timeout=60))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0, 0, 0, 0]
+    reduced = [(tmp_path / f"{n}.out").read_text().count("reduced a part for") for n in "ab"]
+    digests = {}
+    for i in (1, 2):
+        for r in merged(tmp_path, f"p{i}"):
+            digests.setdefault(r.version, set()).add(r.digest)
+    assert len(digests) >= 2 and all(len(d) == 1 for d in digests.values()), digests
+    # one reduction per node and round: more than the rounds means some rounds were shared
+    assert min(reduced) >= 1 and sum(reduced) > len(digests), (reduced, len(digests))
