@@ -106,40 +106,47 @@ def rounds(tmp_path, name: str) -> list[Round]:
     return of_kind(read_records(path), Round) if path.exists() else []
 
 
-@pytest.mark.slow  # 30 s: the default suite's budget
-def test_two_reducer_nodes_share_the_parts_of_every_round(tmp_path):
-    """Two nodes (the second joins through the first) and two clients on loopback: both nodes reduce a part of
-    each round, and the clients stay bitwise-equal."""
+@pytest.mark.slow  # 40 s: the default suite's budget
+def test_two_reducer_nodes_share_the_parts_and_the_swarm_outlives_one_of_them(tmp_path):
+    """Two nodes (the second joins through the first) and two clients on loopback that know both: both nodes
+    reduce a part of each round; node a is SIGKILLed, and the clients go on merging through b, bitwise-equal.
+    (With one node only, a client-mode peer that lost it never found it again once it came back: it then
+    trained alone. docs/internet.md says to run two.)"""
     def node(name: str, *args: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "p2pdiloco.cli", "bootstrap", "--reduce", "--name", name,
                                  "--listen", "/ip4/127.0.0.1/tcp/0", "--log-dir", str(tmp_path), "--run-id", "two",
-                                 *args], stdout=open(tmp_path / f"{name}.out", "w"), stderr=subprocess.STDOUT)
+                                 *args], stdout=open(tmp_path / f"{name}.out", "w"), stderr=subprocess.STDOUT,
+                                start_new_session=True)  # its DHT, averager and daemon die with it
 
     procs, codes = [node("a")], []
     try:
         wait_for(lambda: (tmp_path / "a.addrs").exists(), 60, "node a's address")
-        address = ["--initial-peers", (tmp_path / "a.addrs").read_text().split()[0]]
-        procs.append(node("b", *address))
+        a = ["--initial-peers", (tmp_path / "a.addrs").read_text().split()[0]]
+        procs.append(node("b", *a))
         wait_for(lambda: (tmp_path / "b.addrs").exists(), 60, "node b's address")
+        both = [*a, "--initial-peers", (tmp_path / "b.addrs").read_text().split()[0]]
         procs += [subprocess.Popen(
-            [sys.executable, "-m", "p2pdiloco.cli", "join", *address, "--client-mode", "--name", f"p{i}", "--model",
+            [sys.executable, "-m", "p2pdiloco.cli", "join", *both, "--client-mode", "--name", f"p{i}", "--model",
              "tiny", "--threads", "1", "-H", "10", "--eval-every", "0", "--checkpoint-every", "0", "--compression",
-             "int4", "--log-dir", str(tmp_path), "--run-id", "two", "--max-rounds", "4"],
+             "int4", "--log-dir", str(tmp_path), "--run-id", "two", "--max-rounds", "8"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in (1, 2)]
+        wait_for(lambda: len(merged(tmp_path, "p1")) >= 3 or procs[2].poll() is not None, 120, "three merged rounds")
+        shared = [(tmp_path / f"{n}.out").read_text().count("reduced a part for") for n in "ab"]
+        killed_at = len(merged(tmp_path, "p1"))
+        os.killpg(procs[0].pid, signal.SIGKILL)
         codes = [p.wait(timeout=180) for p in procs[2:]]
-        for p in procs[:2]:
-            p.send_signal(signal.SIGINT)
-            codes.append(p.wait(timeout=60))
+        procs[1].send_signal(signal.SIGINT)
+        codes.append(procs[1].wait(timeout=60))
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert codes == [0, 0, 0, 0]
-    reduced = [(tmp_path / f"{n}.out").read_text().count("reduced a part for") for n in "ab"]
+    assert codes == [0, 0, 0]
     digests = {}
     for i in (1, 2):
         for r in merged(tmp_path, f"p{i}"):
             digests.setdefault(r.version, set()).add(r.digest)
-    assert len(digests) >= 2 and all(len(d) == 1 for d in digests.values()), digests
+    assert all(len(d) == 1 for d in digests.values()), digests
     # one reduction per node and round: more than the rounds means some rounds were shared
-    assert min(reduced) >= 1 and sum(reduced) > len(digests), (reduced, len(digests))
+    assert min(shared) >= 1 and sum(shared) >= killed_at + 2, (shared, killed_at)
+    assert len(merged(tmp_path, "p1")) >= killed_at + 2, "no round merged through node b after a died"
