@@ -3,6 +3,7 @@ workload → helper processes → θ and Θ → record, merger, DiLoCo → our c
 
 from __future__ import annotations
 
+import functools
 import threading
 
 from p2pdiloco.config import PeerConfig
@@ -17,6 +18,7 @@ from p2pdiloco.parts.workload import Workload, parking_folder, prepare
 from p2pdiloco.protocol.remote import PeerRecord
 from p2pdiloco.protocol.timing import RoundClock
 from p2pdiloco.runtime.metrics import open_sinks
+from p2pdiloco.swarm import node
 from p2pdiloco.swarm.records import Heartbeat
 from p2pdiloco.swarm.wiring import build_merger
 from p2pdiloco.training.data import BatchStream, order_seed, stream_seed
@@ -63,7 +65,10 @@ def _merger(cfg: PeerConfig, workload: Workload, helpers: Helpers, state, name: 
             seams: Seams):
     record = PeerRecord(peer=helpers.peer_id, name=name, version=state.version, digest=state.digest,
                         client_mode=cfg.swarm.client_mode, settings=workload.settings(cfg))
-    heartbeat = Heartbeat(helpers.dht, cfg.swarm.run_id, record)
+    # a peer that sees no other asks its initial peers again: after a restart of the only public one, say
+    heartbeat = Heartbeat(helpers.dht, cfg.swarm.run_id, record,
+                          functools.partial(node.rejoin, helpers.dht, cfg.swarm.initial_peers)
+                          if cfg.swarm.initial_peers else None)
     return build_merger(helpers.settings, helpers.dht, helpers.averager, heartbeat, state.why_not_adopt, stop,
                         RoundClock(), parking_folder(cfg), seams.merger)
 

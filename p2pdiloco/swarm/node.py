@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import os
 import signal
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from hivemind import DHT
 
@@ -114,6 +115,22 @@ async def _count_neighbours(_dht, node) -> int:  # runs inside the DHT process (
 
 def _has_neighbours(dht: DHT) -> bool:
     return dht.run_coroutine(_count_neighbours) > 0
+
+
+async def _ping_all(_dht, node, peers: list[str]) -> int:  # runs inside the DHT process (must be picklable)
+    from hivemind.p2p import PeerID
+
+    for peer in peers:
+        await node.protocol.call_ping(PeerID.from_base58(peer))  # one that answers goes back in the routing table
+    return len(node.protocol.routing_table.uid_to_peer_id)
+
+
+def rejoin(dht: DHT, initial_peers: Sequence[str]) -> int:
+    """Ping our initial peers again; our neighbours after. A DHT node forgets a peer that stopped answering and
+    never asks it again: a client whose only public peers were a node that restarted would stay alone for good
+    (measured: docs/internet.md). Its daemon still knows their addresses, so a ping finds them back."""
+    ids = [address.rsplit("/p2p/", 1)[1] for address in initial_peers if "/p2p/" in address]
+    return dht.run_coroutine(functools.partial(_ping_all, peers=ids)) if ids else 0
 
 
 def _unreachable(cfg: SwarmConfig, why: str) -> str:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections import Counter
-from typing import Optional
+from typing import Callable, Optional
 
 from hivemind import DHT
 from hivemind.utils import get_dht_time
@@ -16,6 +17,7 @@ HEARTBEAT = 2.0  # seconds between re-publications
 TTL = 3 * HEARTBEAT  # a peer silent for this long is considered gone
 DHT_CALL_TIMEOUT = 10.0  # one get or store; the DHT answers in well under a second when alive
 WITHDRAW_TIMEOUT = 2.0  # withdrawing our record when we leave: the leave has a bound of its own
+REJOIN_EVERY = 5.0  # seconds between pings of our initial peers while we see no other peer
 
 
 def records_key(run_id: str) -> str:
@@ -91,8 +93,10 @@ class Heartbeat:
     on), so the training thread never waits on the DHT: `update` returns at once and the thread publishes right
     away."""
 
-    def __init__(self, dht: DHT, run_id: str, record: PeerRecord):
+    def __init__(self, dht: DHT, run_id: str, record: PeerRecord, rejoin: Optional[Callable[[], object]] = None):
         self.dht, self.run_id, self.record = dht, run_id, record
+        self.rejoin = rejoin  # called while no other peer's record is seen: asks our initial peers again
+        self._rejoined = float("-inf")
         self._lock = threading.Lock()
         self._stop, self._changed = threading.Event(), threading.Event()
         self._records: list[PeerRecord] = []
@@ -129,9 +133,17 @@ class Heartbeat:
             try:
                 self.publish()
                 self._records = fetch_records(self.dht, self.run_id)
+                self._rejoin_if_alone()
             except Exception:  # the DHT may be shutting down; the next beat retries
                 pass
             self._changed.wait(HEARTBEAT)
+
+    def _rejoin_if_alone(self) -> None:
+        if self.rejoin is None or any(r.peer != self.record.peer for r in self._records):
+            return
+        if time.monotonic() - self._rejoined >= REJOIN_EVERY:
+            self._rejoined = time.monotonic()
+            self.rejoin()
 
     def stop(self) -> None:
         self._stop.set()

@@ -58,6 +58,11 @@ SEAMS = (
     Seam("ServicerBase RPC names from the class name", "faults/averager.py",
          "a subclass speaks the same protocol only under the same class name",
          "tests/unit/test_faults.py::test_a_faulty_averager_speaks_the_production_averagers_protocol"),
+    Seam("DHTNode.protocol.call_ping", "swarm/node.py",
+         "pings our initial peers again while we see no other peer, inside the DHT process: a node forgets a peer "
+         "that stopped answering, and a client whose only public peer restarted would stay alone",
+         "tests/integration/test_home_volunteers.py::test_clients_find_their_only_node_again_after_it_restarts_"
+         "and_merge_again"),
     Seam("DHTNode.protocol.routing_table", "swarm/node.py",
          "whether any initial peer answered: the routing table's size, read inside the DHT process",
          "tests/unit/test_cli.py::test_unreachable_initial_peer_fails_fast_and_clearly"),

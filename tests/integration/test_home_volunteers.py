@@ -5,6 +5,7 @@ it they say why no island forms, and train on alone."""
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 
@@ -150,3 +151,47 @@ def test_two_reducer_nodes_share_the_parts_and_the_swarm_outlives_one_of_them(tm
     # one reduction per node and round: more than the rounds means some rounds were shared
     assert min(shared) >= 1 and sum(shared) >= killed_at + 2, (shared, killed_at)
     assert len(merged(tmp_path, "p1")) >= killed_at + 2, "no round merged through node b after a died"
+
+
+@pytest.mark.slow  # 90 s: the default suite's budget
+def test_clients_find_their_only_node_again_after_it_restarts_and_merge_again(tmp_path):
+    """The one node is SIGKILLed and restarted (its identity and port kept). Meanwhile the clients train alone (and
+    say so once); then they ping their initial peer again (p2pdiloco.swarm.node.rejoin), reconcile, and merge."""
+    with socket.socket() as s:  # a port the system hands out, kept for the node's second life
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def node() -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "p2pdiloco.cli", "bootstrap", "--reduce", "--identity",
+                                 str(tmp_path / "node.key"), "--listen", f"/ip4/127.0.0.1/tcp/{port}", "--log-dir",
+                                 str(tmp_path), "--run-id", "again"], stdout=open(tmp_path / "node.out", "a"),
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+    procs, codes = [node()], []
+    try:
+        wait_for(lambda: (tmp_path / "bootstrap.addrs").exists(), 60, "the node's address")
+        address = ["--initial-peers", (tmp_path / "bootstrap.addrs").read_text().split()[0]]
+        procs += [subprocess.Popen(
+            [sys.executable, "-m", "p2pdiloco.cli", "join", *address, "--client-mode", "--name", f"p{i}", "--model",
+             "tiny", "--threads", "1", "-H", "10", "--eval-every", "0", "--checkpoint-every", "0", "--compression",
+             "int4", "--log-dir", str(tmp_path), "--run-id", "again", "--max-rounds", "30"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in (1, 2)]
+        wait_for(lambda: len(merged(tmp_path, "p1")) >= 2 or procs[1].poll() is not None, 120, "two merged rounds")
+        os.killpg(procs[0].pid, signal.SIGKILL)
+        procs[0].wait()
+        before = len(merged(tmp_path, "p1"))
+        wait_for(lambda: NOBODY_REDUCES in (tmp_path / "p1.log").read_text() or procs[1].poll() is not None, 60,
+                 "the clients to see the node gone")
+        procs[0] = node()
+        codes = [p.wait(timeout=240) for p in procs[1:]]
+        procs[0].send_signal(signal.SIGINT)
+        codes.append(procs[0].wait(timeout=60))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0, 0, 0]
+    after = merged(tmp_path, "p1")[before:]
+    assert len(after) >= 2, [r.reason for r in rounds(tmp_path, "p1")]
+    theirs = {r.version: r.digest for r in merged(tmp_path, "p2")}
+    assert all(theirs.get(r.version, r.digest) == r.digest for r in after)  # merged together, equal again

@@ -1,6 +1,7 @@
 """What remote peers publish or gather is never trusted: malformed values are dropped, never a crash."""
 
 import concurrent.futures
+import dataclasses
 import math
 
 import pytest
@@ -104,3 +105,22 @@ def test_a_dead_dht_never_holds_a_leaving_peer():
     with pytest.raises(TimeoutError):
         records.fetch_records(DeadDHT(), "run", timeout=0.5)
     assert time.monotonic() - started < 2.0
+
+
+def test_a_peer_that_sees_no_other_asks_its_initial_peers_again_every_few_seconds_and_not_otherwise(monkeypatch):
+    from p2pdiloco.swarm import records
+
+    asked, now = [], [100.0]
+    monkeypatch.setattr(records.time, "monotonic", lambda: now[0])
+    me = records.PeerRecord(**GOOD)
+    beat = records.Heartbeat(None, "run", me, rejoin=lambda: asked.append(now[0]))
+    beat._records = [me]  # only ourselves: the node we knew may have restarted
+    beat._rejoin_if_alone()
+    beat._rejoin_if_alone()  # not again within REJOIN_EVERY
+    now[0] += records.REJOIN_EVERY
+    beat._rejoin_if_alone()
+    assert asked == [100.0, 100.0 + records.REJOIN_EVERY]
+    beat._records = [me, dataclasses.replace(me, peer="someone else")]
+    now[0] += records.REJOIN_EVERY
+    beat._rejoin_if_alone()
+    assert len(asked) == 2  # another peer is seen: nothing to find again
