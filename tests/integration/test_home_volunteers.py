@@ -30,6 +30,15 @@ def bootstrap(tb: Testbed, tmp_path, *args: str) -> subprocess.Popen:
         stdout=open(tmp_path / "node.out", "w"), stderr=subprocess.STDOUT)
 
 
+def client(tmp_path, i: int, initial: list[str], run_id: str, rounds: int) -> subprocess.Popen:
+    """A client-mode trainer on loopback (the cases that need no NAT of their own)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "p2pdiloco.cli", "join", *initial, "--client-mode", "--name", f"p{i}", "--model", "tiny",
+         "--threads", "1", "-H", "10", "--eval-every", "0", "--checkpoint-every", "0", "--compression", "int4",
+         "--log-dir", str(tmp_path), "--run-id", run_id, "--max-rounds", str(rounds)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def stop_all(procs: list) -> list[int]:
     """Trainers first, then the node, in order; the exit codes."""
     codes = []
@@ -126,11 +135,7 @@ def test_two_reducer_nodes_share_the_parts_and_the_swarm_outlives_one_of_them(tm
         procs.append(node("b", *a))
         wait_for(lambda: (tmp_path / "b.addrs").exists(), 60, "node b's address")
         both = [*a, "--initial-peers", (tmp_path / "b.addrs").read_text().split()[0]]
-        procs += [subprocess.Popen(
-            [sys.executable, "-m", "p2pdiloco.cli", "join", *both, "--client-mode", "--name", f"p{i}", "--model",
-             "tiny", "--threads", "1", "-H", "10", "--eval-every", "0", "--checkpoint-every", "0", "--compression",
-             "int4", "--log-dir", str(tmp_path), "--run-id", "two", "--max-rounds", "8"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in (1, 2)]
+        procs += [client(tmp_path, i, both, "two", rounds=8) for i in (1, 2)]
         wait_for(lambda: len(merged(tmp_path, "p1")) >= 3 or procs[2].poll() is not None, 120, "three merged rounds")
         shared = [(tmp_path / f"{n}.out").read_text().count("reduced a part for") for n in "ab"]
         killed_at = len(merged(tmp_path, "p1"))
@@ -171,11 +176,7 @@ def test_clients_find_their_only_node_again_after_it_restarts_and_merge_again(tm
     try:
         wait_for(lambda: (tmp_path / "bootstrap.addrs").exists(), 60, "the node's address")
         address = ["--initial-peers", (tmp_path / "bootstrap.addrs").read_text().split()[0]]
-        procs += [subprocess.Popen(
-            [sys.executable, "-m", "p2pdiloco.cli", "join", *address, "--client-mode", "--name", f"p{i}", "--model",
-             "tiny", "--threads", "1", "-H", "10", "--eval-every", "0", "--checkpoint-every", "0", "--compression",
-             "int4", "--log-dir", str(tmp_path), "--run-id", "again", "--max-rounds", "30"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in (1, 2)]
+        procs += [client(tmp_path, i, address, "again", rounds=30) for i in (1, 2)]
         wait_for(lambda: len(merged(tmp_path, "p1")) >= 2 or procs[1].poll() is not None, 120, "two merged rounds")
         os.killpg(procs[0].pid, signal.SIGKILL)
         procs[0].wait()

@@ -384,20 +384,27 @@ def test_pushes_under_made_up_group_ids_cannot_evict_a_round_in_progress():
     assert exchange.reductions.get(b"ours") is ours
 
 
+def claimed_codes(names: str, n: int, seed: int) -> tuple[dict, dict]:
+    """Each sender's int4 codes of a random Δ on the group's agreed scales, and its claims (p2pdiloco.core.claims)."""
+    from p2pdiloco.core.claims import block_norms, claims_in_codes
+    from p2pdiloco.core.exact import n_blocks
+
+    g = torch.Generator().manual_seed(seed)
+    xs = {name: torch.randn(n, generator=g) for name in names}
+    scales = codec.agreed_scales([codec.block_maxabs(x) for x in xs.values()], 4)
+    codes = {name: codec.quantize(x, scales, 4).to(torch.int64) for name, x in xs.items()}
+    claims = {name: claims_in_codes(codec.block_maxabs(x), torch.zeros(n_blocks(n), dtype=torch.bool), block_norms(x),
+                                    1.0, scales, 7) for name, x in xs.items()}
+    return codes, claims
+
+
 def test_every_member_refuses_a_sum_beyond_its_senders_claims_and_blames_the_reducer_that_served_it():
     """b reduces the second part and serves the others 20× its sum (clamped to the sum's 6 bits). Each member holds
     every sender's claims (p2pdiloco.core.claims), so a and c find that sum impossible: both roll back and name b
     (b itself may keep what it likes: the honest members agree with each other). The honest sum passes the same
     check (the claims are those of the codes actually sent)."""
-    from p2pdiloco.core.claims import block_norms, claims_in_codes
-
     n, fmt = 4 * codec.BLOCK, codec.DenseFormat(4, 3)
-    g = torch.Generator().manual_seed(5)
-    xs = {name: torch.randn(n, generator=g) for name in "abc"}
-    scales = codec.agreed_scales([codec.block_maxabs(x) for x in xs.values()], 4)
-    codes = {name: codec.quantize(x, scales, 4).to(torch.int64) for name, x in xs.items()}
-    claims = {name: claims_in_codes(codec.block_maxabs(x), torch.zeros(4, dtype=torch.bool), block_norms(x), 1.0,
-                                    scales, 7) for name, x in xs.items()}
+    codes, claims = claimed_codes("abc", n, seed=5)
     selected = torch.ones(n, dtype=torch.bool)
 
     class Forging(LoopbackStub):

@@ -231,17 +231,11 @@ def test_a_reducer_node_that_dies_mid_round_fails_the_round_for_every_member_ali
 def test_a_reducer_node_that_serves_more_than_its_senders_could_send_is_refused_and_blamed_by_every_member():
     """The node is held to its senders' claims like any reducer: it serves 20× the sum (clamped to the sum's
     width); every member finds it beyond what the senders claimed, rolls back and names the node."""
-    from p2pdiloco.core.claims import block_norms, claims_in_codes
     from p2pdiloco.swarm.codes import CodesError
-    from tests.unit.test_codes_transport import LoopbackStub
+    from tests.unit.test_codes_transport import LoopbackStub, claimed_codes
 
     n, fmt = 4 * codec.BLOCK, codec.DenseFormat(4, 2)
-    g = torch.Generator().manual_seed(7)
-    xs = {name: torch.randn(n, generator=g) for name in "ab"}
-    scales = codec.agreed_scales([codec.block_maxabs(x) for x in xs.values()], 4)
-    codes = {name: codec.quantize(x, scales, 4).to(torch.int64) for name, x in xs.items()}
-    claims = {name: claims_in_codes(codec.block_maxabs(x), torch.zeros(4, dtype=torch.bool), block_norms(x), 1.0,
-                                    scales, 7) for name, x in xs.items()}
+    codes, claims = claimed_codes("ab", n, seed=7)
     selected = torch.ones(n, dtype=torch.bool)
 
     class Forging(LoopbackStub):
