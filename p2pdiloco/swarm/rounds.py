@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # swarm.wiring builds us
 logger = get_logger(__name__)
 RELAY_WAIT = 60.0  # seconds a state relayed through a reducer node may take to come (its holder pushes, we fetch)
 RELAY_RETRY = 1.0  # seconds between asks, until its holder has pushed it
+RELAY_PER_NODE = 15.0  # seconds we ask one reducer node for the state before we ask the next
 NOBODY_REDUCES = ("no island can form: this peer and every live peer are in client mode (nobody can dial them) "
                   "and no reducer node is up; training on alone. Fix: a public peer, or `p2pdiloco bootstrap "
                   "--reduce` on a public machine (docs/internet.md)")
@@ -312,13 +313,16 @@ class SwarmMerger:
         to a reducer node and fetched from there (p2pdiloco.swarm.staterelay); the state and its holders, who
         vouch for its digest as its donors would."""
         nodes = fetch_reducers(self.dht, self.cfg.run_id)
-        until = min(rules.deadline, time.monotonic() + RELAY_WAIT)
+        started = time.monotonic()
+        until = min(rules.deadline, started + RELAY_WAIT)
         while nodes and time.monotonic() < until and not self._stopping():
             live = rules.live(self.live_others(), time.monotonic())  # the swarm may have moved on since the last try
             keys = [r.key for r in live if r.version >= rules.min_version]
             if not keys:
                 break
-            key, node = max(keys), nodes[0]["peer"]
+            # each node for RELAY_PER_NODE seconds in turn: one that died or never gets the state is not the end
+            key = max(keys)
+            node = nodes[int((time.monotonic() - started) // RELAY_PER_NODE) % len(nodes)]["peer"]
             want_state(self.dht, self.cfg.run_id, self.peer, key, node)
             loaded, _ = self._from_donors((key, [node]), until)
             if loaded is not None:

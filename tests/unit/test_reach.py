@@ -228,6 +228,28 @@ def test_where_only_clients_hold_the_state_it_comes_through_a_reducer_node_once_
     assert wants[0] == ((ours.version + 2, ours.digest), "node") and merger.fetched == ["node"]
 
 
+def test_a_state_relayed_through_reducer_nodes_is_asked_of_the_next_node_when_one_never_serves_it(monkeypatch):
+    ours, _ = lineage()
+    holder = PeerRecord(peer="c1", name="c1", version=ours.version, digest=ours.digest, client_mode=True)
+    merger = driver(monkeypatch, ours, {"second": served(ours)}, [holder])  # only the second node ever serves it
+    monkeypatch.setattr(rounds, "fetch_records", lambda dht, run_id: [holder])
+    monkeypatch.setattr(rounds, "fetch_reducers", lambda dht, run_id: [dict(peer="dead", name="a"),
+                                                                        dict(peer="second", name="b")])
+    monkeypatch.setattr(rounds, "RELAY_RETRY", 0.01)
+    monkeypatch.setattr(rounds, "RELAY_PER_NODE", 0.1)
+    wants, fetch = [], merger.fetcher.fetch
+
+    def only_the_second(donors, key, size, timeout, leaving):
+        if donors != ["second"]:
+            raise RuntimeError("this reducer node does not answer")
+        return fetch(donors, key, size, timeout, leaving)
+
+    merger.fetcher.fetch = only_the_second
+    monkeypatch.setattr(rounds, "want_state", lambda dht, run_id, peer, key, node: wants.append(node))
+    loaded = SwarmMerger.download(merger, ours.version, "joining", timeout=30.0)
+    assert loaded is not None and wants[0] == "dead" and wants[-1] == "second"
+
+
 def test_a_download_waits_for_a_state_a_live_peer_is_still_making(monkeypatch):
     """A peer whose island's all-reduce runs may publish the state asked for: it is waited for, and taken."""
     ours, g = lineage()
