@@ -35,17 +35,18 @@ def announce_reducer(dht: DHT, run_id: str, peer: str, name: str) -> None:
                       expiration_time=get_dht_time() + TTL, return_future=True), DHT_CALL_TIMEOUT)
 
 
-def fetch_reducers(dht: DHT, run_id: str, timeout: float = DHT_CALL_TIMEOUT) -> list[dict]:
-    """The live reducer nodes' announcements ({peer, name}), the malformed ones skipped."""
-    found = bounded(dht.get(reducers_key(run_id), latest=True, return_future=True), timeout)
+def live_values(dht: DHT, key: str, timeout: float = DHT_CALL_TIMEOUT) -> list:
+    """The values stored under `key`'s subkeys that have not expired (anything: the caller validates them)."""
+    found = bounded(dht.get(key, latest=True, return_future=True), timeout)
     if found is None or not isinstance(found.value, dict):
         return []
-    out = []
-    for item in found.value.values():
-        value = getattr(item, "value", None)
-        if isinstance(value, dict) and all(isinstance(value.get(k), str) and len(value[k]) <= 128
-                                           for k in ("peer", "name")):
-            out.append(dict(peer=value["peer"], name=value["name"]))
+    return [getattr(item, "value", None) for item in found.value.values()]
+
+
+def fetch_reducers(dht: DHT, run_id: str, timeout: float = DHT_CALL_TIMEOUT) -> list[dict]:
+    """The live reducer nodes' announcements ({peer, name}), the malformed ones skipped."""
+    out = [dict(peer=v["peer"], name=v["name"]) for v in live_values(dht, reducers_key(run_id), timeout)
+           if isinstance(v, dict) and all(isinstance(v.get(k), str) and len(v[k]) <= 128 for k in ("peer", "name"))]
     return sorted(out, key=lambda r: (r["name"], r["peer"]))
 
 

@@ -36,7 +36,7 @@ from p2pdiloco.config import SwarmConfig
 from p2pdiloco.core import codec
 from p2pdiloco.protocol.island import Bounds, PenaltyBox, Stragglers
 from p2pdiloco.protocol.merge import group_scales, wire_format
-from p2pdiloco.protocol.remote import Expect, PeerRecord
+from p2pdiloco.protocol.remote import MAX_NORMS, Expect, PeerRecord
 from p2pdiloco.protocol.round import IslandReduced
 from p2pdiloco.swarm.auth import MemberPasses, load_swarm_key
 from p2pdiloco.swarm.averager import ExactAverager, averager_limits, hivemind_schema
@@ -51,8 +51,9 @@ log = logging.getLogger("p2pdiloco")
 
 WINDOW = 3.0  # seconds a reducer node's group stays open, from when two trainers look for an island
 LOOK_AGAIN = 0.25  # seconds between reads of the trainers' records while fewer than two look
-STEP_TIMEOUT = WINDOW + 2.0
-LAST_CALLS = 1.0  # seconds a cancelled search's calls to the DHT get before the averager stops  # one search: too few contributors by then, and the node looks again at once
+STEP_TIMEOUT = WINDOW + 2.0  # one search: too few contributors by then, and the node looks again at once
+LAST_CALLS = 1.0  # seconds a cancelled search's calls to the DHT get before the averager stops
+MAX_PARAMETERS = 1 << 37  # a published model size beyond this is a liar's: hivemind gets one view per 1 MB of it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,9 +71,13 @@ class SwarmMergeRule:
 
     @classmethod
     def of(cls, run_id: str, settings: dict) -> "SwarmMergeRule":
-        """Raises KeyError or ValueError where a setting is missing or malformed."""
+        """Raises KeyError or ValueError where a setting is missing, malformed or out of range (settings come from
+        any peer's record)."""
         s = settings
-        return cls(island_prefix(run_id, s), int(s["parameters"]), int(s["norms"]), codec.BITS[s["compression"]],
+        n, n_norms = int(s["parameters"]), int(s["norms"])
+        if not 0 < n <= MAX_PARAMETERS or not 0 <= n_norms <= MAX_NORMS:
+            raise ValueError(f"a model of {n} parameters and {n_norms} norms is out of range")
+        return cls(island_prefix(run_id, s), n, n_norms, codec.BITS[s["compression"]],
                    None if s["topk"] == "off" else float(s["topk"]), s["weighting"],
                    Bounds(float(s["max_weight_ratio"]), float(s["max_scale_ratio"]), float(s["max_norm_ratio"]),
                           float(s["stale_factor"]), float(s["max_influence_ratio"])), s["robust_merge"] == "on")

@@ -38,7 +38,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from p2pdiloco.protocol.remote import PeerRecord
-from p2pdiloco.swarm.records import DHT_CALL_TIMEOUT, TTL, bounded
+from p2pdiloco.swarm.records import DHT_CALL_TIMEOUT, TTL, bounded, live_values
 from p2pdiloco.swarm.statefetch import parse_part_request, span
 from p2pdiloco.swarm.transfer import MAX_PART
 
@@ -66,12 +66,8 @@ class Want:
 
 def fetch_wants(dht, run_id: str) -> list[Want]:
     """The live wants, the malformed ones skipped."""
-    found = bounded(dht.get(wanted_key(run_id), latest=True, return_future=True), DHT_CALL_TIMEOUT)
-    if found is None or not isinstance(found.value, dict):
-        return []
     wants = []
-    for item in found.value.values():
-        v = getattr(item, "value", None)
+    for v in live_values(dht, wanted_key(run_id)):
         if isinstance(v, dict) and isinstance(v.get("version"), int) and isinstance(v.get("digest"), str) \
                 and isinstance(v.get("node"), str) and len(v["digest"]) <= 64 and len(v["node"]) <= 128:
             wants.append(Want((v["version"], v["digest"]), v["node"]))

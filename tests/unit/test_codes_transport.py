@@ -384,6 +384,22 @@ def test_pushes_under_made_up_group_ids_cannot_evict_a_round_in_progress():
     assert exchange.reductions.get(b"ours") is ours
 
 
+def forging(fmt, length: int, limit: int, factor: int = 20) -> type:
+    """A reducer's stub that serves `factor` × each honest sum of a piece of `length` elements, clamped to the
+    sum's range ±`limit` (a part of one piece)."""
+    class Forging(LoopbackStub):
+        async def rpc_codes_fetch(self, request):
+            honest = await super().rpc_codes_fetch(request)
+
+            async def answer():
+                async for message in honest:
+                    total = (fmt.decode_sum(message.tensor_part.buffer, length) * factor).clamp(-limit, limit)
+                    yield averaging_pb2.DownloadData(metadata=message.metadata,
+                                                     tensor_part=runtime_pb2.Tensor(buffer=fmt.encode_sum(total)))
+            return answer()
+    return Forging
+
+
 def claimed_codes(names: str, n: int, seed: int) -> tuple[dict, dict]:
     """Each sender's int4 codes of a random Δ on the group's agreed scales, and its claims (p2pdiloco.core.claims)."""
     from p2pdiloco.core.claims import block_norms, claims_in_codes
@@ -407,16 +423,7 @@ def test_every_member_refuses_a_sum_beyond_its_senders_claims_and_blames_the_red
     codes, claims = claimed_codes("abc", n, seed=5)
     selected = torch.ones(n, dtype=torch.bool)
 
-    class Forging(LoopbackStub):
-        async def rpc_codes_fetch(self, request):
-            honest = await super().rpc_codes_fetch(request)
-
-            async def answer():
-                messages = [m async for m in honest]
-                total = (fmt.decode_sum(b"".join(m.tensor_part.buffer for m in messages), n // 2) * 20).clamp(-31, 31)
-                yield averaging_pb2.DownloadData(metadata=messages[0].metadata,
-                                                 tensor_part=runtime_pb2.Tensor(buffer=fmt.encode_sum(total)))
-            return answer()
+    Forging = forging(fmt, n // 2, limit=31)  # b's part is one piece
 
     def run_round(forge: bool):
         ex = {name: CodesExchange(max_payload=1 << 20) for name in "abc"}

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 import torch
 from hivemind.compression import deserialize_torch_tensor
-from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.proto import averaging_pb2
 from hivemind.utils.streaming import combine_from_streaming
 
 from p2pdiloco.config import OuterConfig, SwarmConfig, merge_rule
@@ -124,8 +124,10 @@ def test_a_reducer_node_finds_the_swarms_islands_from_what_its_peers_publish():
     assert (rule.n, rule.bits, rule.topk, rule.bounds.influence_ratio) == (N, 4, 0.05, 1.25)
     records = [PeerRecord(peer=p, name=p, version=0, digest="abcdef", settings=s)
                for p, s in (("a", settings), ("b", settings), ("c", {**settings, "compression": "int8"}),
-                            ("d", {}), ("e", {**settings, "parameters": "many"}))]
-    assert swarm_rule("r", records) == rule  # the most common readable rule; unreadable ones are skipped
+                            ("d", {}), ("e", {**settings, "parameters": "many"}),
+                            *((f"liar{i}", {**settings, "parameters": str(1 << 60)}) for i in range(3)))]
+    assert swarm_rule("r", records) == rule  # the most common readable rule; unreadable ones are skipped, and a
+    # size no model has (it would cost the node a view per MB of it), however many records claim it
     assert swarm_rule("r", records[3:]) is None
 
 
@@ -232,22 +234,13 @@ def test_a_reducer_node_that_serves_more_than_its_senders_could_send_is_refused_
     """The node is held to its senders' claims like any reducer: it serves 20× the sum (clamped to the sum's
     width); every member finds it beyond what the senders claimed, rolls back and names the node."""
     from p2pdiloco.swarm.codes import CodesError
-    from tests.unit.test_codes_transport import LoopbackStub, claimed_codes
+    from tests.unit.test_codes_transport import LoopbackStub, claimed_codes, forging
 
     n, fmt = 4 * codec.BLOCK, codec.DenseFormat(4, 2)
     codes, claims = claimed_codes("ab", n, seed=7)
     selected = torch.ones(n, dtype=torch.bool)
 
-    class Forging(LoopbackStub):
-        async def rpc_codes_fetch(self, request):
-            honest = await super().rpc_codes_fetch(request)
-
-            async def answer():
-                async for message in honest:
-                    total = (fmt.decode_sum(message.tensor_part.buffer, n) * 20).clamp(-15, 15)
-                    yield averaging_pb2.DownloadData(metadata=message.metadata, tensor_part=runtime_pb2.Tensor(
-                        buffer=fmt.encode_sum(total)))
-            return answer()
+    Forging = forging(fmt, n, limit=15)  # the node's part is the whole vector, one piece
 
     def run_round(stub):
         ex = {name: CodesExchange(max_payload=1 << 20) for name in "abz"}
