@@ -10,6 +10,7 @@ import threading
 from p2pdiloco.config import PeerConfig
 from p2pdiloco.parts.startup import start
 from p2pdiloco.parts.workload import pick_device
+from p2pdiloco.runtime.signals import on_stop_signals
 
 __all__ = ["Peer", "pick_device", "run_peer"]
 log = logging.getLogger("p2pdiloco")
@@ -38,8 +39,7 @@ class Peer:
 
 def run_peer(cfg: PeerConfig) -> dict:
     peer = Peer(cfg)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, peer.request_stop)
+    on_stop_signals(peer.request_stop)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack to stderr
     try:
         return peer.run()

@@ -4,12 +4,12 @@ swarm's islands (p2pdiloco.swarm.reducer), for peers that nobody can dial."""
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 from pathlib import Path
 
 from p2pdiloco.config import SwarmConfig
 from p2pdiloco.runtime.lifeline import start_lifeline
+from p2pdiloco.runtime.signals import on_stop_signals
 
 log = logging.getLogger("p2pdiloco")
 
@@ -23,8 +23,7 @@ def run_bootstrap(cfg: SwarmConfig, log_dir: Path, name: str, reduce: bool = Fal
     if cfg.client_mode:
         raise node.SwarmConnectError("a bootstrap node must accept connections: drop --client-mode")
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    on_stop_signals(lambda *_: stop.set())
     start_lifeline()  # first, and left running: once we exit it kills whatever of the DHT did not stop in time
     dht = node.start_dht(cfg)
     try:

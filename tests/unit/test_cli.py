@@ -239,19 +239,25 @@ def test_a_peer_that_has_left_ignores_sigterm_while_its_interpreter_exits(monkey
     killed a peer that had left cleanly (CI: exit -15 after "done after 9 rounds"). Once `run_peer` returns, the
     peer ignores SIGINT and SIGTERM, which stay ignored through the exit."""
     import faulthandler
+    import os
     import signal
+    import time
 
     from p2pdiloco import peer as peer_module
 
     class Finished:
         def __init__(self, cfg):
-            pass
+            self.asked = 0
 
         def request_stop(self, *_):
-            pass
+            self.asked += 1
 
         def run(self):
-            assert signal.getsignal(signal.SIGTERM) == self.request_stop  # while it runs, a SIGTERM is a leave
+            os.kill(os.getpid(), signal.SIGTERM)  # while it runs, a SIGTERM is a leave
+            deadline = time.monotonic() + 5
+            while not self.asked and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert self.asked == 1
             return {}
 
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
