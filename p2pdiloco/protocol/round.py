@@ -63,6 +63,17 @@ class RoundRules:
     wait_for_island: bool = True  # an island merging from our state without us: wait, adopt its merge (decoupled)
 
 
+def swarm_rules(cfg, overlap_steps: int, grace_floor: float, grace_cap: float = GracePolicy.cap,
+                **limits) -> RoundRules:
+    """The rules a peer of configuration `cfg` (a `config.SwarmConfig`) follows: the one place its settings become
+    rules, for the hivemind driver and the simulator alike. `grace_floor`: the driver's shortest matchmaking;
+    `limits`: the driver's timeouts and sizes (RoundRules' other fields)."""
+    return RoundRules(mode=cfg.mode, quorum=cfg.quorum, max_staleness=cfg.max_staleness, sync_wait=cfg.sync_wait,
+                      wait_for_newest=cfg.wait_for_newest, wait_for_island=cfg.wait_for_island,
+                      overlap_steps=overlap_steps, max_island=cfg.max_island,
+                      grace=GracePolicy(gamma=cfg.grace_gamma, floor=grace_floor, cap=grace_cap), **limits)
+
+
 # ---- decisions: what the driver is asked to do next ------------------------------------------------------
 @dataclass(frozen=True)
 class Download:

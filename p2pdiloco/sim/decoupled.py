@@ -1,17 +1,20 @@
 """Decoupled DiLoCo on a simulated clock, driven by the very round protocol the real peers run.
 
-Each learner trains continuously and, every H steps, hands a contribution to a `protocol.round.Round`; this
-module is that round's driver, as `swarm.rounds` is for hivemind: it answers the protocol's decisions (peer
-records, state downloads, island formation, all-reduce results) from the simulated swarm. Islands form like
-hivemind's matchmaking: the first learner to look opens one for its grace window, whoever looks before it
-closes joins, and the all-reduce then takes `sync_seconds`. A learner that fails loses the work not yet merged;
-if it was exchanging tensors, its island's round fails for every member (their work rides along next time).
+Each learner trains through the spans its failure model leaves it (`sim.lifeline`) and, every H steps of work,
+hands a contribution to a `protocol.round.Round`; this module is that round's driver, as `swarm.rounds` is for
+hivemind: it answers the protocol's decisions (peer records, state downloads, island formation, all-reduce results)
+from the simulated swarm, with rules made from a peer's configuration (`protocol.round.swarm_rules`). Islands form
+like hivemind's matchmaking: the first learner to look opens one for its grace window, whoever looks before it
+closes joins, and the all-reduce then takes the time its bytes need on the link (`sim.sizes`). An elastic learner's
+stalls cost it time only. A restarting learner loses the work since its last local checkpoint; if it was exchanging
+tensors, its island's round fails for every member (their work rides along to the next).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -20,11 +23,13 @@ import torch
 from p2pdiloco.protocol.outcomes import Contribution, RoundOutcome
 from p2pdiloco.protocol.remote import Member, PeerRecord
 from p2pdiloco.protocol.round import (Done, Download, FormIsland, IslandFailed, IslandReduced, NoIsland,
-                                      RefreshPeers, Round, RoundRules, WaitForPeers)
-from p2pdiloco.protocol.timing import GracePolicy, RoundClock
+                                      RefreshPeers, Round, WaitForPeers, swarm_rules)
+from p2pdiloco.protocol.timing import RoundClock
 from p2pdiloco.sim.baselines import SimResult
-from p2pdiloco.sim.failures import Draws, union_length
+from p2pdiloco.sim.failures import Draws, learner_clocks, union_length
+from p2pdiloco.sim.lifeline import Span, WorkClock, checkpoint_before, clip
 from p2pdiloco.sim.params import SimParams
+from p2pdiloco.sim.sizes import allreduce_seconds, join_seconds
 
 _DELTA = torch.zeros(1)  # the protocol carries a pseudo-gradient; the simulator's content is irrelevant
 
@@ -32,19 +37,20 @@ _DELTA = torch.zeros(1)  # the protocol carries a pseudo-gradient; the simulator
 @dataclass
 class Learner:
     index: int
-    chips: int
     step: float  # seconds per inner step
-    clock: RoundClock = field(default_factory=RoundClock)
+    work: WorkClock  # when it trains, under its failure model
+    timing: RoundClock = field(default_factory=RoundClock)  # the EMAs a peer keeps about its rounds
     up: bool = True
     version: int = 0
     digest: str = "v0-init"
-    mark: float = 0.0  # start of the work not yet handed to a round
+    anchor: float = 0.0  # start of the work not yet handed to a round
     pending: list = field(default_factory=list)  # (start, end) of work not yet merged, not in a round
+    restored: list = field(default_factory=list)  # the work since its last contribution that a restart kept
     round: Optional[Round] = None
     in_round: list = field(default_factory=list)  # the work the round in flight carries
     due: bool = False  # H steps are done while a round was in flight: contribute when it settles
     island: Optional["Island"] = None
-    life: int = 0  # bumped on each failure: events of an earlier life are ignored
+    life: int = 0  # bumped on each death: events of an earlier life are ignored
     poll: int = 0  # bumped on each look at the records scheduled: only the latest one counts
     name: str = ""
 
@@ -63,6 +69,12 @@ class Learner:
         name, version, digest, ready, merging = self.seen()
         return PeerRecord(name, name, version, digest, ready, merging)
 
+    def work_in(self, intervals) -> float:
+        return sum(self.work.work_at(b) - self.work.work_at(a) for a, b in intervals)
+
+    def steps_in(self, intervals) -> int:
+        return round(self.work_in(intervals) / self.step)
+
 
 @dataclass
 class Island:
@@ -73,14 +85,13 @@ class Island:
 
 
 class DecoupledSim:
+    mode = "decoupled"
+
     def __init__(self, p: SimParams, d: Draws):
         self.p, self.d = p, d
-        self.rules = RoundRules(mode="decoupled", quorum=p.quorum, max_staleness=2, overlap_steps=p.inner_steps,
-                                wait_for_newest=p.wait_for_newest, wait_for_island=p.wait_for_island,
-                                grace=GracePolicy(gamma=p.grace_gamma, floor=0.0,
-                                                  cap=p.inner_steps * max(d.step_seconds)),
-                                buffer_elements=0, poll=1.0)
-        self.learners = [Learner(i, p.learner_chips(i), d.step_seconds[i]) for i in range(p.learners)]
+        self.rules = swarm_rules(p.swarm(), overlap_steps=p.inner_steps, grace_floor=join_seconds(p),
+                                 buffer_elements=0, poll=1.0)
+        self.learners = [Learner(i, d.step_seconds[i], clock) for i, clock in enumerate(learner_clocks(p, d))]
         self.events: list = []
         self.seq = itertools.count()
         self.island_ids = itertools.count(1)
@@ -89,15 +100,17 @@ class DecoupledSim:
         self.chip_seconds = 0.0
         self.commits = 0
         self.outcomes: dict[str, int] = {}
+        self.merged: list[tuple[int, int]] = []  # per outer step: (learners merged, learners up)
         self.waiting: dict[str, Learner] = {}  # learners whose round waits on the records (quorum, newest peers)
         self.states: dict[int, set[str]] = {}  # version → the global states made at it (more than one: a fork)
 
     # ---- the event loop -----------------------------------------------------------------------------------
     def run(self) -> SimResult:
         for learner in self.learners:
-            self._schedule(learner.step * self.p.inner_steps, "contribute", learner)
-            for t in self.d.failures[learner.index]:
-                self._push(t, "fail", learner, None)
+            self._next_contribution(0.0, learner)
+            for span in learner.work.spans:
+                if span.died:
+                    self._push(span.end, "fail", learner, span)
         seen = self._seen()
         while self.events:
             t, _, kind, learner, arg = heapq.heappop(self.events)
@@ -108,44 +121,63 @@ class DecoupledSim:
             if self.waiting and now_seen != seen:
                 self._wake(t)  # as a real peer sees a record change at its next poll
             seen = now_seen
+        return self._result()
+
+    def _result(self) -> SimResult:
         failures = sum(len(f) for f in self.d.failures)
-        return SimResult("decoupled", self.chip_seconds / (self.p.chips * self.p.horizon),
+        merged = [m for m, _ in self.merged]
+        share = [m / up for m, up in self.merged if up]
+        not_committed = sum(n for kind, n in self.outcomes.items() if kind not in ("committed", "solo", "adopted"))
+        return SimResult(self.mode, self.chip_seconds / (self.p.chips * self.p.horizon),
                          union_length(self.useful) / self.p.horizon, failures, self.commits,
-                         details=dict(outcomes=dict(sorted(self.outcomes.items())),
-                                      forks=sum(len(d) - 1 for d in self.states.values())))
+                         details=dict(failure=self.p.learner_failure, outcomes=dict(sorted(self.outcomes.items())),
+                                      forks=sum(len(d) - 1 for d in self.states.values()),
+                                      rollbacks=not_committed,
+                                      merged_per_step=sum(merged) / len(merged) if merged else 0.0,
+                                      live_share_merged=sum(share) / len(share) if share else 0.0))
 
     def _push(self, t: float, kind: str, learner: Optional[Learner], arg) -> None:
-        heapq.heappush(self.events, (t, next(self.seq), kind, learner, arg))
+        if math.isfinite(t):
+            heapq.heappush(self.events, (t, next(self.seq), kind, learner, arg))
 
-    def _schedule(self, t: float, kind: str, learner: Learner) -> None:
-        self._push(t, kind, learner, learner.life)
+    def _next_contribution(self, t: float, learner: Learner, done: float = 0.0) -> None:
+        """H steps of work after t, `done` seconds of them already done (restored from a checkpoint): its spans
+        say when."""
+        self._push(learner.work.wall_after(t, learner.step * self.p.inner_steps - done), "contribute", learner,
+                   learner.life)
 
     # ---- learners -----------------------------------------------------------------------------------------
     def _on_contribute(self, t: float, learner: Learner, life: int) -> None:
         if life != learner.life:
             return
-        self._schedule(t + learner.step * self.p.inner_steps, "contribute", learner)
+        self._next_contribution(t, learner)
         if learner.round is not None:
             learner.due = True  # training goes on; the next contribution leaves once this round settles
             return
         self._contribute(t, learner)
 
-    def _contribute(self, t: float, learner: Learner) -> None:
-        learner.pending.append((learner.mark, t))
-        learner.mark, learner.due = t, False
+    def _take_work(self, t: float, learner: Learner) -> int:
+        """Hand the learner's unmerged work to a round: its steps."""
+        learner.pending += learner.restored + [(learner.anchor, t)]
+        learner.anchor, learner.due, learner.restored = t, False, []
         learner.in_round, learner.pending = learner.pending, []
-        steps = sum(round((b - a) / learner.step) for a, b in learner.in_round)
-        learner.clock.step.update(learner.step)
+        return learner.steps_in(learner.in_round)
+
+    def _contribute(self, t: float, learner: Learner) -> None:
+        steps = self._take_work(t, learner)
+        learner.timing.step.update(learner.step)
         c = Contribution.of(_DELTA, tokens=max(1, steps), steps=max(1, steps), version=learner.version,
                             peer=learner.name, name=learner.name, digest=learner.digest)
-        learner.round = Round(self.rules, learner.name, c, learner.clock, t)
+        learner.round = Round(self.rules, learner.name, c, learner.timing, t)
         self._decide(t, learner, learner.round.start(self._records(), t))
 
-    def _on_fail(self, t: float, learner: Learner, _) -> None:
-        if not learner.up:
-            return  # handled by the restart under way
+    def _on_fail(self, t: float, learner: Learner, span: Span) -> None:
+        """The process dies (restart model): it keeps what its newest local checkpoint holds."""
+        cut = checkpoint_before(span, t, self.p.checkpoint_seconds)
+        learner.pending = clip(learner.pending + learner.in_round, cut)
+        learner.restored = clip(learner.restored + [(learner.anchor, t)], cut)  # its round's steps it keeps
         learner.up, learner.life = False, learner.life + 1
-        learner.pending, learner.in_round, learner.round, learner.due = [], [], None, False  # unmerged: lost
+        learner.in_round, learner.round, learner.due = [], None, False
         self.waiting.pop(learner.name, None)
         island = learner.island
         if island is not None:
@@ -154,14 +186,14 @@ class DecoupledSim:
             else:
                 island.members.remove(learner)  # left during matchmaking: the others go on without it
             learner.island = None
-        self._schedule(t + self.p.repair_seconds, "restart", learner)
+        self._push(learner.work.next_start(t), "restart", learner, learner.life)
 
     def _on_restart(self, t: float, learner: Learner, life: int) -> None:
         if life != learner.life:
             return
         newest = max(self.learners, key=lambda x: (x.version, x.digest))
-        learner.up, learner.version, learner.digest, learner.mark = True, newest.version, newest.digest, t
-        self._schedule(t + learner.step * self.p.inner_steps, "contribute", learner)
+        learner.up, learner.version, learner.digest, learner.anchor = True, newest.version, newest.digest, t
+        self._next_contribution(t, learner, done=learner.work_in(learner.restored))
 
     # ---- the protocol's decisions, answered from the simulated swarm ----------------------------------------
     def _decide(self, t: float, learner: Learner, decision) -> None:
@@ -226,7 +258,7 @@ class DecoupledSim:
             learner.island = None
             return self._decide(t, learner, learner.round.on_island(NoIsland("no group formed"), t))
         if island.members:
-            self._push(t + self.p.sync_seconds, "reduced", None, island)
+            self._push(t + allreduce_seconds(self.p, len(island.members)), "reduced", None, island)
 
     def _on_reduced(self, t: float, _, island: Island) -> None:
         members = [x for x in island.members if x.up and x.island is island]
@@ -238,6 +270,7 @@ class DecoupledSim:
                 x.version, x.digest = newest.version + 1, f"v{newest.version + 1}-i{island.id}"
             self.states.setdefault(newest.version + 1, set()).add(f"v{newest.version + 1}-i{island.id}")
             self.commits += 1
+            self.merged.append((len(members), self._up()))
         for x in members:
             x.island = None
             if island.failed:
@@ -245,7 +278,7 @@ class DecoupledSim:
             else:
                 result = IslandReduced(verified=True, reason="ok", members=records,
                                        weights=tuple(1.0 / len(records) for _ in records), group_id=str(island.id),
-                                       sync_seconds=self.p.sync_seconds, merged=_DELTA)
+                                       sync_seconds=allreduce_seconds(self.p, len(records)), merged=_DELTA)
             self._decide(t, x, x.round.on_island(result, t))
 
     # ---- outcomes --------------------------------------------------------------------------------------------
@@ -253,16 +286,15 @@ class DecoupledSim:
         self.outcomes[outcome.kind] = self.outcomes.get(outcome.kind, 0) + 1
         learner.round = None
         if outcome.sync_seconds:
-            learner.clock.sync.update(outcome.sync_seconds)
-        learner.clock.quorum.update(outcome.quorum_seconds)
+            learner.timing.sync.update(outcome.sync_seconds)
+        learner.timing.quorum.update(outcome.quorum_seconds)
         if outcome.state_before is not None and not outcome.committed:  # adopted, then rolled back
             learner.version, learner.digest = outcome.state_before[0]["version"], outcome.state_before[0]["digest"]
         if outcome.committed:
-            for a, b in learner.in_round:
-                self.useful.append((a, b))
-                self.chip_seconds += learner.chips * (b - a)
+            self._count_useful(learner, learner.in_round)
             if outcome.kind == "solo":
                 learner.version, self.commits = learner.version + 1, self.commits + 1
+                self.merged.append((1, self._up()))
                 learner.digest = f"v{learner.version}-{learner.name}"
                 self.states.setdefault(learner.version, set()).add(learner.digest)
         else:
@@ -270,6 +302,15 @@ class DecoupledSim:
         learner.in_round = []
         if learner.due and learner.up:
             self._contribute(t, learner)
+
+
+    def _count_useful(self, learner: Learner, intervals) -> None:
+        for a, b in intervals:
+            self.useful.extend(learner.work.pieces(a, b))
+            self.chip_seconds += learner.work.chip_seconds(a, b)
+
+    def _up(self) -> int:
+        return sum(x.up for x in self.learners)
 
 
 def simulate_decoupled(p: SimParams, d: Draws) -> SimResult:

@@ -9,7 +9,9 @@ import math
 import random
 from dataclasses import dataclass
 
+from p2pdiloco.sim.lifeline import WorkClock, elastic_spans, restart_spans
 from p2pdiloco.sim.params import SimParams
+from p2pdiloco.sim.sizes import download_seconds
 
 
 @dataclass(frozen=True)
@@ -47,3 +49,19 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
         total += end - max(start, end_so_far)
         end_so_far = end
     return total
+
+
+def learner_clocks(p: SimParams, d: Draws) -> list[WorkClock]:
+    """Each learner's spans of work under the failure model it runs (`SimParams.learner_failure`). A restarted
+    learner is back after the repair and the download of the state it lacks."""
+    down = p.repair_seconds + download_seconds(p)
+    clocks = []
+    for i, failures in enumerate(d.failures):
+        chips, step = p.learner_chips(i), d.step_seconds[i]
+        if p.learner_failure == "elastic":
+            spans = elastic_spans(failures, chips, p.slice_chips, p.repair_seconds, p.rescale_seconds,
+                                  p.upscale_seconds, step, p.horizon)
+        else:
+            spans = restart_spans(failures, chips, down, step, p.horizon)
+        clocks.append(WorkClock(spans))
+    return clocks

@@ -20,7 +20,7 @@ import torch
 
 from p2pdiloco.config import InnerConfig, OuterConfig, SwarmConfig
 from p2pdiloco.core.state import GlobalState
-from p2pdiloco.protocol.round import RoundRules
+from p2pdiloco.protocol.round import RoundRules, swarm_rules
 from p2pdiloco.protocol.timing import GracePolicy, RoundClock
 from p2pdiloco.sim.learners import Board, IslandMerger, Sender, Wire
 from p2pdiloco.sim.timeline import Deferred, Runner, Timeline
@@ -192,11 +192,7 @@ def diloco(bench: Bench, h: int, wire: Wire, m: Optional[int] = None) -> Curve:
 def decoupled_rules(h: int, step_seconds: float, overlap_steps: Optional[int] = None) -> RoundRules:
     """A peer's default rules (SwarmConfig's), in simulated seconds: no matchmaking floor, the grace window capped
     at a round of the slowest learner's steps; τ of Eq. 3 (`overlap_steps`) is H unless given, as a peer's."""
-    cfg = SwarmConfig()
-    return RoundRules(mode="decoupled", quorum=cfg.quorum, max_staleness=cfg.max_staleness,
-                      overlap_steps=overlap_steps or h,
-                      wait_for_newest=cfg.wait_for_newest, wait_for_island=cfg.wait_for_island,
-                      grace=GracePolicy(gamma=cfg.grace_gamma, floor=0.0, cap=h * step_seconds), poll=1.0)
+    return swarm_rules(SwarmConfig(), overlap_steps or h, grace_floor=0.0, grace_cap=h * step_seconds, poll=1.0)
 
 
 def decoupled(bench: Bench, h: int, wire: Wire, speeds: tuple[float, ...] = (1.0, 1.0, 1.0, 3.0),

@@ -12,9 +12,13 @@ from p2pdiloco.sim.params import SimParams
 
 
 def table(rows: Sequence[tuple[str, SimResult]]) -> str:
-    lines = [f"{'':>12} {'mode':<12} {'goodput':>8} {'uptime':>8} {'failures':>9} {'outer steps':>12}"]
+    lines = [f"{'':>12} {'mode':<12} {'goodput':>8} {'uptime':>8} {'failures':>9} {'outer steps':>12} "
+             f"{'rollbacks':>9} {'forks':>6} {'merged':>7}"]
     for label, r in rows:
-        lines.append(f"{label:>12} {r.mode:<12} {r.goodput:>8.1%} {r.uptime:>8.1%} {r.failures:>9} {r.rounds:>12}")
+        d = r.details
+        merged = f"{d['merged_per_step']:.1f}" if "merged_per_step" in d else "-"
+        lines.append(f"{label:>12} {r.mode:<12} {r.goodput:>8.1%} {r.uptime:>8.1%} {r.failures:>9} {r.rounds:>12} "
+                     f"{d.get('rollbacks', '-'):>9} {d.get('forks', '-'):>6} {merged:>7}")
     return "\n".join(lines)
 
 
@@ -41,9 +45,9 @@ def plot(p: SimParams, modes: Sequence[str], path: Path, learners=(1, 2, 4, 8, 1
         ax.get_xaxis().set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(alpha=0.3)
     left.legend()
-    fig.suptitle(f"goodput over {p.days:g} simulated days (H={p.inner_steps}, step {p.step_seconds:g} s, "
-                 f"repair {p.repair_seconds:g} s, rescale {p.rescale_seconds:g} s, sync {p.sync_seconds:g} s)",
-                 fontsize=9)
+    fig.suptitle(f"goodput over {p.days:g} simulated days: learners {p.learner_failure} on failure (H={p.inner_steps}, "
+                 f"step {p.step_seconds:g} s, repair {p.repair_seconds:g} s, rescale {p.rescale_seconds:g} s, "
+                 f"{p.model_params / 1e9:g}B parameters, {p.compression}, {p.bandwidth_gbit:g} Gbit/s)", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

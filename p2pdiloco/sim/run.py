@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 from p2pdiloco.sim.baselines import SimResult, simulate_dp, simulate_elastic, simulate_sync_diloco
+from p2pdiloco.sim.central import simulate_central
 from p2pdiloco.sim.decoupled import simulate_decoupled
 from p2pdiloco.sim.failures import draw
 from p2pdiloco.sim.params import MODES, SimParams
 
 _RUN = {"dp": simulate_dp, "elastic": simulate_elastic, "sync-diloco": simulate_sync_diloco,
-        "decoupled": simulate_decoupled}
+        "decoupled": simulate_decoupled, "central": simulate_central}
 
 
 def simulate(p: SimParams, mode: str) -> SimResult:

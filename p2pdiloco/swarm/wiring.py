@@ -17,8 +17,8 @@ from p2pdiloco.core import codec
 from p2pdiloco.core.outer import Segment
 from p2pdiloco.protocol.island import Bounds
 from p2pdiloco.protocol.remote import WIRE_VERSION, Expect
-from p2pdiloco.protocol.round import RoundRules
-from p2pdiloco.protocol.timing import GracePolicy, RoundClock
+from p2pdiloco.protocol.round import RoundRules, swarm_rules
+from p2pdiloco.protocol.timing import RoundClock
 from p2pdiloco.runtime.paging import PagedStore
 from p2pdiloco.swarm.auth import MemberPasses, load_swarm_key
 from p2pdiloco.swarm.averager import AveragerLimits, ExactAverager, StateProvider, averager_limits
@@ -82,14 +82,10 @@ class MergeSettings:
     @functools.cached_property
     def rules(self) -> RoundRules:
         cfg, limits = self.cfg, self.limits
-        return RoundRules(
-            mode=cfg.mode, quorum=cfg.quorum, max_staleness=cfg.max_staleness, sync_wait=cfg.sync_wait,
-            wait_for_newest=cfg.wait_for_newest, wait_for_island=cfg.wait_for_island,
-            overlap_steps=self.overlap_steps,
-            grace=GracePolicy(gamma=cfg.grace_gamma, floor=limits.matchmaking + 0.5),
+        return swarm_rules(
+            cfg, self.overlap_steps, grace_floor=limits.matchmaking + 0.5,
             request_timeout=limits.request, allreduce_cap=limits.allreduce_cap, buffer_elements=self.n,
-            max_island=cfg.max_island, declared_bytes_per_s=limits.initial_bytes_per_s,
-            rda_segments=self.segments if self.outer.rda else ())
+            declared_bytes_per_s=limits.initial_bytes_per_s, rda_segments=self.segments if self.outer.rda else ())
 
     @property
     def part_timeout(self) -> float:

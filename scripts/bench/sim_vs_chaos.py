@@ -31,10 +31,14 @@ def measured(run_dir: Path) -> dict:
 
 
 def chaos_params(m: dict, plan: ChaosPlan, h: int, restart: float) -> SimParams:
+    """Peers of one machine: the `restart` failure model, with the run's measured times standing in for the
+    computed ones (the join, which includes the state download, is inside the repair; no local checkpoint of
+    unmerged work, as a peer today)."""
     per_peer_mtbi = plan.kill_every * plan.peers  # kills land on one of the live peers, uniformly
-    return SimParams(chips=plan.peers, learners=plan.peers, mtbi_years=per_peer_mtbi / YEAR,
+    return SimParams(chips=plan.peers, learners=plan.peers, mtbi_years=per_peer_mtbi / YEAR, failure="restart",
                      repair_seconds=sum(plan.restart_after) / 2 + restart, step_seconds=m["step_seconds"],
-                     inner_steps=h, sync_seconds=m["sync_seconds"], days=m["seconds"] / 86400, seed=0)
+                     inner_steps=h, sync_seconds=m["sync_seconds"], model_params=1, days=m["seconds"] / 86400,
+                     seed=0)
 
 
 def main():

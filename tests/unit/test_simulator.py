@@ -31,9 +31,11 @@ def test_without_failures_decoupled_overlaps_the_sync_that_sync_diloco_waits_for
     assert simulate(p, "sync-diloco").goodput == pytest.approx(100 / 105, abs=1e-3)
 
 
-@pytest.mark.parametrize("seed, mtbi", [(0, 1.0), (1, 0.25), (2, 4.0)])
-def test_one_learner_decoupled_is_sync_diloco(seed, mtbi):
-    p = dataclasses.replace(SMALL, learners=1, seed=seed, mtbi_years=mtbi)
+@pytest.mark.parametrize("seed, mtbi, failure, checkpoint", [(0, 1.0, "elastic", 0.0), (1, 0.25, "restart", 0.0),
+                                                             (2, 4.0, "restart", 30.0)])
+def test_one_learner_decoupled_is_sync_diloco(seed, mtbi, failure, checkpoint):
+    p = dataclasses.replace(SMALL, learners=1, seed=seed, mtbi_years=mtbi, failure=failure,
+                            checkpoint_seconds=checkpoint)
     a, b = simulate(p, "decoupled"), simulate(p, "sync-diloco")
     assert a.failures == b.failures > 0
     assert (a.goodput, a.uptime, a.rounds) == (b.goodput, b.uptime, b.rounds)
@@ -65,11 +67,15 @@ def decoupled(p: SimParams):
     return simulate(p, "decoupled")
 
 
+RESTARTING = dataclasses.replace(SMALL, failure="restart")  # learners that die, restart and come back behind
+
+
 def test_learners_that_find_an_island_merging_without_them_wait_for_it_fork_less_and_keep_their_goodput():
     """A learner ready just after an island at its version closed (its all-reduce had begun) formed an island with
     whoever else came late: a second state at that version. With --wait-for-island (the default) it waits for that
-    island, then for its members' next one. Simulated 2 days, 4 learners: K=1 125 -> 32 forks, K=2 25 -> 3."""
-    for p in (SMALL, dataclasses.replace(SMALL, quorum=2)):
+    island, then for its members' next one. Simulated 2 days, 4 restarting learners: K=1 316 -> 44 forks, K=2
+    146 -> 4."""
+    for p in (RESTARTING, dataclasses.replace(RESTARTING, quorum=2)):
         forking, waiting = decoupled(dataclasses.replace(p, wait_for_island=False)), decoupled(p)
         assert forking.details["forks"] > 20 and waiting.details["forks"] < forking.details["forks"] / 3
         assert waiting.goodput > forking.goodput - 0.002
@@ -79,10 +85,10 @@ def test_learners_that_wait_for_a_newer_state_fork_less_and_with_quorum_2_lose_n
     """A learner behind peers that train on a newer state (it missed their island: a failure, a slow round) forms
     its own island at its version, a second state beside theirs. With --wait-for-newest it waits for them to look
     and joins their next island a version behind."""
-    forking, waiting = decoupled(SMALL), decoupled(dataclasses.replace(SMALL, wait_for_newest=True))
+    forking, waiting = decoupled(RESTARTING), decoupled(dataclasses.replace(RESTARTING, wait_for_newest=True))
     assert forking.details["forks"] > 20 and waiting.details["forks"] < forking.details["forks"] / 3
     assert waiting.goodput > forking.goodput - 0.03  # with K=1: a point or less (a waiting round's work rides on)
-    p = dataclasses.replace(SMALL, quorum=2)
+    p = dataclasses.replace(RESTARTING, quorum=2)
     forking, waiting = decoupled(p), decoupled(dataclasses.replace(p, wait_for_newest=True))
     assert waiting.details["forks"] <= forking.details["forks"] and waiting.goodput > forking.goodput - 0.002
 
@@ -102,7 +108,12 @@ def test_datacenter_scale_a_week_of_1_2m_chips_in_every_mode_within_a_minute():
     # learners that go on while one is repaired keep chips busier than any mode that waits for everyone
     assert modes["decoupled"]["uptime"] > max(modes[m]["uptime"] for m in ("dp", "elastic", "sync-diloco"))
     assert modes["decoupled"]["rounds"] > modes["sync-diloco"]["rounds"] > 0 == modes["dp"]["rounds"]
-    assert elapsed < 60.0
+    # the paper's setting (learners of 75,000 chips: its elastic failure model): 93 % at M = 16, and the price of
+    # having no central synchronizer within 2 points
+    assert modes["decoupled"]["failure"] == "elastic"
+    assert modes["decoupled"]["goodput"] >= 0.93 > modes["elastic"]["goodput"]
+    assert modes["decoupled"]["goodput"] >= modes["central"]["goodput"] - 0.02
+    assert elapsed < 90.0
 
 
 def test_simulate_prints_a_table_json_and_a_plot(tmp_path):
@@ -122,6 +133,9 @@ def test_simulate_prints_a_table_json_and_a_plot(tmp_path):
     (["--chips", "4", "--learners", "8"], "cannot exceed chips"),
     (["--mtbi-years", "-1"], "mtbi years must be a positive number"),
     (["--mode", "magic"], "Invalid value for '--mode'"),
+    (["--failure", "magic"], "Invalid value for '--failure'"),
+    (["--bandwidth-gbit", "0"], "bandwidth gbit must be a positive number"),
+    (["--max-staleness", "-1"], "max staleness must be an integer >= 0"),
 ])
 def test_bad_simulator_flags_are_clear_errors(args, message):
     result = CliRunner().invoke(cli, ["simulate", *args])
