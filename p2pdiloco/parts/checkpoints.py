@@ -59,6 +59,16 @@ class Checkpoints:
         self.error = None
         self.metrics.write(schema.Checkpoint(peer=self.name, version=meta["version"], path=str(path), why=why))
 
+    def note_contribution(self, diloco: DiLoCo, c) -> None:
+        """Each contribution as it leaves: should we die before the next checkpoint, the restart knows that the
+        newest one's unmerged progress went out in it (`DiLoCo.unsettled`). A failed write costs that knowledge
+        only: the restart then rebases the progress as before."""
+        try:
+            checkpoint.note_contribution(self.folder, c, diloco.trainer.total_steps,
+                                         getattr(diloco.trainer.batches, "position", None))
+        except OSError as e:
+            log.warning("%s: could not note the contribution in %s: %s", self.name, self.folder, e)
+
     def _keep_tokenizer(self) -> None:
         """The tokenizer beside our checkpoints, once: `p2pdiloco export` and `sample` read it from there."""
         folder = self.folder / checkpoint.TOKENIZER_DIR
@@ -77,7 +87,7 @@ class Checkpoints:
             log.warning("%s: ignoring checkpoint %s: it is of run %r, model %r", self.name, found.path,
                         found.meta.get("run_id"), found.meta.get("model"))
             return
-        note = diloco.restore_checkpoint_state(found.meta, found.tensors)
+        note = diloco.restore_checkpoint_state(found.meta, found.tensors, checkpoint.last_contribution(self.folder))
         # copied into the model, Θ and the optimizer: free the loaded tensors now rather than keep them beside
         # the model for the whole run
         found.tensors.clear()

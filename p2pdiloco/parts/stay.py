@@ -93,6 +93,8 @@ class Stay:
         self.log.step(loss, seconds)
 
     def _on_contribute(self, c: Contribution) -> None:
+        if self.cfg.checkpoint_every:
+            self.checkpoints.note_contribution(self.diloco, c)
         self.metrics.write(schema.Contribute(peer=self.name, version=c.version, tokens=c.tokens, steps=c.steps))
         self.tensors.park()
 

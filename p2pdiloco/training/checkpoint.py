@@ -183,3 +183,32 @@ def load_latest(folder: Path, n_params: int, report=lambda message: None) -> Opt
         except CheckpointError as e:
             report(f"skipping damaged checkpoint: {e}")
     return None
+
+
+CONTRIBUTED = "contributed.json"  # beside a peer's checkpoints: its newest contribution, whatever its outcome
+
+
+def note_contribution(folder: Path, contribution, inner_step: int, stream_position: Optional[int] = None) -> None:
+    """Record a contribution as it leaves (a few bytes, atomically). A checkpoint older than it holds progress that
+    this contribution carried, and its island may merge it after we die: a restored peer reads this to know."""
+    folder.mkdir(parents=True, exist_ok=True)
+    note = dict(version=int(contribution.version), digest=str(contribution.digest), inner_step=int(inner_step),
+                steps=int(contribution.steps), stream_position=stream_position)
+    tmp = folder / f".{CONTRIBUTED}.tmp"
+    with tmp.open("w") as f:
+        json.dump(note, f)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(folder / CONTRIBUTED)
+
+
+def last_contribution(folder: Path) -> Optional[dict]:
+    """The newest contribution noted in `folder` (None: none, or unreadable: as if none)."""
+    try:
+        note = json.loads((folder / CONTRIBUTED).read_text())
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(note, dict) and isinstance(note.get("version"), int)
+            and isinstance(note.get("inner_step"), int)):
+        return None
+    return note

@@ -125,6 +125,10 @@ class DiLoCo:
         self.in_flight: Optional[InFlight] = None
         self.last_merge: Optional[LastMerge] = None
         self.recovered_tokens = 0  # tokens of merges lost in forks and contributed again (a metric)
+        # restored from a checkpoint whose unmerged progress a later contribution carried, from this version (and
+        # the data stream's position then): an island may have merged it after we stopped (`adopt` decides)
+        self.unsettled: Optional[dict] = None
+        self.settled_step = -1  # the inner step at which the latest contribution whose outcome we applied left
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="round")
 
     # ---- inner steps --------------------------------------------------------------------------------------
@@ -149,6 +153,7 @@ class DiLoCo:
     def contribute(self) -> None:
         """Snapshot Δ and hand it to the merger in the background; training goes on at once."""
         assert self.in_flight is None, "one round in flight at a time"
+        self.unsettled = None  # what we contribute now is ours to merge, once
         with self.state.lock:
             if self.eager:  # the estimate needs Δ whole
                 delta = pseudo_gradient_of(self.trainer.model, self.state.params, let_go=self.state.let_go)
@@ -192,6 +197,7 @@ class DiLoCo:
 
     def _settle(self) -> Settled:
         flight, self.in_flight = self.in_flight, None
+        self.settled_step = flight.steps_at_snapshot
         try:
             outcome = flight.future.result()
         except Exception as e:  # a merger bug must cost one round, never the peer
@@ -344,6 +350,7 @@ class DiLoCo:
     def adopt(self, metadata: dict, tensors: list[torch.Tensor]) -> None:
         """Take a global state from a peer between rounds (joining, or behind): rebase unmerged progress."""
         assert self.in_flight is None
+        self._settle_restored(int(metadata["version"]))
         with self.state.lock:
             self._keep_progress(None, Progress.ALL_UNMERGED)
             restored = None
@@ -354,17 +361,34 @@ class DiLoCo:
 
     def abandon(self) -> None:
         """Leave without the round in flight's outcome: Θ is untouched and its tokens stay unmerged, with θ
-        holding all our local progress, as after a rollback. (Should the island still merge it, it is counted
-        twice at our next start: the rare price of leaving within a bound.)"""
+        holding all our local progress, as after a rollback. Should the island still merge it, our next start
+        finds the swarm past its version and gives that progress up (`unsettled`): never counted twice."""
         flight, self.in_flight = self.in_flight, None
         if flight is None:
             return
+        self.unsettled = dict(version=flight.contribution.version, stream_position=None)
         if flight.origin is not None:
             with self.state.lock:
                 if not self._keep_progress(flight, Progress.ALL_UNMERGED):
                     self._nothing_unmerged()
                 self._add_global(None)
         flight.kept.drop()
+
+    def _settle_restored(self, version: int) -> None:
+        """A state past the version our unsettled contribution left from may hold it: give up the progress it
+        carried (θ ← Θ, so the rebase adds nothing), and skip the batches it was trained on."""
+        unsettled, self.unsettled = self.unsettled, None
+        if unsettled is None or version <= unsettled["version"]:
+            return
+        log.info("%s: the swarm is at v%d, past our last contribution (from v%d) that our checkpoint predates: its "
+                 "steps may be merged already, so they are not contributed again", self.name, version,
+                 unsettled["version"])
+        with self.state.lock:
+            self._progress_lost()
+            self._add_global(None)
+        self._nothing_unmerged()
+        if unsettled.get("stream_position") is not None and hasattr(self.trainer.batches, "position"):
+            self.trainer.batches.position = max(self.trainer.batches.position, int(unsettled["stream_position"]))
 
     def _nothing_unmerged(self) -> None:
         """θ is Θ now (local progress given up): no tokens wait for a merge any more."""
@@ -393,14 +417,18 @@ class DiLoCo:
         tensors.update(moments)
         meta.update(inner_optimizer=trainer.cfg.optimizer, inner_scalars=scalars)
         meta.update(unmerged_tokens=self.unmerged_tokens, unmerged_steps=self.unmerged_steps,
-                    unmerged_seconds=self.unmerged_seconds, inner_step=trainer.total_steps,
+                    unmerged_seconds=self.unmerged_seconds, inner_step=trainer.total_steps, unsettled=self.unsettled,
+                    settled_step=self.settled_step,
                     stream_position=getattr(trainer.batches, "position", None),
                     stream_seed=getattr(trainer.batches, "seed", None),
                     stream_at=trainer.batches.where() if hasattr(trainer.batches, "where") else None)
         return meta, tensors
 
-    def restore_checkpoint_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> Optional[str]:
-        """Resume from a checkpoint; a note for the log where not everything could be restored."""
+    def restore_checkpoint_state(self, meta: dict, tensors: dict[str, torch.Tensor],
+                                 contributed: Optional[dict] = None) -> Optional[str]:
+        """Resume from a checkpoint; a note for the log where not everything could be restored. `contributed`:
+        our newest contribution as noted when it left (`checkpoint.note_contribution`): one made after this
+        checkpoint carried its unmerged progress, and its outcome is unknown until we see the swarm."""
         trainer = self.trainer
         self.state.load(dict(version=meta["version"], digest=meta["digest"], history=meta.get("history", []),
                              last_members=meta.get("last_members", []), tokens=meta.get("tokens", 0)),
@@ -420,6 +448,11 @@ class DiLoCo:
             trainer.batches.position = int(meta["stream_position"])
         self.unmerged_tokens, self.unmerged_steps = meta["unmerged_tokens"], meta["unmerged_steps"]
         self.unmerged_seconds = float(meta.get("unmerged_seconds", 0.0))
+        left = meta.get("unsettled")  # left with a round in flight
+        self.unsettled = left if isinstance(left, dict) and isinstance(left.get("version"), int) else None
+        self.settled_step = int(meta.get("settled_step", -1))
+        if contributed is not None and contributed["inner_step"] > self.settled_step:  # left after we saved
+            self.unsettled = dict(version=contributed["version"], stream_position=contributed.get("stream_position"))
         return note
 
 

@@ -1,0 +1,107 @@
+"""A restarted peer never counts its work twice. Its newest checkpoint can be older than its last contribution:
+that contribution carried the checkpoint's unmerged progress, and the island may have merged it after the peer
+died. Restored, the peer must not rebase that progress onto a state that holds it already."""
+
+import torch
+
+from p2pdiloco.config import InnerConfig
+from p2pdiloco.core.state import GlobalState
+from p2pdiloco.training import checkpoint
+from p2pdiloco.training.data import BatchStream
+from p2pdiloco.training.diloco import DiLoCo, SoloMerger
+from p2pdiloco.training.inner import InnerTrainer, flat_params
+from p2pdiloco.training.model import build_model
+
+TEXT = torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+
+
+def peer() -> DiLoCo:
+    model = build_model("tiny", seed=0)
+    cfg = InnerConfig(steps=3, batch_size=4, seq_len=16, warmup_steps=5)
+    trainer = InnerTrainer(model, BatchStream(TEXT, 4, 16, seed=7), cfg, torch.device("cpu"))
+    return DiLoCo(trainer, GlobalState(flat_params(model), lr=0.7, momentum=0.9), SoloMerger(), "p", "p")
+
+
+def steps(d: DiLoCo, n: int) -> None:
+    for _ in range(n):
+        d.inner_step()
+
+
+def save(d: DiLoCo, folder) -> None:
+    meta, tensors = d.checkpoint_state()
+    meta.update(model="tiny", n_params=d.state.params.numel())
+    checkpoint.save(folder, meta, tensors)
+
+
+def restore(folder) -> DiLoCo:
+    d = peer()
+    found = checkpoint.load_latest(folder, d.state.params.numel())
+    d.restore_checkpoint_state(found.meta, found.tensors, checkpoint.last_contribution(folder))
+    return d
+
+
+def swarm_state(d: DiLoCo):
+    """What a resync downloads from a live peer: the metadata and tensors of its global state."""
+    metadata, tensors = d.state.snapshot()
+    return metadata, [t.clone() for t in tensors]
+
+
+def test_a_peer_killed_after_its_island_merged_what_its_checkpoint_holds_does_not_count_it_again(tmp_path):
+    original = peer()
+    steps(original, 3)
+    original.contribute()
+    original.wait(10)  # v1
+    steps(original, 2)
+    save(original, tmp_path)  # v1 and two unmerged steps
+    steps(original, 1)
+    original.contribute()  # those two steps ride in this contribution, from v1 ...
+    checkpoint.note_contribution(tmp_path, original.in_flight.contribution, original.trainer.total_steps)
+    original.wait(10)  # ... and the island merges it (v2); the peer dies before its next checkpoint
+    restored = restore(tmp_path)
+    assert (restored.state.version, restored.unmerged_steps) == (1, 2)
+    restored.adopt(*swarm_state(original))  # the restart's resync to the swarm's v2
+    assert restored.state.key == original.state.key
+    assert torch.equal(restored.local_params(), restored.state.params)  # nothing of the merged steps again
+    assert restored.unmerged_steps == 0 and restored.unmerged_tokens == 0
+    original.close()
+    restored.close()
+
+
+def test_a_peer_whose_last_contribution_was_not_merged_keeps_what_its_checkpoint_holds(tmp_path):
+    original = peer()
+    steps(original, 3)
+    original.contribute()
+    original.wait(10)  # v1
+    steps(original, 2)
+    save(original, tmp_path)
+    progress = original.local_params() - original.state.params
+    steps(original, 1)
+    original.contribute()
+    checkpoint.note_contribution(tmp_path, original.in_flight.contribution, original.trainer.total_steps)
+    # killed with the round in flight; its island failed: the swarm is still at v1
+    restored = restore(tmp_path)
+    assert (restored.state.version, restored.unmerged_steps) == (1, 2)
+    assert torch.equal(restored.local_params() - restored.state.params, progress)
+    steps(restored, 1)
+    restored.contribute()
+    assert restored.in_flight.contribution.steps == 3  # the restored steps are contributed, once
+    restored.wait(10)
+    original.wait(10)
+    original.close()
+    restored.close()
+
+
+def test_a_checkpoint_newer_than_the_last_contribution_is_whole(tmp_path):
+    """The usual case: the contribution's outcome was applied before the checkpoint; a resync rebases the
+    checkpoint's unmerged steps, which no island has seen."""
+    original = peer()
+    steps(original, 3)
+    original.contribute()
+    checkpoint.note_contribution(tmp_path, original.in_flight.contribution, original.trainer.total_steps)
+    original.wait(10)
+    steps(original, 2)
+    save(original, tmp_path)
+    restored = restore(tmp_path)
+    assert restored.unsettled is None and restored.unmerged_steps == 2
+    original.close()
+    restored.close()
