@@ -46,17 +46,24 @@ def swarm_state(d: DiLoCo):
     return metadata, [t.clone() for t in tensors]
 
 
-def test_a_peer_killed_after_its_island_merged_what_its_checkpoint_holds_does_not_count_it_again(tmp_path):
+def saved_then_contributed(folder) -> DiLoCo:
+    """A peer at v1 saves with two unmerged steps, trains one more, and contributes all three from v1 (noted as
+    a peer notes it): its checkpoint is older than its last contribution."""
     original = peer()
     steps(original, 3)
     original.contribute()
     original.wait(10)  # v1
     steps(original, 2)
-    save(original, tmp_path)  # v1 and two unmerged steps
+    save(original, folder)
     steps(original, 1)
-    original.contribute()  # those two steps ride in this contribution, from v1 ...
-    checkpoint.note_contribution(tmp_path, original.in_flight.contribution, original.trainer.total_steps)
-    original.wait(10)  # ... and the island merges it (v2); the peer dies before its next checkpoint
+    original.contribute()
+    checkpoint.note_contribution(folder, original.in_flight.contribution, original.trainer.total_steps)
+    return original
+
+
+def test_a_peer_killed_after_its_island_merged_what_its_checkpoint_holds_does_not_count_it_again(tmp_path):
+    original = saved_then_contributed(tmp_path)
+    original.wait(10)  # the island merges it (v2); the peer dies before its next checkpoint
     restored = restore(tmp_path)
     assert (restored.state.version, restored.unmerged_steps) == (1, 2)
     restored.adopt(*swarm_state(original))  # the restart's resync to the swarm's v2
@@ -68,20 +75,12 @@ def test_a_peer_killed_after_its_island_merged_what_its_checkpoint_holds_does_no
 
 
 def test_a_peer_whose_last_contribution_was_not_merged_keeps_what_its_checkpoint_holds(tmp_path):
-    original = peer()
-    steps(original, 3)
-    original.contribute()
-    original.wait(10)  # v1
-    steps(original, 2)
-    save(original, tmp_path)
-    progress = original.local_params() - original.state.params
-    steps(original, 1)
-    original.contribute()
-    checkpoint.note_contribution(tmp_path, original.in_flight.contribution, original.trainer.total_steps)
+    original = saved_then_contributed(tmp_path)
     # killed with the round in flight; its island failed: the swarm is still at v1
     restored = restore(tmp_path)
+    saved = checkpoint.load_latest(tmp_path, restored.state.params.numel()).tensors
     assert (restored.state.version, restored.unmerged_steps) == (1, 2)
-    assert torch.equal(restored.local_params() - restored.state.params, progress)
+    assert torch.equal(restored.local_params(), saved["local"])
     steps(restored, 1)
     restored.contribute()
     assert restored.in_flight.contribution.steps == 3  # the restored steps are contributed, once
