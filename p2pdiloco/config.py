@@ -354,6 +354,13 @@ class PeerConfig:
                                   "Checkpoints go to CHECKPOINT_DIR/RUN_ID/NAME; a restarted peer resumes from there.")
     checkpoint_every: int = option(5, "Merged rounds between checkpoints (one is always written on leaving; 0: "
                                    "never).")
+    checkpoint_seconds: Optional[float] = option(
+        None, "Also checkpoint this peer's own progress every this many seconds, at the next inner step, with a "
+        "round in flight or not: a restart loses at most this much training. Default: every 60 times the last "
+        "write's duration, 30 s at least (the writes then take under 2% of the time: a 88M model's 2.3-4.6 s "
+        "every 2.5-4.5 minutes, a small one's every 30 s), unless --checkpoint-every is 0; 0: only by "
+        "--checkpoint-every. With --application eager, only between rounds (its steps in flight start from an "
+        "estimate).")
     keep_checkpoints: int = option(3, "How many checkpoints to keep.")
     global_state_on_disk: bool = option(
         False, "Keep the global model and its outer momentum (8 bytes per parameter) in a file under "
@@ -394,6 +401,9 @@ class PeerConfig:
         _positive(self, "eval_batches")
         if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
             raise ConfigError(f"checkpoint every must be an integer >= 0, got {self.checkpoint_every!r}")
+        if self.checkpoint_seconds is not None and not (math.isfinite(self.checkpoint_seconds)
+                                                        and self.checkpoint_seconds >= 0):
+            raise ConfigError(f"checkpoint seconds must be a number >= 0, got {self.checkpoint_seconds!r}")
         _positive(self, "keep_checkpoints")
         if not isinstance(self.eval_every, int) or self.eval_every < 0:
             raise ConfigError(f"eval every must be an integer >= 0, got {self.eval_every!r}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -13,6 +14,9 @@ from p2pdiloco.training import checkpoint
 from p2pdiloco.training.diloco import DiLoCo
 
 log = logging.getLogger("p2pdiloco")
+# timed checkpoints by default: 60 times the last write apart (under 2% of the time; measured with
+# scripts/bench/bench_checkpoint.py), and at least this often apart
+AUTO_FACTOR, AUTO_FLOOR = 60.0, 30.0
 
 
 def checkpoint_folder(cfg: PeerConfig, name: str) -> Path:
@@ -36,10 +40,26 @@ class Checkpoints:
         self.cfg, self.workload, self.name, self.metrics = cfg, workload, name, metrics
         self.folder = checkpoint_folder(cfg, name)
         self.error: Optional[str] = None  # the last write failed: why, and what to do
+        self.saved_at = time.monotonic()  # the last save (or start): timed saves count from it
+        self.write_seconds = 0.0  # the last write's duration: the default interval follows it
+
+    @property
+    def timed(self) -> bool:
+        """Timed saves are on (--checkpoint-seconds; by default unless --checkpoint-every 0 said never)."""
+        every = self.cfg.checkpoint_seconds
+        return bool(self.cfg.checkpoint_every) if every is None else every > 0
+
+    def interval(self) -> float:
+        every = self.cfg.checkpoint_seconds
+        return every if every is not None else max(AUTO_FLOOR, AUTO_FACTOR * self.write_seconds)
+
+    def due(self) -> bool:
+        return self.timed and time.monotonic() - self.saved_at >= self.interval()
 
     def save(self, diloco: DiLoCo, why: str) -> None:
-        if diloco.in_flight is not None:
-            return  # only between rounds (see DiLoCo.checkpoint_state)
+        if not diloco.can_checkpoint:
+            return  # an eager round in flight (see DiLoCo.checkpoint_state)
+        started = self.saved_at = time.monotonic()  # a failed write is not retried at every step
         cfg, workload = self.cfg, self.workload
         meta, tensors = diloco.checkpoint_state()
         meta.update(model=cfg.model, n_params=workload.n_params, run_id=cfg.swarm.run_id, why=why,
@@ -56,8 +76,9 @@ class Checkpoints:
                 f" free space there or give --checkpoint-dir another disk")
             log.error("%s: %s", self.name, self.error)
             return
-        self.error = None
-        self.metrics.write(schema.Checkpoint(peer=self.name, version=meta["version"], path=str(path), why=why))
+        self.error, self.write_seconds = None, time.monotonic() - started
+        self.metrics.write(schema.Checkpoint(peer=self.name, version=meta["version"], path=str(path), why=why,
+                                             seconds=self.write_seconds))
 
     def note_contribution(self, diloco: DiLoCo, c) -> None:
         """Each contribution as it leaves: should we die before the next checkpoint, the restart knows that the

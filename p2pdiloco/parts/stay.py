@@ -53,7 +53,7 @@ class Stay:
               synchronous=cfg.swarm.mode == "sync", round_seconds=cfg.inner.round_seconds,
               final_wait=self._round_wait_on_leaving, on_contribute=self._on_contribute,
               ready=lambda: self.membership.joined)
-        if cfg.checkpoint_every:
+        if cfg.checkpoint_every or self.checkpoints.timed:
             self.checkpoints.save(self.diloco, "leaving")
             if self.checkpoints.error:  # said once more, on exit: what this stay trained was not saved
                 self.leave_error = checkpoint.CheckpointWriteError(self.checkpoints.error)
@@ -91,9 +91,11 @@ class Stay:
     def _on_step(self, loss: torch.Tensor, seconds: float) -> None:
         self.membership.poll(self.log.started)
         self.log.step(loss, seconds)
+        if self.checkpoints.due():
+            self.checkpoints.save(self.diloco, "timed")
 
     def _on_contribute(self, c: Contribution) -> None:
-        if self.cfg.checkpoint_every:
+        if self.cfg.checkpoint_every or self.checkpoints.timed:
             self.checkpoints.note_contribution(self.diloco, c)
         self.metrics.write(schema.Contribute(peer=self.name, version=c.version, tokens=c.tokens, steps=c.steps))
         self.tensors.park()

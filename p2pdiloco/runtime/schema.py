@@ -174,6 +174,7 @@ class Checkpoint(Record, kind="checkpoint"):
     version: int = 0
     path: Optional[str] = None
     why: Optional[str] = None
+    seconds: Optional[float] = None  # the write, on the training thread
 
 
 @dataclass(kw_only=True)

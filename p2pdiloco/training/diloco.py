@@ -400,12 +400,22 @@ class DiLoCo:
         self.keep.close()
 
     # ---- resuming ---------------------------------------------------------------------------------------
+    @property
+    def can_checkpoint(self) -> bool:
+        """Between rounds always; with a round in flight unless eager (θ then starts from an estimate, not Θ)."""
+        return self.in_flight is None or self.in_flight.origin is None
+
     def checkpoint_state(self) -> tuple[dict, dict[str, Entry]]:
         """Everything a restarted peer needs to go on exactly where it stopped: Θ, momentum and version, θ,
-        the AdamW moments, the step count, the data stream's position and the unmerged counters. Only
-        between rounds: a contribution in flight could still be merged by others after we save."""
-        assert self.in_flight is None, "checkpoint between rounds only"
+        the AdamW moments, the step count, the data stream's position and the unmerged counters. With a round in
+        flight (Θ is Θ_S until its outcome lands, and θ holds all our unmerged progress), the contribution is
+        unsettled: its island may merge it after we stop, so a restart finding the swarm past its version gives
+        the unmerged progress up (`_settle_restored`), rather than risk counting it twice."""
+        assert self.can_checkpoint, "an eager peer checkpoints between rounds only"
         trainer = self.trainer
+        flight = self.in_flight
+        unsettled = self.unsettled if flight is None else dict(version=flight.contribution.version,
+                                                               stream_position=None)
         with self.state.lock:  # no copies of Θ: only this (the training) thread changes it, and it is saving
             let_go = self.state.let_go
             tensors = {"global": Released(self.state.params, let_go),
@@ -417,7 +427,7 @@ class DiLoCo:
         tensors.update(moments)
         meta.update(inner_optimizer=trainer.cfg.optimizer, inner_scalars=scalars)
         meta.update(unmerged_tokens=self.unmerged_tokens, unmerged_steps=self.unmerged_steps,
-                    unmerged_seconds=self.unmerged_seconds, inner_step=trainer.total_steps, unsettled=self.unsettled,
+                    unmerged_seconds=self.unmerged_seconds, inner_step=trainer.total_steps, unsettled=unsettled,
                     settled_step=self.settled_step,
                     stream_position=getattr(trainer.batches, "position", None),
                     stream_seed=getattr(trainer.batches, "seed", None),

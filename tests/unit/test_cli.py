@@ -43,6 +43,7 @@ def test_help_does_not_import_torch_or_hivemind():
     (["join", "--error-feedback-decay", "1.5"], "--error-feedback-decay must be in (0, 1]"),
     (["join", "--outer-momentum", "1"], "outer momentum must be in [0, 1)"),
     (["join", "--step-in-backward"], "--step-in-backward needs --grad-clip 0"),
+    (["join", "--checkpoint-seconds", "-5"], "checkpoint seconds must be a number >= 0"),
 ])
 def test_bad_flags_exit_nonzero_with_a_clear_message(args, message):
     result = CliRunner().invoke(cli, args)

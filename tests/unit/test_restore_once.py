@@ -104,3 +104,50 @@ def test_a_checkpoint_newer_than_the_last_contribution_is_whole(tmp_path):
     assert restored.unsettled is None and restored.unmerged_steps == 2
     original.close()
     restored.close()
+
+
+def test_a_checkpoint_written_with_a_round_in_flight_is_given_up_only_if_the_swarm_is_past_it(tmp_path):
+    """--checkpoint-seconds writes while a round is in flight: θ then holds what the round carries and the steps
+    since. Restored where the swarm went past the round's version (it may hold the round), all of it is given up;
+    where it did not, all of it is contributed, once."""
+    original = peer()
+    steps(original, 3)
+    original.contribute()
+    original.wait(10)  # v1
+    steps(original, 3)
+    original.contribute()  # from v1, in flight ...
+    steps(original, 1)
+    assert original.can_checkpoint
+    save(original, tmp_path)  # ... while we save
+    original.wait(10)  # v2: it merged
+    merged = restore(tmp_path)
+    assert merged.unsettled["version"] == 1 and merged.unmerged_steps == 4
+    merged.adopt(*swarm_state(original))
+    assert torch.equal(merged.local_params(), merged.state.params) and merged.unmerged_steps == 0
+    kept = restore(tmp_path)  # the island failed and nobody else merged: the swarm is at v1
+    kept.contribute()
+    assert kept.in_flight.contribution.steps == 4 and kept.unsettled is None
+    for d in (original, merged, kept):
+        d.wait(10)
+        d.close()
+
+
+def test_timed_checkpoints_by_default_take_under_2_percent_of_the_time_and_follow_the_flags(tmp_path):
+    import dataclasses
+
+    from p2pdiloco.config import PeerConfig
+    from p2pdiloco.parts.checkpoints import AUTO_FACTOR, AUTO_FLOOR, Checkpoints
+
+    def timed(**flags):
+        return Checkpoints(dataclasses.replace(PeerConfig(), checkpoint_dir=tmp_path, **flags), None, "p", None)
+
+    default = timed()
+    assert default.timed and default.interval() == AUTO_FLOOR == 30.0
+    default.write_seconds = 4.0  # a large model's write: every 4 minutes, 1/60 of the time
+    assert default.interval() == 240.0 and 1 / AUTO_FACTOR < 0.02
+    assert not default.due()  # counted from the start
+    default.saved_at -= 241.0
+    assert default.due()
+    assert not timed(checkpoint_every=0).timed  # "never" stays never
+    assert timed(checkpoint_every=0, checkpoint_seconds=5.0).interval() == 5.0
+    assert not timed(checkpoint_seconds=0.0).timed
