@@ -41,8 +41,9 @@ class SimParams:
         "data-parallel the paper's 58 % (56 %), and the sources do not split the stall.", group="sim")
     slice_chips: int = option(256, "elastic: chips dropped together when one of them fails.", group="sim")
     checkpoint_seconds: float = option(
-        0.0, "restart: a learner writes its own unmerged progress to a local checkpoint this often and keeps it "
-        "over a restart. 0: never, as a p2pdiloco peer today (it checkpoints only merged states).", group="sim")
+        30.0, "restart: a learner writes its own progress to a local checkpoint this often and keeps it over a "
+        "restart: a peer of a small model does every 30 s by default (join --checkpoint-seconds); 0: never, as "
+        "peers did before 2026-11-29.", group="sim")
     step_seconds: float = option(1.0, "Seconds per inner step of the fastest learner.", group="sim")
     speed_spread: float = option(
         0.0, "Learner i's step takes step_seconds·(1 + spread·uᵢ), uᵢ uniform in [0, 1) from the seed.",

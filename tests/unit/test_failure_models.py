@@ -48,7 +48,7 @@ def test_a_restarted_learner_loses_the_work_since_its_last_checkpoint(simulate):
     """Rounds of 10 s; it dies at 25 and is back at 30. Without a local checkpoint it loses 20-25 and merges
     0-20 and 30-60 (60-67 is unfinished): 50 of 67 s. With one every 3 s it keeps 20-24 (the checkpoint at 24),
     needs 6 s more for that round, and merges 0-24 and 30-66: 60 of 67 s."""
-    never = simulate(dataclasses.replace(HAND, failure="restart"), DIES_AT_25)
+    never = simulate(dataclasses.replace(HAND, failure="restart", checkpoint_seconds=0.0), DIES_AT_25)
     every_3 = simulate(dataclasses.replace(HAND, failure="restart", checkpoint_seconds=3.0), DIES_AT_25)
     assert never.goodput == pytest.approx(50 / 67, rel=1e-6)
     assert every_3.goodput == pytest.approx(60 / 67, rel=1e-6)

@@ -67,7 +67,7 @@ def decoupled(p: SimParams):
     return simulate(p, "decoupled")
 
 
-RESTARTING = dataclasses.replace(SMALL, failure="restart")  # learners that die, restart and come back behind
+RESTARTING = dataclasses.replace(SMALL, failure="restart", checkpoint_seconds=0.0)  # they die and come back behind
 
 
 def test_learners_that_find_an_island_merging_without_them_wait_for_it_fork_less_and_keep_their_goodput():
