@@ -286,7 +286,24 @@ def report_from_logs(log_dir: Path, planned_peers: int) -> dict:
         exits=sum(e["event"] == "exit" for e in events),
         newcomers=len(slots) - planned_peers,
         **summarize(lives_from_logs(log_dir), start, end, STEP_WINDOW),
+        **kill_losses(log_dir, kills),
     )
+
+
+def kill_losses(log_dir: Path, kills: list[dict]) -> dict:
+    """What each SIGKILL cost its peer's training: the seconds from the newest checkpoint it had written (in that
+    life; none: from its spawn) to the kill. An upper bound on the inner-step time lost: the restart resumes from
+    that checkpoint (or gives its unsettled steps up: `DiLoCo.unsettled`, logged)."""
+    events = read_jsonl(log_dir / "chaos-events.jsonl")
+    losses = []
+    for kill in kills:
+        name, at = kill["peer"], kill["time"]
+        spawned = max(e["time"] for e in events if e["event"] == "spawn" and e.get("peer") == name and e["time"] < at)
+        saved = [r.time for r in read_records(log_dir / f"{name}.jsonl")
+                 if r.kind == "checkpoint" and spawned <= r.time < at]
+        losses.append(at - max(saved, default=spawned))
+    return dict(loss_per_kill_seconds_max=round(max(losses), 1) if losses else None,
+                loss_per_kill_seconds_median=round(sorted(losses)[len(losses) // 2], 1) if losses else None)
 
 
 def _signal(pid: int, sig: int) -> None:

@@ -24,7 +24,7 @@ SHOWN = ["seconds", "slots", "kills", "kills_by_phase", "freezes", "restarts", "
          "goodput_of_alive_time", "utilization", "uptime", "uptime_window_seconds", "versions",
          "longest_stall_seconds", "longest_without_merge_seconds", "join_seconds_median", "join_seconds_max",
          "rounds", "rounds_merged", "rounds_with_fork", "max_fork_distance", "final_fork_distance", "split_islands",
-         "final_val_median", "final_val"]
+         "final_val_median", "final_val", "loss_per_kill_seconds_max", "loss_per_kill_seconds_median"]
 
 
 def main():
