@@ -93,6 +93,7 @@ class Stay:
         self.log.step(loss, seconds)
         if self.checkpoints.due():
             self.checkpoints.save(self.diloco, "timed")
+            self.tensors.park()  # the save read Θ and the momentum
 
     def _on_contribute(self, c: Contribution) -> None:
         if self.cfg.checkpoint_every or self.checkpoints.timed:

@@ -118,9 +118,7 @@ class DiLoCo:
         self.eager = eager
         self.last_merged: Optional[torch.Tensor] = None  # the latest merged update we applied (eager estimates)
         self.last_weight = 1.0  # our share of it
-        self.unmerged_tokens = 0  # since the last contribution that reached the global state
-        self.unmerged_steps = 0
-        self.unmerged_seconds = 0.0
+        self._nothing_unmerged()  # the unmerged counters: since the last contribution that reached Θ
         self.merged_seconds = 0.0  # inner-step time whose progress reached the global model
         self.in_flight: Optional[InFlight] = None
         self.last_merge: Optional[LastMerge] = None

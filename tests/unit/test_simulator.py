@@ -93,16 +93,16 @@ def test_learners_that_wait_for_a_newer_state_fork_less_and_with_quorum_2_lose_n
     assert waiting.details["forks"] <= forking.details["forks"] and waiting.goodput > forking.goodput - 0.002
 
 
-def test_datacenter_scale_a_week_of_1_2m_chips_in_every_mode_within_a_minute():
+def test_datacenter_scale_two_days_of_1_2m_chips_in_every_mode_within_a_minute():
     started = time.monotonic()
     result = CliRunner().invoke(cli, ["simulate", "--chips", "1200000", "--learners", "16", "--mtbi-years", "1",
-                                      "--mode", "all", "--json"])
+                                      "--days", "2", "--mode", "all", "--json"])
     elapsed = time.monotonic() - started
     assert result.exit_code == 0, result.output
     modes = json.loads(result.output)["modes"]
     assert set(modes) == set(MODES) and all(0.0 < m["goodput"] <= m["uptime"] <= 1.0 for m in modes.values())
-    # one failure trace for every mode (the seed's): a week of 1.2M chips at 1 year each is ~23,000 failures
-    assert len({m["failures"] for m in modes.values()}) == 1 and 20_000 < modes["dp"]["failures"] < 26_000
+    # one failure trace for every mode (the seed's): two days of 1.2M chips at 1 year each is ~6,570 failures
+    assert len({m["failures"] for m in modes.values()}) == 1 and 6_000 < modes["dp"]["failures"] < 7_200
     # data-parallel stops everyone at each failure, and does nothing but compute while up
     assert modes["dp"]["goodput"] == modes["dp"]["uptime"] < modes["elastic"]["uptime"]
     # learners that go on while one is repaired keep chips busier than any mode that waits for everyone
@@ -113,7 +113,7 @@ def test_datacenter_scale_a_week_of_1_2m_chips_in_every_mode_within_a_minute():
     assert modes["decoupled"]["failure"] == "elastic"
     assert modes["decoupled"]["goodput"] >= 0.93 > modes["elastic"]["goodput"]
     assert modes["decoupled"]["goodput"] >= modes["central"]["goodput"] - 0.02
-    assert elapsed < 90.0
+    assert elapsed < 60.0
 
 
 def test_simulate_prints_a_table_json_and_a_plot(tmp_path):
