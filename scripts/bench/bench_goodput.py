@@ -77,8 +77,9 @@ def plot(rows: list[dict], learners: list[int], path: Path, days: float) -> None
     for ax, failure in zip(axes, FAILURES):
         for mode in MODES:
             means = [summary([r for r in rows if r["failure_model"] == failure and r["mode"] == mode
-                              and r["learners"] == m], "goodput")["mean"] for m in learners]
-            ax.plot(learners, means, marker="o", label=mode)
+                              and r["learners"] == m], "goodput").get("mean") for m in learners]
+            if None not in means:  # a failure model not run this time
+                ax.plot(learners, means, marker="o", label=mode)
         ax.plot(list(PAPER["decoupled"]), list(PAPER["decoupled"].values()), "k*", markersize=11,
                 label="paper: decoupled")
         ax.axhline(PAPER["elastic"], color="grey", linestyle="--", linewidth=0.8, label="paper: elastic DP")
@@ -104,11 +105,14 @@ def main():
     parser.add_argument("--days", type=float, default=7.0)
     parser.add_argument("--learners", default="2,4,8,16")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--failures", default=",".join(FAILURES), help="the learners' failure models to run")
+    parser.add_argument("--checkpoint-seconds", type=float, help="restart: the learners' local checkpoints")
     parser.add_argument("--out", type=Path, default=Path("runs/goodput/goodput.json"))
     a = parser.parse_args()
     learners = [int(m) for m in a.learners.split(",")]
-    jobs = [(SimParams(learners=m, seed=seed, days=a.days, failure=failure), mode)
-            for failure in FAILURES for m in learners for seed in range(a.seeds) for mode in MODES]
+    extra = {} if a.checkpoint_seconds is None else dict(checkpoint_seconds=a.checkpoint_seconds)
+    jobs = [(SimParams(learners=m, seed=seed, days=a.days, failure=failure, **extra), mode)
+            for failure in a.failures.split(",") for m in learners for seed in range(a.seeds) for mode in MODES]
     with ProcessPoolExecutor(a.workers) as pool:
         rows = list(pool.map(one, jobs))
     a.out.parent.mkdir(parents=True, exist_ok=True)
