@@ -87,6 +87,10 @@ def mapping_processes(swarm, name: str, folder, within: float) -> int:
     return found
 
 
+# opt-in (the suite's 15 minutes): in the default suite, test_chaos kills peers in their rounds (island forming or
+# all-reduce) and checks that no island's members end a round apart and forks heal; test_lifeline that a SIGKILLed
+# peer's helpers die; test_codes_transport and test_reducer_node that a member dying mid-stream fails the round for all
+@pytest.mark.slow
 def test_sigkill_during_allreduce_leaves_survivors_equal_and_training(tmp_path):
     names = ["a", "b", "c", "victim"]
     with local_swarm(tmp_path, "kill") as swarm:
