@@ -151,3 +151,36 @@ def test_timed_checkpoints_by_default_take_under_2_percent_of_the_time_and_follo
     assert not timed(checkpoint_every=0).timed  # "never" stays never
     assert timed(checkpoint_every=0, checkpoint_seconds=5.0).interval() == 5.0
     assert not timed(checkpoint_seconds=0.0).timed
+
+
+def test_a_peer_that_left_with_its_round_in_flight_gives_its_steps_up_if_the_swarm_merged_past_it(tmp_path):
+    """Leaving within its bound, a peer abandons the round in flight and saves: should that island still merge,
+    its next start must not contribute the same steps again."""
+    original = peer()
+    steps(original, 3)
+    original.contribute()
+    original.wait(10)  # v1
+    steps(original, 3)
+    original.contribute()
+    original.wait(10)
+    finished = swarm_state(original)  # what the island made of it: v2 ...
+    leaving = restore_at_v1_with_the_round_abandoned(tmp_path)
+    assert leaving.unsettled["version"] == 1 and leaving.unmerged_steps == 3
+    leaving.adopt(*finished)  # ... which the swarm holds when it comes back
+    assert torch.equal(leaving.local_params(), leaving.state.params) and leaving.unmerged_steps == 0
+    original.close()
+    leaving.close()
+
+
+def restore_at_v1_with_the_round_abandoned(folder) -> DiLoCo:
+    """The same peer's twin, which abandoned its round from v1 while leaving and saved, then came back."""
+    twin = peer()
+    steps(twin, 3)
+    twin.contribute()
+    twin.wait(10)
+    steps(twin, 3)
+    twin.contribute()
+    twin.abandon()
+    save(twin, folder)
+    twin.close()
+    return restore(folder)
