@@ -75,7 +75,7 @@ class SimParams:
     seed: int = option(0, "Failure times and learner speeds are drawn from this seed.", group="sim")
 
     def __post_init__(self):
-        for name in ("chips", "learners", "inner_steps", "slice_chips", "quorum"):
+        for name in ("chips", "learners", "inner_steps", "slice_chips", "quorum", "model_params"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', ' ')} must be a positive integer")
         if self.learners > self.chips:
@@ -83,9 +83,6 @@ class SimParams:
         for name in ("mtbi_years", "step_seconds", "days"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise ConfigError(f"{name.replace('_', ' ')} must be a positive number")
-        for name in ("model_params",):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ConfigError(f"{name.replace('_', ' ')} must be a positive integer")
         if not (math.isfinite(self.bandwidth_gbit) and self.bandwidth_gbit > 0):
             raise ConfigError("bandwidth gbit must be a positive number")
         for name in ("repair_seconds", "rescale_seconds", "upscale_seconds", "checkpoint_seconds", "sync_seconds",
