@@ -8,8 +8,9 @@ sees. Because everyone uses the same order, two forks reconcile as soon as eithe
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -31,6 +32,10 @@ def sharing_priority(version: int, state_digest: str) -> float:
 
 
 HISTORY = 32  # (version, digest) of the latest states of a lineage, carried with the state
+
+
+class StateChanged(RuntimeError):
+    """Θ changed since a reader took note of it (`GlobalState.unchanged`)."""
 
 
 class GlobalState:
@@ -55,8 +60,8 @@ class GlobalState:
         self.version = 0
         self.tokens = 0  # merged into Θ over its whole lineage: the swarm's progress (the lr schedule's clock)
         self.last_members: list[str] = []
-        self.lock = threading.RLock()
-        self._digest: Optional[str] = None
+        self.lock, self._digest = threading.RLock(), None
+        self.generation = 0  # counts every change of Θ: a reader that noted it can tell it still reads the same
         self.history: list[tuple[int, str]] = [self.key]
         self.reach = Reach()  # how far a downloaded state may be from ours (p2pdiloco.core.reach)
 
@@ -85,6 +90,7 @@ class GlobalState:
             let_go(part)
 
         with self.lock:
+            self.generation += 1
             self.outer.step(merged, let_go=let_go_both)
             self.version += 1
             self.tokens += max(0, int(tokens))
@@ -125,8 +131,18 @@ class GlobalState:
             moved = distances(self.outer.state_tensors(), tensors, let_go=self.let_go)
         return self.reach.why_not(moved, apart, corroborated)
 
+    @contextlib.contextmanager
+    def unchanged(self, generation: int) -> Iterator[None]:
+        """Hold Θ as it was at `generation` (a background checkpoint writing it); raises StateChanged if it
+        changed in between."""
+        with self.lock:
+            if self.generation != generation:
+                raise StateChanged(f"Θ changed (generation {generation} → {self.generation})")
+            yield
+
     def load(self, metadata: dict, tensors: list[torch.Tensor]) -> None:
         with self.lock:
+            self.generation += 1
             self.outer.load_state_tensors(*tensors)
             self.version = metadata["version"]
             self.tokens = parse_tokens(metadata.get("tokens"))

@@ -199,6 +199,18 @@ def island_waits(records: Iterable[Iterable[Record]]) -> dict[str, int]:
     return ended
 
 
+def startup_phases(lives: list[Life]) -> dict:
+    """Where a restart's seconds went before its first step (the `start` record's phases), median over the
+    lives that resumed from a checkpoint of their own: imports, workload, helpers, model, checkpoint, join."""
+    restarts = [life.of_kind("start")[0].startup for life in lives if life.of_kind("restore") and life.of_kind("start")]
+    restarts = [phases for phases in restarts if phases]
+    names = dict.fromkeys(name for phases in restarts for name in phases)  # in the order they came
+    return dict(restart_phases_median={n: round(statistics.median(p.get(n, 0.0) for p in restarts), 2)
+                                       for n in names},
+                restart_seconds_median=round(statistics.median(sum(p.values()) for p in restarts), 2)
+                if restarts else None)
+
+
 def summarize(lives: list[Life], start: float, end: float, step_window: int) -> dict:
     rounds = [r for life in lives for r in life.of_kind("round")]
     times = advances(lives)
@@ -215,6 +227,7 @@ def summarize(lives: list[Life], start: float, end: float, step_window: int) -> 
         **longest_stalls(lives, step_window),
         join_seconds_max=max(joins, default=0.0),
         join_seconds_median=statistics.median(joins) if joins else 0.0,
+        **startup_phases(lives),
         rounds=len(rounds), rounds_merged=sum(r.applied for r in rounds),
         rounds_with_fork=sum(r.fork_distance > 0 for r in rounds),
         max_fork_distance=max((r.fork_distance for r in rounds), default=0.0),

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from p2pdiloco.config import PeerConfig
+from p2pdiloco.core.state import StateChanged
 from p2pdiloco.parts.workload import Workload
 from p2pdiloco.runtime import schema
 from p2pdiloco.training import checkpoint
@@ -35,6 +39,20 @@ def resumes_warm(cfg: PeerConfig) -> bool:
     return bool(meta and is_ours(cfg, meta) and "stream_seed" in meta and cfg.swarm.initial_peers)
 
 
+@dataclass
+class Write:
+    """One checkpoint on its way to disk, and how that went."""
+    meta: dict
+    why: str
+    guard: Callable  # held while Θ is written: raises StateChanged if a round changed it since `meta`
+    path: Optional[Path] = None
+    error: Optional[str] = None  # the disk said no
+    superseded: bool = False
+    failure: Optional[BaseException] = None
+    seconds: float = 0.0
+    stall_seconds: float = 0.0  # the training thread's part
+
+
 class Checkpoints:
     def __init__(self, cfg: PeerConfig, workload: Workload, name: str, metrics):
         self.cfg, self.workload, self.name, self.metrics = cfg, workload, name, metrics
@@ -42,6 +60,7 @@ class Checkpoints:
         self.error: Optional[str] = None  # the last write failed: why, and what to do
         self.saved_at = time.monotonic()  # the last save (or start): timed saves count from it
         self.write_seconds = 0.0  # the last write's duration: the default interval follows it
+        self.writing: Optional[tuple[threading.Thread, Write]] = None  # a background write, until reported
 
     @property
     def timed(self) -> bool:
@@ -56,29 +75,82 @@ class Checkpoints:
     def due(self) -> bool:
         return self.timed and time.monotonic() - self.saved_at >= self.interval()
 
-    def save(self, diloco: DiLoCo, why: str) -> None:
+    def save(self, diloco: DiLoCo, why: str, wait: bool = False) -> None:
+        """Checkpoint now. θ and the inner optimizer's state are copied on this (the training) thread and written
+        by another, which holds Θ only while it writes it (`--checkpoint-background`); `wait`: written here and
+        now, after any write still going (leaving). A save while the last one is still being written is
+        skipped."""
         if not diloco.can_checkpoint:
             return  # an eager round in flight (see DiLoCo.checkpoint_state)
+        self.collect(wait=wait)
+        if self.writing is not None:
+            return
         started = self.saved_at = time.monotonic()  # a failed write is not retried at every step
+        meta, tensors = self._state(diloco, why)
+        job = Write(meta, why, functools.partial(diloco.state.unchanged, diloco.state.generation))
+        if wait or not self.cfg.checkpoint_background:
+            self._write(job, tensors)
+            job.stall_seconds = time.monotonic() - started
+            self._report(job)
+            return
+        tensors = checkpoint.host_copies(tensors)  # the stall the training thread pays: a copy, not a write
+        job.stall_seconds = time.monotonic() - started
+        thread = threading.Thread(target=self._write, args=(job, tensors), name=f"checkpoint-{why}", daemon=True)
+        self.writing = (thread, job)
+        thread.start()
+
+    def collect(self, wait: bool = False) -> None:
+        """Report a background write once it has finished (here, on the training thread, which owns the
+        metrics); `wait`: until it has."""
+        if self.writing is None:
+            return
+        thread, job = self.writing
+        if wait:
+            thread.join()
+        if not thread.is_alive():
+            self.writing = None
+            self._report(job)
+
+    def _state(self, diloco: DiLoCo, why: str) -> tuple[dict, dict]:
         cfg, workload = self.cfg, self.workload
         meta, tensors = diloco.checkpoint_state()
         meta.update(model=cfg.model, n_params=workload.n_params, run_id=cfg.swarm.run_id, why=why,
                     model_config=workload.model_config.to_dict(),
                     tokenizer_sha256=workload.data.tokenizer_fingerprint, data_sha256=workload.data.fingerprint)
         self._keep_tokenizer()
+        return meta, tensors
+
+    def _write(self, job: "Write", tensors: dict) -> None:
+        """On any thread: touches only the files, and `job`."""
+        started = time.monotonic()
         try:
-            path = checkpoint.save(self.folder, meta, tensors, keep=cfg.keep_checkpoints)
+            job.path = checkpoint.save(self.folder, job.meta, tensors, keep=self.cfg.keep_checkpoints,
+                                       guard=job.guard)
         except checkpoint.CheckpointWriteError as e:  # the write is undone, the checkpoints already saved stay
+            job.error = str(e)
+        except StateChanged:  # a round changed Θ before the writer could read it: θ no longer goes with it
+            job.superseded = True
+        except BaseException as e:  # a fault of ours: raised again on the training thread
+            job.failure = e
+        job.seconds = time.monotonic() - started
+
+    def _report(self, job: "Write") -> None:
+        if job.failure is not None:
+            raise job.failure
+        if job.superseded:
+            log.debug("%s: a round changed Θ before the checkpoint could write it: written again now", self.name)
+            self.saved_at -= self.interval()  # due again at the next step
+        elif job.error is not None:
             newest = checkpoint.list_checkpoints(self.folder)
             self.error = (
-                f"could not write a checkpoint to {self.folder} ({e}); "
+                f"could not write a checkpoint to {self.folder} ({job.error}); "
                 f"{'the newest saved one, ' + newest[0].name + ', is kept' if newest else 'none was saved before'}:"
                 f" free space there or give --checkpoint-dir another disk")
             log.error("%s: %s", self.name, self.error)
-            return
-        self.error, self.write_seconds = None, time.monotonic() - started
-        self.metrics.write(schema.Checkpoint(peer=self.name, version=meta["version"], path=str(path), why=why,
-                                             seconds=self.write_seconds))
+        else:
+            self.error, self.write_seconds = None, job.seconds
+            self.metrics.write(schema.Checkpoint(peer=self.name, version=job.meta["version"], path=str(job.path),
+                                                 why=job.why, seconds=job.seconds, stall_seconds=job.stall_seconds))
 
     def note_contribution(self, diloco: DiLoCo, c) -> None:
         """Each contribution as it leaves: should we die before the next checkpoint, the restart knows that the
@@ -101,6 +173,7 @@ class Checkpoints:
 
     def resume(self, diloco: DiLoCo) -> None:
         """Restore the newest of our checkpoints that is whole and of this run, if any."""
+        checkpoint.remove_interrupted(self.folder)
         found = checkpoint.load_latest(self.folder, self.workload.n_params, report=log.warning)
         if found is None:
             return

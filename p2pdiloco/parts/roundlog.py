@@ -42,11 +42,11 @@ class RoundLog:
     def tokens_trained(self) -> int:
         return self.diloco.trainer.total_steps * self.diloco.trainer.tokens_per_step
 
-    def start(self, initial_val: Optional[float], corpus: str, mode: str) -> None:
+    def start(self, initial_val: Optional[float], corpus: str, mode: str, startup: dict[str, float]) -> None:
         state = self.diloco.state
         self.metrics.write(schema.Start(peer=self.name, peer_id=self.diloco.peer, n_params=self.workload.n_params,
                                         val_loss=initial_val, val_bpb=self.workload.bpb(initial_val),
-                                        version=state.version, corpus=corpus, mode=mode))
+                                        version=state.version, corpus=corpus, mode=mode, startup=startup))
         self.progress.start_round(0, state.version)
 
     def step(self, loss: torch.Tensor, seconds: float) -> None:

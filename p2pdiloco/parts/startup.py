@@ -18,6 +18,7 @@ from p2pdiloco.parts.workload import Workload, parking_folder, prepare
 from p2pdiloco.protocol.remote import PeerRecord
 from p2pdiloco.protocol.timing import RoundClock
 from p2pdiloco.runtime.metrics import open_sinks
+from p2pdiloco.runtime.stopwatch import Stopwatch
 from p2pdiloco.swarm import node
 from p2pdiloco.swarm.records import Heartbeat
 from p2pdiloco.swarm.wiring import build_merger
@@ -28,11 +29,15 @@ from p2pdiloco.training.spill import OnDisk
 
 def start(cfg: PeerConfig, stop: threading.Event) -> Stay:
     """Everything up to the first inner step; what it started is stopped again should a later part fail."""
+    clock = Stopwatch()
+    clock.mark("imports")
     seams = seams_for(FaultPlan.parse(cfg.swarm.fault_plan))
     warm = resumes_warm(cfg)  # read before the fork: the metadata only
     workload = prepare(cfg)
+    clock.mark("workload")
     shared = SharedState()
     helpers = start_helpers(cfg, workload, shared, seams.averager, leaving=stop.is_set)
+    clock.mark("helpers")
     merger = metrics = None
     try:
         name = cfg.name or helpers.peer_id[-6:]
@@ -43,9 +48,11 @@ def start(cfg: PeerConfig, stop: threading.Event) -> Stay:
         shared.tensors = tensors = materialize(cfg, workload)
         merger = _merger(cfg, workload, helpers, tensors.state, name, stop, seams)
         diloco = _diloco(cfg, workload, helpers, tensors, merger, name, seams)
+        clock.mark("model")
         checkpoints = Checkpoints(cfg, workload, name, metrics)
         checkpoints.resume(diloco)
         tensors.park()
+        clock.mark("checkpoint")
         membership = Membership(cfg, workload, merger, diloco, tensors, metrics, name)
         membership.publish()  # our record tells the restored state from its first beat
         merger.heartbeat.start()
@@ -55,7 +62,9 @@ def start(cfg: PeerConfig, stop: threading.Event) -> Stay:
             membership.join_in_background()
         else:
             membership.join_now()
-        return Stay(cfg, stop, workload, helpers, tensors, merger, diloco, membership, checkpoints, metrics, name)
+        clock.mark("join")
+        return Stay(cfg, stop, workload, helpers, tensors, merger, diloco, membership, checkpoints, metrics, name,
+                    clock)
     except BaseException:
         close_swarm(cfg.name or helpers.peer_id[-6:], helpers, merger, metrics)
         raise

@@ -18,6 +18,7 @@ from p2pdiloco.parts.roundlog import RoundLog
 from p2pdiloco.parts.workload import Workload
 from p2pdiloco.protocol.outcomes import Contribution
 from p2pdiloco.runtime import schema
+from p2pdiloco.runtime.stopwatch import Stopwatch
 from p2pdiloco.swarm import node
 from p2pdiloco.swarm.rounds import SwarmMerger
 from p2pdiloco.training import checkpoint
@@ -35,10 +36,10 @@ FINISH_ROUND_WAIT = 120.0  # at max rounds/time: let the last round finish
 class Stay:
     def __init__(self, cfg: PeerConfig, stop: threading.Event, workload: Workload, helpers: Helpers,
                  tensors: Tensors, merger: SwarmMerger, diloco: DiLoCo, membership: Membership,
-                 checkpoints: Checkpoints, metrics, name: str):
+                 checkpoints: Checkpoints, metrics, name: str, startup: Stopwatch):
         self.cfg, self.stop, self.workload, self.helpers, self.tensors = cfg, stop, workload, helpers, tensors
         self.merger, self.diloco, self.membership, self.checkpoints = merger, diloco, membership, checkpoints
-        self.metrics, self.name = metrics, name
+        self.metrics, self.name, self.startup = metrics, name, startup
         self.log = RoundLog(name, workload, diloco, merger.heartbeat, metrics, cfg.inner.steps)
         self.leave_error: Optional[BaseException] = None  # what this stay trained could not be saved
 
@@ -48,13 +49,14 @@ class Stay:
         # with evaluations off (chaos runs, benchmarks) a (re)starting peer goes straight to training
         initial_val = self._evaluate_global() if cfg.eval_every else None
         self.tensors.park()
-        self.log.start(initial_val, self.workload.data.description, cfg.swarm.mode)
+        self.startup.mark("evaluation")
+        self.log.start(initial_val, self.workload.data.description, cfg.swarm.mode, self.startup.seconds)
         train(self.diloco, cfg.inner.steps, self._should_leave, self._on_step, self._on_round,
               synchronous=cfg.swarm.mode == "sync", round_seconds=cfg.inner.round_seconds,
               final_wait=self._round_wait_on_leaving, on_contribute=self._on_contribute,
               ready=lambda: self.membership.joined)
         if cfg.checkpoint_every or self.checkpoints.timed:
-            self.checkpoints.save(self.diloco, "leaving")
+            self.checkpoints.save(self.diloco, "leaving", wait=True)
             if self.checkpoints.error:  # said once more, on exit: what this stay trained was not saved
                 self.leave_error = checkpoint.CheckpointWriteError(self.checkpoints.error)
         summary = self.log.summary(initial_val, self._evaluate_global(), self.workload.device)
@@ -91,6 +93,7 @@ class Stay:
     def _on_step(self, loss: torch.Tensor, seconds: float) -> None:
         self.membership.poll(self.log.started)
         self.log.step(loss, seconds)
+        self.checkpoints.collect()
         if self.checkpoints.due():
             self.checkpoints.save(self.diloco, "timed")
             self.tensors.park()  # the save read Θ and the momentum

@@ -54,6 +54,9 @@ class Workload:
             norms=str(len(self.segments) if cfg.outer.rda else 0)))
 
 
+TOKEN_CACHE = "token-cache"  # under --checkpoint-dir: text tokenized once, read back at every restart
+
+
 def prepare(cfg: PeerConfig) -> Workload:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -61,7 +64,7 @@ def prepare(cfg: PeerConfig) -> Workload:
     if cfg.inner.optimizer == "adamw8bit":
         bitsandbytes()
     # shards read a window at a time, or text tokenized now: read-only once loaded, so forked helpers share it
-    data = load_data(cfg.data, cfg.tokenizer)
+    data = load_data(cfg.data, cfg.tokenizer, token_cache=cfg.checkpoint_dir / TOKEN_CACHE)
     model_config = resolve_config(cfg.model, vocab_size(data.tokenizer), cfg.inner.seq_len, cfg.init_from)
     with torch.device("meta"):  # the model's shapes, no memory
         shapes = build_model(model_config, cfg.seed)

@@ -64,6 +64,9 @@ class Start(Record, kind="start"):
     version: int = 0
     corpus: Optional[str] = None
     mode: Optional[str] = None
+    # seconds from the process's start to this record, by phase (imports, workload, helpers, model, checkpoint,
+    # join, evaluation): what a restart costs before its first step
+    startup: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -174,7 +177,8 @@ class Checkpoint(Record, kind="checkpoint"):
     version: int = 0
     path: Optional[str] = None
     why: Optional[str] = None
-    seconds: Optional[float] = None  # the write, on the training thread
+    seconds: Optional[float] = None  # the write (on a second thread with --checkpoint-background)
+    stall_seconds: Optional[float] = None  # what it cost the training thread: the write inline, or the copy
 
 
 @dataclass(kw_only=True)

@@ -9,6 +9,7 @@ and the digest; a damaged checkpoint is reported and the next older one is tried
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -16,7 +17,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Union
+from typing import Callable, ContextManager, Iterator, Optional, Union
 
 import torch
 from safetensors import SafetensorError
@@ -46,13 +47,18 @@ class Checkpoint:
     tensors: dict[str, torch.Tensor]
 
 
-def save(folder: Path, meta: dict, tensors: dict[str, Entry], keep: int = 3) -> Path:
-    """Write one checkpoint atomically and prune all but the newest `keep`."""
+Guard = Callable[[], ContextManager]
+
+
+def save(folder: Path, meta: dict, tensors: dict[str, Entry], keep: int = 3,
+         guard: Guard = contextlib.nullcontext) -> Path:
+    """Write one checkpoint atomically and prune all but the newest `keep`. `guard`: held while the entries that
+    read a live vector (`Released`: Θ and the momentum) are written; it raises if they no longer match `meta`."""
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"v{meta['version']:08d}-{meta['inner_step']:09d}"
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder))
     try:
-        write_safetensors(tmp / TENSORS, tensors)
+        write_safetensors(tmp / TENSORS, tensors, guard)
         full = dict(meta, format=FORMAT, sha256=sha256_file(tmp / TENSORS))
         (tmp / META).write_text(json.dumps(full, indent=1))
         for f in (tmp / TENSORS, tmp / META):
@@ -92,7 +98,9 @@ class Concatenated:
 class Released:
     """A flat CPU vector written a chunk at a time, `let_go` told each chunk's elements once written: a parked
     global state (training.parked) lets those pages go, so a checkpoint never holds all of Θ and the momentum
-    in memory at once."""
+    in memory at once. It is read where it lives, under the writer's guard (a copy would cost its size)."""
+
+    live = True
 
     def __init__(self, vector: torch.Tensor, let_go: LetGo):
         self.vector, self.let_go, self.dtype, self.shape = vector, let_go, vector.dtype, tuple(vector.shape)
@@ -106,13 +114,28 @@ class Released:
 Entry = Union[torch.Tensor, Concatenated, Released]
 
 
-def write_safetensors(path: Path, tensors: dict[str, Entry]) -> None:
+def host_copies(tensors: dict[str, Entry]) -> dict[str, Entry]:
+    """What a background write needs: every entry the training thread goes on changing (θ, the inner optimizer's
+    state) copied to host memory now; the live vectors (Θ and the momentum, which only a round changes) stay
+    where they are, read under the write's guard."""
+    def copy(entry: Entry) -> Entry:
+        if getattr(entry, "live", False):
+            return entry
+        if isinstance(entry, Concatenated):
+            return torch.cat([p.detach().reshape(-1).to("cpu", entry.dtype) for p in entry.parts])
+        return entry.detach().to("cpu", copy=True)
+    return {name: copy(entry) for name, entry in tensors.items()}
+
+
+def write_safetensors(path: Path, tensors: dict[str, Entry], guard: Guard = contextlib.nullcontext) -> None:
     """The safetensors format (read back by the safetensors library), written one tensor at a time. The
     library's own save_file first turns every tensor into a bytes copy, so saving a checkpoint briefly doubled
     a peer's memory; here a CPU tensor is written from its own memory, and a GPU tensor (a GPU peer's θ and
-    inner optimizer state) is copied to the host when its turn comes, never all of them at once."""
+    inner optimizer state) is copied to the host when its turn comes, never all of them at once. The live
+    entries come first, all under one hold of `guard`, so a round can change Θ only before or after them."""
+    live = sorted(name for name, entry in tensors.items() if getattr(entry, "live", False))
     header, offset, entries = {}, 0, []
-    for name in sorted(tensors):
+    for name in live + sorted(set(tensors) - set(live)):
         entry = tensors[name]
         dtype = entry.dtype
         if dtype not in SAFETENSORS_DTYPES:
@@ -127,10 +150,17 @@ def write_safetensors(path: Path, tensors: dict[str, Entry]) -> None:
     with path.open("wb") as f:
         f.write(len(blob).to_bytes(8, "little"))
         f.write(blob)
-        for entry in entries:
-            for piece in (entry.pieces() if hasattr(entry, "pieces") else [entry]):
-                raw = piece.detach().to("cpu", entry.dtype).contiguous().reshape(-1).view(torch.uint8)
-                f.write(memoryview(raw.numpy()))
+        with guard():
+            for entry in entries[:len(live)]:
+                _write_entry(f, entry)
+        for entry in entries[len(live):]:
+            _write_entry(f, entry)
+
+
+def _write_entry(f, entry: Entry) -> None:
+    for piece in (entry.pieces() if hasattr(entry, "pieces") else [entry]):
+        raw = piece.detach().to("cpu", entry.dtype).contiguous().reshape(-1).view(torch.uint8)
+        f.write(memoryview(raw.numpy()))
 
 
 def list_checkpoints(folder: Path) -> list[Path]:
@@ -138,6 +168,15 @@ def list_checkpoints(folder: Path) -> list[Path]:
     if not folder.is_dir():
         return []
     return sorted((p for p in folder.iterdir() if p.is_dir() and p.name.startswith("v")), reverse=True)
+
+
+def remove_interrupted(folder: Path) -> int:
+    """Delete the temporary folders of writes a kill cut short (each up to a checkpoint's size): only at a
+    start, when no write of this peer's can be going on. Returns how many."""
+    leftovers = [p for p in folder.iterdir() if p.is_dir() and p.name.startswith(".tmp-")] if folder.is_dir() else []
+    for path in leftovers:
+        shutil.rmtree(path, ignore_errors=True)
+    return len(leftovers)
 
 
 def load_one(path: Path, n_params: int) -> Checkpoint:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -100,15 +101,18 @@ def read_text(path: Path) -> str:
 
 
 # ---- loading ------------------------------------------------------------------------------------------------
-def load_data(entries: Sequence[str] = (), tokenizer: Optional[str] = None) -> TrainingData:
-    """--data as given: prepared datasets (mixed by weight), or one text file or folder, or the built-in corpus."""
+def load_data(entries: Sequence[str] = (), tokenizer: Optional[str] = None,
+              token_cache: Optional[Path] = None) -> TrainingData:
+    """--data as given: prepared datasets (mixed by weight), or one text file or folder, or the built-in corpus.
+    `token_cache`: a folder where text, once tokenized, is kept by its hash and the tokenizer's, so that a
+    restart reads the tokens back rather than tokenizing again."""
     parsed = [data_entry(e) for e in entries]
     if parsed and all(is_dataset(path) for path, _ in parsed):
         return _load_datasets(parsed, tokenizer)
     if len(parsed) > 1:
         raise DataError("--data: only prepared datasets mix; tokenize text with 'p2pdiloco data prepare' first")
     path = parsed[0][0] if parsed else None
-    return _load_text(path, tokenizers.load_tokenizer(tokenizer or tokenizers.BYTES))
+    return _load_text(path, tokenizers.load_tokenizer(tokenizer or tokenizers.BYTES), token_cache)
 
 
 def _load_datasets(parsed: list[tuple[Path, float]], tokenizer_spec: Optional[str]) -> TrainingData:
@@ -132,30 +136,57 @@ def _load_datasets(parsed: list[tuple[Path, float]], tokenizer_spec: Optional[st
                         fingerprint=fingerprint, tokenizer_fingerprint=first.tokenizer_fingerprint)
 
 
-def _load_text(path: Optional[Path], tok) -> TrainingData:
+def _load_text(path: Optional[Path], tok, token_cache: Optional[Path] = None) -> TrainingData:
     files = text_files(Path(path) if path is not None else builtin_corpus_dir())
     texts = [read_text(f) for f in files]
-    corpus = tokenize_corpus(texts, tok)
     digest = hashlib.sha256()
     for text in texts:
         digest.update(hashlib.sha256(text.encode("utf-8", errors="replace")).digest())
     fp = tokenizers.fingerprint(tok)
     digest.update(fp.encode())
+    corpus = tokenize_corpus(texts, tok, cached=token_cache / f"{digest.hexdigest()}.npy" if token_cache else None)
     name = "built-in corpus" if path is None else str(path)
     return TrainingData(sources=(Source((corpus.train,)),), val=corpus.val, tokenizer=tok,
                         description=f"{name}: {corpus.description}", fingerprint=digest.hexdigest(),
                         tokenizer_fingerprint=fp)
 
 
-def tokenize_corpus(texts: list[str], tok, min_tokens: int = 8 * VAL_EVERY * 1024) -> Corpus:
-    """Each text a document, ended by the end-of-text mark, then split into train and validation."""
-    eos = tokenizers.eos_id(tok)
+def tokenize_corpus(texts: list[str], tok, min_tokens: int = 8 * VAL_EVERY * 1024,
+                    cached: Optional[Path] = None) -> Corpus:
+    """Each text a document, ended by the end-of-text mark, then split into train and validation. `cached`:
+    where these texts' tokens are kept (named by the texts' and the tokenizer's hash), read back if whole."""
     dtype = token_dtype(tokenizers.vocab_size(tok))
-    parts = [np.asarray([*ids, eos], dtype=dtype) for ids in tokenizers.encode_batch(tok, texts)]
-    data = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+    data = _read_tokens(cached, dtype) if cached is not None else None
+    if data is None:
+        eos = tokenizers.eos_id(tok)
+        parts = [np.asarray([*ids, eos], dtype=dtype) for ids in tokenizers.encode_batch(tok, texts)]
+        data = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+        if cached is not None:
+            _keep_tokens(cached, data)
     if len(data) < min_tokens:
         raise DataError(f"corpus has {len(data)} tokens; at least {min_tokens} are needed for a validation split")
     return split_corpus(data)
+
+
+def _read_tokens(path: Path, dtype) -> Optional[np.ndarray]:
+    """The cached tokens, or None where there are none (or a cut or foreign file: tokenized again)."""
+    try:
+        data = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError):
+        return None
+    return data if data.dtype == dtype and data.ndim == 1 else None
+
+
+def _keep_tokens(path: Path, data: np.ndarray) -> None:
+    """Written whole or not at all (a temporary file renamed); a cache that cannot be written costs only time."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tmp.open("wb") as f:
+            np.save(f, data, allow_pickle=False)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def load_corpus(path: Optional[Path] = None, tokenizer: str = tokenizers.BYTES) -> Corpus:

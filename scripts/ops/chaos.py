@@ -23,6 +23,7 @@ DEFAULT_JOIN = ["--model", "tiny", "--threads", "1", "-H", "20", "--eval-every",
 SHOWN = ["seconds", "slots", "kills", "kills_by_phase", "freezes", "restarts", "exits", "newcomers", "goodput",
          "goodput_of_alive_time", "utilization", "uptime", "uptime_window_seconds", "versions",
          "longest_stall_seconds", "longest_without_merge_seconds", "join_seconds_median", "join_seconds_max",
+         "restart_seconds_median",
          "rounds", "rounds_merged", "rounds_with_fork", "max_fork_distance", "final_fork_distance", "split_islands",
          "final_val_median", "final_val", "loss_per_kill_seconds_max", "loss_per_kill_seconds_median"]
 

@@ -3,7 +3,7 @@
 import pytest
 
 from p2pdiloco.ops.swarmreport import (val_by_version, val_rises, advances, goodput, islands_disagreeing, longest_stalls, split_lives,
-                                   unresolved_forks, uptime)
+                                   startup_phases, unresolved_forks, uptime)
 from p2pdiloco.runtime.schema import from_dict
 
 
@@ -106,3 +106,15 @@ def test_the_demos_check_fails_naming_the_round_that_raised_the_loss(tmp_path, c
     assert main(["--falling", str(tmp_path / "rose")]) == 1
     assert "round to v3 raised the merged model's validation loss: 4.0000 -> 4.2000" in capsys.readouterr().err
     assert main(["--falling", str(tmp_path / "nothing")]) == 1
+
+
+def test_a_restarts_seconds_are_the_median_of_the_lives_that_resumed_from_their_own_checkpoint():
+    cold = dict(imports=3.0, workload=6.0, join=9.0)
+    lives = split_lives("a", [rec("start", 18, startup=cold),
+                              rec("restore", 70), rec("start", 71, startup=dict(imports=2.0, workload=5.0, join=0.5)),
+                              rec("restore", 130), rec("start", 131, startup=dict(imports=4.0, workload=6.0, join=0.1))],
+                        spawns=[0, 60, 120], deaths=[50, 110, None], end=200)
+    phases = startup_phases(lives)  # the first life joined cold: not a restart
+    assert phases["restart_phases_median"] == dict(imports=3.0, workload=5.5, join=0.3)
+    assert phases["restart_seconds_median"] == pytest.approx((7.5 + 10.1) / 2)
+    assert startup_phases(lives[:1]) == dict(restart_phases_median={}, restart_seconds_median=None)

@@ -321,3 +321,27 @@ def test_validation_takes_every_twentieth_piece_from_the_first(tmp_path):
     assert held == [texts[0], texts[20], texts[40]]
     train = np.concatenate([np.asarray(s) for s in data.train])
     assert int((train == eos).sum()) == 42 and b"document 020" not in bytes(train[train < 256].astype(np.uint8))
+
+
+def test_text_is_tokenized_once_and_read_back_at_a_restart_unless_its_cache_is_cut(texts, tmp_path, monkeypatch):
+    import p2pdiloco.training.data as data_module
+
+    (tmp_path / "t.txt").write_text(texts[0] + texts[1])
+    cache = tmp_path / "cache"
+    first = load_data((str(tmp_path / "t.txt"),), token_cache=cache)
+    (kept,) = cache.glob("*.npy")
+
+    def no_tokenizing(*_args):
+        raise AssertionError("tokenized again")
+
+    monkeypatch.setattr(data_module.tokenizers, "encode_batch", no_tokenizing)
+    again = load_data((str(tmp_path / "t.txt"),), token_cache=cache)
+    assert np.array_equal(again.train, first.train) and np.array_equal(again.val, first.val)
+    assert again.fingerprint == first.fingerprint
+    (tmp_path / "t.txt").write_text(texts[1] + texts[0])  # other text: its own tokens, not these
+    with pytest.raises(AssertionError, match="tokenized again"):
+        load_data((str(tmp_path / "t.txt"),), token_cache=cache)
+    monkeypatch.undo()
+    kept.write_bytes(kept.read_bytes()[:1000])  # cut by a kill or a full disk: tokenized again
+    (tmp_path / "t.txt").write_text(texts[0] + texts[1])
+    assert np.array_equal(load_data((str(tmp_path / "t.txt"),), token_cache=cache).train, first.train)
