@@ -163,12 +163,12 @@ def join(**options):
     """Join a swarm (or start one, without --initial-peers) and train."""
     cfg = config_or_usage_error(options)
     from p2pdiloco.training.data import DataError
-    from p2pdiloco.peer import run_peer
+    from p2pdiloco.peer import log_file, run_peer
     from p2pdiloco.runtime.logs import configure_logging
     from p2pdiloco.swarm.node import SwarmConnectError
     from p2pdiloco.training.checkpoint import CheckpointWriteError
 
-    configure_logging(cfg.log_dir / f"{cfg.name}.log" if cfg.name else None)
+    configure_logging(log_file(cfg))
     try:
         run_peer(cfg)
     except (SwarmConnectError, DataError, CheckpointWriteError, ConfigError) as e:

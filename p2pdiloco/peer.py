@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import os
 import signal
 import threading
+from pathlib import Path
+from typing import Optional
 
 from p2pdiloco.config import PeerConfig
+from p2pdiloco.parts.follower import run_follower
 from p2pdiloco.parts.startup import start
 from p2pdiloco.parts.workload import pick_device
 from p2pdiloco.runtime.signals import on_stop_signals
+from p2pdiloco.training.ranks import follows_rank_0
 
 __all__ = ["Peer", "pick_device", "run_peer"]
 log = logging.getLogger("p2pdiloco")
@@ -37,7 +42,15 @@ class Peer:
         self.stop.set()
 
 
+def log_file(cfg: PeerConfig) -> Optional[Path]:
+    if not cfg.name:
+        return None
+    return cfg.log_dir / (f"{cfg.name}.log" if not follows_rank_0() else f"{cfg.name}-rank{os.environ['RANK']}.log")
+
+
 def run_peer(cfg: PeerConfig) -> dict:
+    if follows_rank_0():  # torchrun's other ranks of this member: they train beside rank 0, the peer
+        return run_follower(cfg)
     peer = Peer(cfg)
     on_stop_signals(peer.request_stop)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack to stderr

@@ -28,6 +28,7 @@ class PeerView:
     rounds: int
     bytes_sent: int
     client_mode: bool
+    devices: int  # ranks training as this one member
     seen_seconds_ago: Optional[float]  # since it last published its record (None: the DHT did not say)
     ready: bool  # looking for an island right now
     merging: bool = False  # its island's all-reduce is running (closed to others)
@@ -72,7 +73,8 @@ def view_of(run_id: str, seen: list[tuple[PeerRecord, Optional[float]]], before:
 def _peer_view(r: PeerRecord, age: Optional[float]) -> PeerView:
     return PeerView(name=r.name, peer=r.peer[-8:], version=r.version, tokens_per_s=r.tokens_per_s,
                     loss=r.loss if r.inner_step else None, island=r.island, rounds=r.rounds,
-                    bytes_sent=r.bytes_sent, client_mode=r.client_mode, seen_seconds_ago=None if age is None else round(age, 1),
+                    bytes_sent=r.bytes_sent, client_mode=r.client_mode, devices=r.devices,
+                    seen_seconds_ago=None if age is None else round(age, 1),
                     ready=r.ready >= 0, merging=r.merging >= 0)
 
 
@@ -86,10 +88,10 @@ def table(view: SwarmView):
                       f"(spread {view.version_spread}) · {rpm} rounds/min · consensus distance "
                       f"{view.consensus_distance:.3g}\nreducer nodes: {', '.join(view.reducers) or 'none'}"
                       f"{_nobody_reduces(view)}")
-    for column in ("name", "id", "version", "tokens/s", "loss", "island", "rounds", "sent", "mode", "seen"):
+    for column in ("name", "id", "devices", "version", "tokens/s", "loss", "island", "rounds", "sent", "mode", "seen"):
         t.add_column(column, justify="left" if column in ("name", "id", "mode") else "right")
     for p in view.peers:
-        t.add_row(p.name, p.peer, str(p.version), f"{p.tokens_per_s:,.0f}",
+        t.add_row(p.name, p.peer, str(p.devices), str(p.version), f"{p.tokens_per_s:,.0f}",
                   "-" if p.loss is None else f"{p.loss:.3f}", str(p.island or "-"), str(p.rounds),
                   _bytes(p.bytes_sent), ("client" if p.client_mode else "full") + _activity(p),
                   "-" if p.seen_seconds_ago is None else f"{p.seen_seconds_ago:.0f}s ago")

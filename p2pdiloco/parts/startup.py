@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from typing import Optional
 
 from p2pdiloco.config import PeerConfig
 from p2pdiloco.faults.seams import Seams, seams_for
@@ -14,7 +15,7 @@ from p2pdiloco.parts.held import SharedState, materialize
 from p2pdiloco.parts.helpers import Helpers, announce, start_helpers
 from p2pdiloco.parts.membership import Membership
 from p2pdiloco.parts.stay import Stay, close_swarm
-from p2pdiloco.parts.workload import Workload, parking_folder, prepare
+from p2pdiloco.parts.workload import Workload, member_stream, parking_folder, prepare
 from p2pdiloco.protocol.remote import PeerRecord
 from p2pdiloco.protocol.timing import RoundClock
 from p2pdiloco.runtime.metrics import open_sinks
@@ -22,8 +23,9 @@ from p2pdiloco.runtime.stopwatch import Stopwatch
 from p2pdiloco.swarm import node
 from p2pdiloco.swarm.records import Heartbeat
 from p2pdiloco.swarm.wiring import build_merger
-from p2pdiloco.training.data import BatchStream, order_seed, stream_seed
+from p2pdiloco.training.data import stream_seed
 from p2pdiloco.training.inner import InnerTrainer
+from p2pdiloco.training.ranks import Ranks, ranks_from_env
 from p2pdiloco.training.spill import OnDisk
 
 
@@ -37,6 +39,7 @@ def start(cfg: PeerConfig, stop: threading.Event) -> Stay:
     clock.mark("workload")
     shared = SharedState()
     helpers = start_helpers(cfg, workload, shared, seams.averager, leaving=stop.is_set)
+    ranks = ranks_from_env(workload.device)  # after the helpers' fork: the group's threads stay ours
     clock.mark("helpers")
     merger = metrics = None
     try:
@@ -46,8 +49,8 @@ def start(cfg: PeerConfig, stop: threading.Event) -> Stay:
                                          compression=cfg.swarm.compression, mode=cfg.swarm.mode))
         announce(cfg, helpers, name)
         shared.tensors = tensors = materialize(cfg, workload)
-        merger = _merger(cfg, workload, helpers, tensors.state, name, stop, seams)
-        diloco = _diloco(cfg, workload, helpers, tensors, merger, name, seams)
+        merger = _merger(cfg, workload, helpers, tensors.state, name, stop, seams, ranks.world if ranks else 1)
+        diloco = _diloco(cfg, workload, helpers, tensors, merger, name, seams, ranks)
         clock.mark("model")
         checkpoints = Checkpoints(cfg, workload, name, metrics)
         checkpoints.resume(diloco)
@@ -71,9 +74,9 @@ def start(cfg: PeerConfig, stop: threading.Event) -> Stay:
 
 
 def _merger(cfg: PeerConfig, workload: Workload, helpers: Helpers, state, name: str, stop: threading.Event,
-            seams: Seams):
+            seams: Seams, devices: int):
     record = PeerRecord(peer=helpers.peer_id, name=name, version=state.version, digest=state.digest,
-                        client_mode=cfg.swarm.client_mode, settings=workload.settings(cfg))
+                        client_mode=cfg.swarm.client_mode, devices=devices, settings=workload.settings(cfg))
     # a peer that sees no other asks its initial peers again: after a restart of the only public one, say
     heartbeat = Heartbeat(helpers.dht, cfg.swarm.run_id, record,
                           functools.partial(node.rejoin, helpers.dht, cfg.swarm.initial_peers)
@@ -82,11 +85,11 @@ def _merger(cfg: PeerConfig, workload: Workload, helpers: Helpers, state, name: 
                         RoundClock(), parking_folder(cfg), seams.merger)
 
 
-def _diloco(cfg: PeerConfig, workload: Workload, helpers: Helpers, tensors, merger, name: str, seams: Seams):
+def _diloco(cfg: PeerConfig, workload: Workload, helpers: Helpers, tensors, merger, name: str, seams: Seams,
+            ranks: Optional[Ranks]):
     # our own data order (a restored checkpoint brings back the seed it had, whatever our peer id is now)
-    stream = BatchStream(workload.data.sources, cfg.inner.batch_size, cfg.inner.seq_len,
-                         stream_seed(helpers.peer_id, cfg.swarm.run_id), run_seed=order_seed(cfg.swarm.run_id))
-    trainer = InnerTrainer(tensors.model, stream, cfg.inner, workload.device, cfg.throttle)
+    stream = member_stream(cfg, workload, stream_seed(helpers.peer_id, cfg.swarm.run_id), ranks)
+    trainer = InnerTrainer(tensors.model, stream, cfg.inner, workload.device, cfg.throttle, ranks)
     # our last merged Δ waits on disk beside our checkpoints: only a lost fork reads it (4 B/param less)
     return seams.diloco(trainer, tensors.state, merger, helpers.peer_id, name, merger.clock,
                         eager=cfg.outer.application == "eager",

@@ -59,6 +59,7 @@ class Stay:
             self.checkpoints.save(self.diloco, "leaving", wait=True)
             if self.checkpoints.error:  # said once more, on exit: what this stay trained was not saved
                 self.leave_error = checkpoint.CheckpointWriteError(self.checkpoints.error)
+        self.diloco.trainer.release_ranks()  # after the save: a rank that died meanwhile cannot cost it
         summary = self.log.summary(initial_val, self._evaluate_global(), self.workload.device)
         if self.membership.error is not None:
             raise self.membership.error  # after the work of this stay was checkpointed

@@ -11,9 +11,11 @@ import torch
 
 from p2pdiloco.config import ConfigError, PeerConfig
 from p2pdiloco.core.outer import Segment
-from p2pdiloco.training.data import TrainingData, bits_per_byte_factor, load_data, validation_batches
+from p2pdiloco.training.data import (BatchStream, TrainingData, bits_per_byte_factor, load_data, order_seed,
+                                     validation_batches)
 from p2pdiloco.training.inner import bitsandbytes
 from p2pdiloco.training.model import build_model, config_fingerprint, rda_segments, resolve_config
+from p2pdiloco.training.ranks import Ranks, Strided, rank_device
 from p2pdiloco.training.tokenizer import vocab_size
 
 
@@ -60,7 +62,7 @@ TOKEN_CACHE = "token-cache"  # under --checkpoint-dir: text tokenized once, read
 def prepare(cfg: PeerConfig) -> Workload:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    device = pick_device(cfg.device)
+    device = rank_device(pick_device(cfg.device))  # under torchrun, each rank its own GPU
     if cfg.inner.optimizer == "adamw8bit":
         bitsandbytes()
     # shards read a window at a time, or text tokenized now: read-only once loaded, so forked helpers share it
@@ -71,6 +73,13 @@ def prepare(cfg: PeerConfig) -> Workload:
     val = validation_batches(data.val, cfg.eval_batches, cfg.inner.batch_size, cfg.inner.seq_len)
     return Workload(device, data, model_config, sum(p.numel() for p in shapes.parameters()), rda_segments(shapes),
                     val, bits_per_byte_factor(val, data.tokenizer))
+
+
+def member_stream(cfg: PeerConfig, workload: Workload, seed: int, ranks: Optional[Ranks]):
+    """This member's batches; with several ranks, dealt out to them (rank r's step s: batch s·N + r)."""
+    stream = BatchStream(workload.data.sources, cfg.inner.batch_size, cfg.inner.seq_len, seed,
+                         run_seed=order_seed(cfg.swarm.run_id))
+    return stream if ranks is None else Strided(stream, ranks)
 
 
 def parking_folder(cfg: PeerConfig) -> Optional[Path]:

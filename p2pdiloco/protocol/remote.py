@@ -52,6 +52,7 @@ class PeerRecord:
     island: int = 0  # members of its last round's island (1: alone)
     bytes_sent: int = 0  # by its averager, over all its rounds
     client_mode: bool = False  # reachable only through others (cannot accept connections)
+    devices: int = 1  # the ranks (GPUs, or CPU processes) it trains on as one member (torchrun)
     settings: dict = field(default_factory=dict)  # what must match to merge (p2pdiloco.protocol.compat)
     wire: int = WIRE_VERSION
 
@@ -149,7 +150,8 @@ def _fields(value: Any, known: Sequence[str], required: Sequence[str]) -> dict:
 
 
 _PEER_FIELDS = ("peer", "name", "version", "digest", "ready", "merging", "inner_step", "tokens_per_s", "sketch", "loss",
-                "rounds", "island", "bytes_sent", "client_mode", "settings", "wire")
+                "rounds", "island", "bytes_sent", "client_mode", "devices", "settings", "wire")
+MAX_DEVICES = 1 << 16
 MAX_SETTINGS = 32
 
 
@@ -185,6 +187,7 @@ def _peer_record(value: Any) -> PeerRecord:
                       island=_int(v.get("island", 0), "island", hi=MAX_ISLAND),
                       bytes_sent=_int(v.get("bytes_sent", 0), "bytes_sent"),
                       client_mode=_bool(v.get("client_mode", False), "client_mode"),
+                      devices=_int(v.get("devices", 1), "devices", lo=1, hi=MAX_DEVICES),
                       settings=_settings(v.get("settings", {})))
 
 

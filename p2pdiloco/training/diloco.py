@@ -166,6 +166,7 @@ class DiLoCo:
         future = self._executor.submit(self.merger.merge, c)
         if origin is not None:
             load_flat_params(self.trainer.model, origin)
+            self.trainer.theta_written()
         self.in_flight = InFlight(future, c, time.monotonic(), self.trainer.total_steps, origin)
 
     def _eager_estimate(self, delta: torch.Tensor) -> torch.Tensor:
@@ -331,12 +332,14 @@ class DiLoCo:
 
     def _progress_lost(self) -> None:
         """θ ← 0 as the progress, so the second pass makes θ = Θ' (our local progress is lost, never Θ)."""
+        self.trainer.theta_written()
         with torch.no_grad():
             for _, p, _part in param_slices(self.trainer.model):
                 p.detach().zero_()
 
     def _add_global(self, restored: Optional[torch.Tensor]) -> None:
         """θ ← progress [+ restored] + Θ (the second pass)."""
+        self.trainer.theta_written()
         with torch.no_grad():
             for _, p, part in param_slices(self.trainer.model):
                 progress = _flat(p)
@@ -442,6 +445,7 @@ class DiLoCo:
                              last_members=meta.get("last_members", []), tokens=meta.get("tokens", 0)),
                         [tensors["global"], tensors["momentum"]])
         load_flat_params(trainer.model, tensors["local"])
+        trainer.theta_written()
         note = None
         if meta.get("inner_optimizer", "adamw") == trainer.cfg.optimizer:
             restore_optimizer_state(trainer.optimizer, trainer.model.parameters(), tensors,

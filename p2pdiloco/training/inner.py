@@ -8,6 +8,7 @@ stays on the device: the host reads it only when the metrics need it, not once p
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from contextlib import contextmanager, nullcontext
 from typing import Iterator
@@ -17,8 +18,11 @@ from torch import nn
 
 from p2pdiloco.config import ConfigError, InnerConfig
 from p2pdiloco.core.exact import chunks
+from p2pdiloco.training.ranks import Lockstep, Ranks, RanksDiverged, data_parallel
 from p2pdiloco.training.schedule import inner_lr
 from p2pdiloco.runtime.paging import LetGo, hold
+
+log = logging.getLogger("p2pdiloco")
 
 BETAS = (0.9, 0.95)
 ALIAS = "@"  # in a checkpoint's optimizer scalars: this state is the tensor saved under another name
@@ -131,27 +135,36 @@ def _from_format_one(tensors: dict[str, torch.Tensor], params, step: int) -> dic
     return out
 
 
+def _prepare_blocks(model: nn.Module, cfg: InnerConfig) -> None:
+    """Activation checkpointing and compilation, block by block, where asked for."""
+    if cfg.activation_checkpointing:
+        if not hasattr(model, "checkpoint_blocks"):
+            raise ConfigError(f"--activation-checkpointing: {type(model).__name__} cannot recompute its blocks")
+        model.checkpoint_blocks = True
+    if cfg.compile:
+        if not hasattr(model, "compile_blocks"):
+            raise ConfigError(f"--compile: {type(model).__name__} cannot compile its blocks")
+        model.compile_blocks()
+
+
 class InnerTrainer:
     """Owns the local model and its AdamW state, which are kept across rounds (as DiLoCo prescribes)."""
 
     def __init__(self, model: nn.Module, batches: Iterator, cfg: InnerConfig, device: torch.device,
-                 throttle: float = 1.0):
+                 throttle: float = 1.0, ranks: Ranks | None = None):
+        """`ranks`: this member's torchrun ranks (training.ranks), where it has more than one."""
         self.model, self.batches, self.cfg, self.device, self.throttle = model, batches, cfg, device, throttle
         self.optimizer = make_optimizer(model.parameters(), cfg)
+        self.ranks = ranks
+        self.lockstep = Lockstep(ranks) if ranks is not None and ranks.leads else None
         self.total_steps = 0  # over the peer's life
         self.on_gpu = device.type == "cuda"
-        if cfg.activation_checkpointing:
-            if not hasattr(model, "checkpoint_blocks"):
-                raise ConfigError(f"--activation-checkpointing: {type(model).__name__} cannot recompute its blocks")
-            model.checkpoint_blocks = True
-        if cfg.compile:
-            if not hasattr(model, "compile_blocks"):
-                raise ConfigError(f"--compile: {type(model).__name__} cannot compile its blocks")
-            model.compile_blocks()
+        _prepare_blocks(model, cfg)
         if cfg.step_in_backward:
             for p in model.parameters():
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._step_one)
+        self.forward = model if ranks is None else data_parallel(model, ranks, device, cfg.step_in_backward)
 
     def _step_one(self, param: nn.Parameter) -> None:
         """In the backward pass, once `param`'s gradient is complete. Every parameter whose gradient came
@@ -164,18 +177,39 @@ class InnerTrainer:
         """The schedule's lr at `progress` tokens of the swarm (`training.schedule`)."""
         return inner_lr(self.cfg, progress, self.tokens_per_step)
 
-    def train_step(self, progress: int | None = None) -> torch.Tensor:
+    def release_ranks(self) -> None:
+        """Rank 0 leaves: the member's other ranks stop training, once every rank's θ was found equal."""
+        if self.lockstep is None:
+            return
+        try:
+            self.lockstep.stop(self)
+        except RanksDiverged:
+            raise
+        except RuntimeError as e:  # a rank is gone (gloo and NCCL say so as RuntimeErrors): torchrun ends the rest
+            log.warning("could not tell the member's other ranks to stop (%s); torchrun stops them", e)
+
+    def theta_written(self) -> None:
+        """θ was changed outside an inner step (a round's rebase, a restore): the member's other ranks take it at
+        the next step."""
+        if self.lockstep is not None:
+            self.lockstep.theta_written()
+
+    def train_step(self, progress: int | None = None, lr: float | None = None) -> torch.Tensor:
         """One inner step at the lr of `progress`, the swarm's tokens (None: this trainer's own, as for a peer
-        alone); the loss as a detached scalar tensor, still on the device (reading it syncs)."""
+        alone), or at `lr` (a rank following rank 0); the loss as a detached scalar tensor, still on the device
+        (reading it syncs)."""
+        if lr is None:
+            lr = self.lr_at(self.total_steps * self.tokens_per_step if progress is None else progress)
+        if self.lockstep is not None:
+            self.lockstep.lead(self, lr)  # before the batch is drawn: the others draw theirs at our position
         batch = next(self.batches)
         if self.on_gpu:
             batch = tuple(t.pin_memory() for t in batch)
         inputs, targets = (t.to(self.device, non_blocking=True) for t in batch)
-        lr = self.lr_at(self.total_steps * self.tokens_per_step if progress is None else progress)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         with torch.autocast("cuda", dtype=torch.bfloat16) if self.on_gpu else nullcontext():
-            loss = self.model(inputs, targets)
+            loss = self.forward(inputs, targets)
         loss.backward()  # with step_in_backward, this also steps every parameter (_step_one)
         if not self.cfg.step_in_backward:
             if self.cfg.grad_clip > 0:
@@ -200,7 +234,8 @@ class InnerTrainer:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.cfg.batch_size * self.cfg.seq_len
+        """The member's: every rank's batch."""
+        return self.cfg.batch_size * self.cfg.seq_len * (self.ranks.world if self.ranks is not None else 1)
 
 
 @torch.no_grad()

@@ -29,10 +29,14 @@ class LocalSwarm:
         self.procs["bootstrap"], self.address = start_bootstrap(self.log_dir, ["--run-id", self.run_id])
         return self.address
 
-    def start_peer(self, name: str, *args: str, env: dict | None = None, via: str | None = None) -> subprocess.Popen:
-        """`via`: join through this address instead of the bootstrap node's."""
+    def start_peer(self, name: str, *args: str, env: dict | None = None, via: str | None = None,
+                   ranks: int = 1) -> subprocess.Popen:
+        """`via`: join through this address instead of the bootstrap node's; `ranks`: one member of that many
+        processes, started by torchrun."""
         cmd = join_command(via or self.address, name, self.log_dir, *TINY, *args, run_id=self.run_id,
                            checkpoint_dir=self.log_dir / "checkpoints")
+        if ranks > 1:  # python -m torch.distributed.run (torchrun) ... -m p2pdiloco.cli join ...
+            cmd = [cmd[0], "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *cmd[1:]]
         self.procs[name] = start_process(cmd, self.log_dir / f"{name}.log", env=env)
         return self.procs[name]
 

@@ -28,6 +28,10 @@ def test_published_settings_are_validated_like_any_remote_field():
     assert parse_peer_record(dict(base, settings=SWARM)).settings == SWARM
     for bad in ([1], {"k": 1}, {"": "v"}, {"k" * 40: "v"}, {"k": "v" * 100}, {str(i): "v" for i in range(40)}):
         assert parse_peer_record(dict(base, settings=bad)) is None
+    # a member of several ranks says how many; one that says nothing has one
+    assert parse_peer_record(base).devices == 1 and parse_peer_record(dict(base, devices=8)).devices == 8
+    for bad in (0, -1, True, 2.0, 1 << 20):
+        assert parse_peer_record(dict(base, devices=bad)) is None
 
 
 def test_peers_with_another_outer_step_are_refused_as_they_would_fork_at_the_first_merge():

@@ -1,0 +1,94 @@
+"""One member of several ranks (torchrun): two processes on gloo train as one peer with twice the batch. Rank 0's
+writes of θ between steps (a round's rebase) reach rank 1, every rank ends with the same θ, and a write rank 0 did
+not announce is caught rather than trained on."""
+
+import multiprocessing
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from p2pdiloco.config import InnerConfig
+from p2pdiloco.training.data import BatchStream
+from p2pdiloco.training.inner import InnerTrainer, flat_params
+from p2pdiloco.training.model import build_model
+from p2pdiloco.training.ranks import Ranks, RanksDiverged, Strided, follow
+from p2pdiloco.training.schedule import inner_lr
+
+TEXT = torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+CFG = InnerConfig(steps=3, batch_size=4, seq_len=16, warmup_steps=5)
+SEED = 7
+
+
+def trainer(rank: int, world: int) -> InnerTrainer:
+    ranks = Ranks(rank, world) if world > 1 else None
+    stream = BatchStream(TEXT, CFG.batch_size, CFG.seq_len, seed=SEED if rank == 0 else 0)  # rank 1 learns it
+    batches = Strided(stream, ranks) if ranks else stream
+    return InnerTrainer(build_model("tiny", seed=rank), batches, CFG, torch.device("cpu"), ranks=ranks)
+
+
+def nudge(model) -> None:
+    """What a round's rebase does to θ between two steps, as far as the other ranks can tell."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+
+
+def rank_main(rank: int, folder: str, announce: bool) -> None:
+    os.environ["WORLD_SIZE"] = "2"
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    t = trainer(rank, 2)
+    try:
+        if rank == 0:
+            for _ in range(3):
+                t.train_step()
+            nudge(t.model)
+            if announce:
+                t.theta_written()
+            for _ in range(2):
+                t.train_step()
+            t.release_ranks()
+        else:
+            follow(t)
+            dist.destroy_process_group()
+    except RanksDiverged:
+        open(f"{folder}/diverged{rank}", "w").close()
+        return
+    torch.save(dict(theta=flat_params(t.model), steps=t.total_steps, tokens=t.tokens_per_step), f"{folder}/{rank}.pt")
+
+
+def run_ranks(folder, announce: bool) -> None:
+    context = multiprocessing.get_context("fork")  # no group in this process: the children make their own
+    procs = [context.Process(target=rank_main, args=(r, str(folder), announce)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+
+
+def test_two_ranks_train_as_one_member_with_twice_the_batch_and_take_rank_0s_writes_of_theta(tmp_path):
+    run_ranks(tmp_path, announce=True)
+    zero, one = (torch.load(tmp_path / f"{r}.pt") for r in range(2))
+    assert torch.equal(zero["theta"], one["theta"])  # rank 1 began from another init: it took rank 0's θ
+    assert zero["steps"] == one["steps"] == 5 and zero["tokens"] == 2 * CFG.batch_size * CFG.seq_len
+
+    # the same five steps in one process over both ranks' batches (rank r's step s: batch 2s + r)
+    alone = trainer(0, 1)
+    stream = BatchStream(TEXT, CFG.batch_size, CFG.seq_len, seed=SEED)
+    alone.batches = iter([tuple(torch.cat(parts) for parts in zip(*(next(stream) for _ in range(2))))
+                          for _ in range(5)])
+    for step in range(5):
+        if step == 3:
+            nudge(alone.model)
+        member = 2 * CFG.batch_size * CFG.seq_len  # the schedule runs on the member's tokens per step
+        alone.train_step(lr=inner_lr(CFG, step * member, member))
+    assert torch.allclose(zero["theta"], flat_params(alone.model), atol=1e-6)
+
+
+def test_a_write_of_theta_that_rank_0_did_not_announce_stops_the_member(tmp_path):
+    run_ranks(tmp_path, announce=False)
+    assert (tmp_path / "diverged0").exists() and (tmp_path / "diverged1").exists()
+    assert not (tmp_path / "0.pt").exists()
