@@ -361,11 +361,11 @@ class PeerConfig:
         "every 4 minutes, a small one's every 30 s), unless --checkpoint-every is 0; 0: only by "
         "--checkpoint-every. With --application eager, only between rounds (its steps in flight start from an "
         "estimate).")
-    checkpoint_background: bool = option(
-        True, "Write checkpoints from a second thread: the training thread only copies θ and the inner optimizer's "
-        "state to host memory (12 more bytes per parameter with AdamW, for the write's duration), and a round that "
-        "lands meanwhile waits for Θ's part of the write at most. --no-checkpoint-background: write them between "
-        "two inner steps, with no copy.")
+    checkpoint_background: Optional[bool] = option(
+        None, "Write checkpoints from a second thread: the training thread only copies θ and the inner optimizer's "
+        "state to host memory (12 more bytes per parameter with AdamW, for the write's duration) and goes on. "
+        "Default: on a GPU (the device keeps training while the host writes), off on a CPU, where the writer takes "
+        "the cores the training uses (measured: no faster, docs/architecture.md) and the copy costs the memory.")
     keep_checkpoints: int = option(3, "How many checkpoints to keep.")
     global_state_on_disk: bool = option(
         False, "Keep the global model and its outer momentum (8 bytes per parameter) in a file under "

@@ -61,6 +61,8 @@ class Checkpoints:
         self.saved_at = time.monotonic()  # the last save (or start): timed saves count from it
         self.write_seconds = 0.0  # the last write's duration: the default interval follows it
         self.writing: Optional[tuple[threading.Thread, Write]] = None  # a background write, until reported
+        background = cfg.checkpoint_background
+        self.background = workload.device.type == "cuda" if background is None else background
 
     @property
     def timed(self) -> bool:
@@ -88,7 +90,7 @@ class Checkpoints:
         started = self.saved_at = time.monotonic()  # a failed write is not retried at every step
         meta, tensors = self._state(diloco, why)
         job = Write(meta, why, functools.partial(diloco.state.unchanged, diloco.state.generation))
-        if wait or not self.cfg.checkpoint_background:
+        if wait or not self.background:
             self._write(job, tensors)
             job.stall_seconds = time.monotonic() - started
             self._report(job)

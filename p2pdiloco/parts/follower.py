@@ -6,8 +6,6 @@ from __future__ import annotations
 import logging
 import signal
 
-import torch.distributed as dist
-
 from p2pdiloco.config import PeerConfig
 from p2pdiloco.parts.workload import member_stream, prepare
 from p2pdiloco.training.inner import InnerTrainer
@@ -27,6 +25,5 @@ def run_follower(cfg: PeerConfig) -> dict:
     trainer = InnerTrainer(model, member_stream(cfg, workload, 0, ranks), cfg.inner, workload.device, cfg.throttle,
                            ranks)
     steps = follow(trainer)
-    dist.destroy_process_group()
     log.info("rank %d of %d: trained %d steps beside rank 0, which has left", ranks.rank, ranks.world, steps)
     return dict(rank=ranks.rank, steps=steps)

@@ -61,7 +61,8 @@ def ranks_from_env(device: torch.device) -> Optional[Ranks]:
 def rank_device(device: torch.device) -> torch.device:
     """A rank's own GPU (torchrun's LOCAL_RANK) where the member trains on GPUs."""
     if device.type == "cuda" and device.index is None and "LOCAL_RANK" in os.environ:
-        return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)  # what a collective or a tensor made without a device uses
     return device
 
 
@@ -118,11 +119,11 @@ class Lockstep:
     def stop(self, trainer) -> None:
         """The member leaves: the other ranks leave their loop, once every rank's θ was found equal."""
         self._send(STOP, trainer, 0.0, check=True)
-        dist.destroy_process_group()
+        leave_group(trainer)
 
     def _send(self, command: float, trainer, lr: float, check: bool) -> None:
         sends = SAME if self.writes == self.sent else EVERYTHING if self.sent < 0 else THETA
-        send_control(command, sends, check, trainer.batches.position, lr)
+        send_control(command, sends, check, trainer.batches.position, lr, trainer.device)
         if sends != SAME:
             send_state(trainer, everything=sends == EVERYTHING)
             self.sent = self.writes
@@ -130,8 +131,10 @@ class Lockstep:
             check_same(trainer.model)
 
 
-def send_control(command: float, sends: float, check: bool, position: int, lr: float) -> torch.Tensor:
-    control = torch.tensor([command, sends, float(check), float(position), lr], dtype=torch.float64)
+def send_control(command: float, sends: float, check: bool, position: int, lr: float,
+                 device: torch.device) -> torch.Tensor:
+    """On the ranks' device: NCCL moves only GPU tensors."""
+    control = torch.tensor([command, sends, float(check), float(position), lr], dtype=torch.float64, device=device)
     dist.broadcast(control, LEADER)
     return control
 
@@ -165,11 +168,20 @@ def check_same(model) -> None:
     """Every rank's θ, hashed to two float64 sums, against rank 0's."""
     with torch.no_grad():
         flat = [p.detach().double().reshape(-1) for p in model.parameters()]
-        mine = torch.stack([sum(f.sum() for f in flat), sum((f * f).sum() for f in flat)]).cpu()
+        mine = torch.stack([sum(f.sum() for f in flat), sum((f * f).sum() for f in flat)])
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     if any(not torch.equal(other, everyone[LEADER]) for other in everyone):
         raise RanksDiverged(f"ranks hold different θ: {[t.tolist() for t in everyone]}")
+
+
+def leave_group(trainer) -> None:
+    """Every rank, last: a barrier, so that gloo's worker thread has dropped the tensors of the collectives before
+    (it frees them under the GIL, which the thread tearing the group down holds: seen to deadlock at exit), then
+    the model without its DDP wrapper, and the group."""
+    dist.barrier()
+    trainer.forward = trainer.model
+    dist.destroy_process_group()
 
 
 def follow(trainer) -> int:
@@ -177,7 +189,7 @@ def follow(trainer) -> int:
     Returns the steps trained."""
     steps = 0
     while True:
-        control = torch.zeros(5, dtype=torch.float64)
+        control = torch.zeros(5, dtype=torch.float64, device=trainer.device)
         dist.broadcast(control, LEADER)
         command, sends, check, position, lr = control.tolist()
         if sends != SAME:
@@ -186,6 +198,7 @@ def follow(trainer) -> int:
         if check:
             check_same(trainer.model)
         if command == STOP:
+            leave_group(trainer)
             return steps
         trainer.train_step(lr=lr)
         steps += 1

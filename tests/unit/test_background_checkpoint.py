@@ -23,7 +23,8 @@ class Records:
 def checkpoints(folder, d, **flags) -> Checkpoints:
     data = SimpleNamespace(tokenizer_fingerprint="t", fingerprint="f",
                            tokenizer=SimpleNamespace(save_pretrained=lambda path: None))
-    workload = SimpleNamespace(n_params=d.state.params.numel(), model_config=SimpleNamespace(to_dict=dict), data=data)
+    workload = SimpleNamespace(n_params=d.state.params.numel(), model_config=SimpleNamespace(to_dict=dict), data=data,
+                               device=torch.device("cpu"))
     cfg = dataclasses.replace(PeerConfig(), checkpoint_dir=folder, **flags)
     return Checkpoints(cfg, workload, "p", Records())
 
@@ -36,7 +37,7 @@ def saved(c: Checkpoints, d):
 def test_a_background_checkpoint_holds_the_step_it_was_taken_at_while_training_goes_on(tmp_path):
     d = peer()
     steps(d, 2)
-    theta, c = d.local_params().clone(), checkpoints(tmp_path, d)
+    theta, c = d.local_params().clone(), checkpoints(tmp_path, d, checkpoint_background=True)
     with d.state.lock:  # the writer waits for Θ until training has moved on: it must not read θ live
         c.save(d, "timed")
         assert c.writing is not None
@@ -53,7 +54,7 @@ def test_a_round_that_lands_before_the_writer_holds_theta_makes_it_write_again_a
     """θ and the counters were copied at version 0; a Θ of version 1 beside them would resume wrongly."""
     d = peer()
     steps(d, 3)
-    c = checkpoints(tmp_path, d)
+    c = checkpoints(tmp_path, d, checkpoint_background=True)
     with d.state.lock:
         c.save(d, "timed")
         d.contribute()
@@ -68,10 +69,11 @@ def test_a_round_that_lands_before_the_writer_holds_theta_makes_it_write_again_a
     d.close()
 
 
-def test_written_inline_when_asked_and_a_start_clears_what_a_killed_write_left(tmp_path):
+def test_written_inline_on_a_cpu_by_default_and_a_start_clears_what_a_killed_write_left(tmp_path):
     d = peer()
     steps(d, 2)
-    c = checkpoints(tmp_path, d, checkpoint_background=False)
+    c = checkpoints(tmp_path, d)
+    assert not c.background and checkpoints(tmp_path, d, checkpoint_background=True).background
     c.save(d, "timed")
     assert c.writing is None and len(checkpoint.list_checkpoints(c.folder)) == 1
     cut = c.folder / ".tmp-killed"

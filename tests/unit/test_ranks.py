@@ -51,8 +51,7 @@ def rank_main(rank: int, folder: str, announce: bool) -> None:
                 t.train_step()
             t.release_ranks()
         else:
-            follow(t)
-            dist.destroy_process_group()
+            follow(t)  # leaves the group when rank 0 does
     except RanksDiverged:
         open(f"{folder}/diverged{rank}", "w").close()
         return

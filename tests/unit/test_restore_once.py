@@ -139,7 +139,10 @@ def test_timed_checkpoints_by_default_take_under_2_percent_of_the_time_and_follo
     from p2pdiloco.parts.checkpoints import AUTO_FACTOR, AUTO_FLOOR, Checkpoints
 
     def timed(**flags):
-        return Checkpoints(dataclasses.replace(PeerConfig(), checkpoint_dir=tmp_path, **flags), None, "p", None)
+        from types import SimpleNamespace
+
+        return Checkpoints(dataclasses.replace(PeerConfig(), checkpoint_dir=tmp_path, **flags),
+                           SimpleNamespace(device=torch.device("cpu")), "p", None)
 
     default = timed()
     assert default.timed and default.interval() == AUTO_FLOOR == 30.0
