@@ -30,13 +30,14 @@ class LocalSwarm:
         return self.address
 
     def start_peer(self, name: str, *args: str, env: dict | None = None, via: str | None = None,
-                   ranks: int = 1) -> subprocess.Popen:
+                   ranks: int = 1, launcher_flags: tuple[str, ...] = ()) -> subprocess.Popen:
         """`via`: join through this address instead of the bootstrap node's; `ranks`: one member of that many
-        processes, started by torchrun."""
+        processes, started by torchrun (with `launcher_flags`)."""
         cmd = join_command(via or self.address, name, self.log_dir, *TINY, *args, run_id=self.run_id,
                            checkpoint_dir=self.log_dir / "checkpoints")
         if ranks > 1:  # python -m torch.distributed.run (torchrun) ... -m p2pdiloco.cli join ...
-            cmd = [cmd[0], "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *cmd[1:]]
+            cmd = [cmd[0], "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+                   *launcher_flags, *cmd[1:]]
         self.procs[name] = start_process(cmd, self.log_dir / f"{name}.log", env=env)
         return self.procs[name]
 

@@ -2,8 +2,13 @@
 trains on twice the batch, and every process of both ends with the same model. Restarted with one rank, the
 member resumes from its checkpoint."""
 
+import os
+import signal
+import time
+
 import pytest
 
+from p2pdiloco.runtime.lifeline import descendants
 from tests.harness.swarm import islands_disagreeing, local_swarm
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
@@ -30,3 +35,45 @@ def test_a_member_of_two_torchrun_ranks_merges_as_one_peer_with_twice_the_tokens
     # rank 1 trained every step rank 0 did, and left only once both held the same θ (else both exit non-zero)
     steps = swarm.records("box", "summary")[0].tokens // (2 * BATCH * SEQ)
     assert f"trained {steps} steps beside rank 0" in (swarm.log_dir / "box-rank1.log").read_text()
+
+
+def rank_process(launcher_pid: int, rank: int) -> int:
+    """The pid of one rank among torchrun's children (by the RANK it was given)."""
+    for pid in descendants(launcher_pid):
+        try:
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ and b"LOCAL_RANK=" + str(rank).encode() in environ:
+            return pid
+    raise AssertionError(f"no rank {rank} under {launcher_pid}")
+
+
+# opt-in (about 90 s): a rank's death ends its member as any peer's death does; tests/unit/test_ranks.py covers the
+# lockstep, and test_kill_loss.py a peer killed mid-round and restarted from its checkpoint
+@pytest.mark.slow
+def test_a_rank_killed_mid_round_ends_its_member_and_a_new_launch_resumes_it_from_its_checkpoint(tmp_path):
+    args = ["-H", "5", "--max-time", "240", "--checkpoint-every", "1"]
+    with local_swarm(tmp_path, "rankkill") as swarm:
+        box = swarm.start_peer("box", *args, ranks=2)
+        swarm.start_peer("laptop", *args)
+        swarm.wait_for(lambda: any(r.applied and len(r.members) == 2 for r in swarm.records("box", "round")), 150,
+                       "box and laptop to merge")
+        count = len(swarm.records("box", "contribute"))
+        swarm.wait_for(lambda: len(swarm.records("box", "contribute")) > count, 60, "box's next contribution")
+        os.kill(rank_process(box.pid, 1), signal.SIGKILL)  # its round is in flight
+        killed = time.time()
+        box.wait(60)  # rank 0 fails at its next collective, and torchrun ends the member
+        assert box.returncode != 0
+        box = swarm.start_peer("box", *args, ranks=2)  # its supervisor launches it again
+        swarm.wait_for(lambda: [r for r in swarm.records("box", "restore") if r.time > killed], 120,
+                       "the member to resume from its checkpoint")
+        swarm.wait_for(lambda: any(r.applied and len(r.members) == 2 and r.time > killed
+                                   for r in swarm.records("box", "round")), 150, "box to merge again")
+        for name in ("box", "laptop"):
+            swarm.procs[name].send_signal(signal.SIGTERM)
+        swarm.wait(["box", "laptop"], timeout=90)
+    assert not islands_disagreeing(swarm, ["box", "laptop"])  # no island ended a round split by the death
+    assert swarm.procs["laptop"].returncode == 0
+    # SIGTERM to torchrun: rank 0 left as a peer does (torchrun itself exits 1, re-raising the signal)
+    assert [r.why for r in swarm.records("box", "checkpoint")][-1] == "leaving" and swarm.records("box", "summary")
