@@ -1,7 +1,8 @@
-"""Tokens per second of one member as it gets more local ranks (torchrun, DDP inside): a lone member trains for
---seconds with 1, 2, ... ranks in turn (each rank --threads torch threads, so each rank has its own cores where
-the machine has them), and the member's tokens per second come from its summary record. Run it inside a
-loopback-only namespace:
+"""Tokens per second and memory of one member as it gets more local ranks (torchrun, DDP inside): a lone member
+trains for --seconds with 1, 2, ... ranks in turn (each rank --threads torch threads, so each rank has its own cores
+where the machine has them). The member's tokens per second come from its summary record; its memory is sampled
+every second: the whole process tree's resident pages, each counted once (`ops.residency.union_bytes`), and each
+rank's PSS (with its helpers for rank 0), peaks over the run. Run it inside a loopback-only namespace:
     unshare -n bash -c 'ip link set lo up && .venv/bin/python scripts/bench/bench_ranks.py --ranks 1,2'
 """
 
@@ -13,10 +14,13 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from p2pdiloco.ops.launcher import peer_command, start_process, stop_tree
-from p2pdiloco.runtime.schema import Summary, of_kind, read_records
+from p2pdiloco.ops.residency import pss_bytes, union_bytes
+from p2pdiloco.runtime.lifeline import descendants
+from p2pdiloco.runtime.schema import Start, Summary, of_kind, read_records
 
 
 def run(ranks: int, a, folder: Path) -> dict:
@@ -28,14 +32,45 @@ def run(ranks: int, a, folder: Path) -> dict:
     if ranks > 1:
         join = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                 *join[1:]]
+    started = time.monotonic()
     proc = start_process(join, folder / "m.out")
+    peaks = dict(member=0)
     try:
-        proc.wait(a.seconds + 600)
+        while proc.poll() is None and time.monotonic() < started + a.seconds + 600:
+            sample(proc.pid, peaks)
+            time.sleep(1.0)
     finally:
         stop_tree(proc)
-    summary = of_kind(read_records(folder / "m.jsonl"), Summary)[-1]
+    records = read_records(folder / "m.jsonl")
+    summary, start = of_kind(records, Summary)[-1], of_kind(records, Start)[-1]
     return dict(ranks=ranks, tokens_per_s=summary.tokens / summary.training_seconds, tokens=summary.tokens,
-                training_seconds=summary.training_seconds, exit=proc.returncode)
+                training_seconds=summary.training_seconds, n_params=start.n_params,
+                member_peak_bytes=peaks["member"], member_bytes_per_param=peaks["member"] / start.n_params,
+                rank_peak_pss_bytes={r: v for r, v in peaks.items() if r != "member"}, exit=proc.returncode)
+
+
+def sample(launcher: int, peaks: dict) -> None:
+    """The member's tree, and each rank with what it started (rank 0: its DHT and averager processes)."""
+    tree = [launcher, *descendants(launcher)]
+    peaks["member"] = max(peaks["member"], union_bytes(tree))
+    for pid in tree:
+        rank = rank_of(pid)
+        if rank is not None:
+            total = pss_bytes(pid) + sum(pss_bytes(child) for child in descendants(pid))
+            peaks[rank] = max(peaks.get(rank, 0), total)
+
+
+def rank_of(pid: int):
+    """The torchrun RANK of a p2pdiloco peer process (0 without torchrun); None for anything else. A peer's forked
+    helpers look like it: the peak per rank keeps the largest, the peer with its helpers."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        environ = dict(e.split(b"=", 1) for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in e)
+    except OSError:
+        return None
+    if b"p2pdiloco.cli" not in cmdline or b"torch.distributed.run" in cmdline:
+        return None
+    return int(environ.get(b"RANK", b"0"))
 
 
 def main():
@@ -63,8 +98,11 @@ def main():
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1))
     for n in counts:
+        last = [r for r in rows if r["ranks"] == n][-1]
         print(f"{a.model}, {n} rank(s) × {a.threads} thread(s): {rate[n]:.0f} tokens/s, "
-              f"{rate[n] / rate[counts[0]]:.3f}× {counts[0]} rank(s)")
+              f"{rate[n] / rate[counts[0]]:.3f}× {counts[0]} rank(s); member {last['member_peak_bytes'] / 1e9:.2f} GB "
+              f"({last['member_bytes_per_param']:.1f} B/param), per rank PSS "
+              + ", ".join(f"{r}: {v / 1e9:.2f} GB" for r, v in sorted(last["rank_peak_pss_bytes"].items())))
     print(f"-> {a.out}")
 
 
