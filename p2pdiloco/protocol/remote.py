@@ -29,8 +29,9 @@ MAX_BLAME = 64  # peers one member may blame at once
 # there and raises this number. Peers publish it in their records; a record of another version is not parsed
 # (its fields may mean other things), only counted, so a joiner can say which versions it met
 # (p2pdiloco.protocol.compat.wire_mismatch), and islands of two versions never form (the averager's prefix).
-# Version 0: peers from before versions were published.
-WIRE_VERSION = 1
+# Version 0: peers from before versions were published. 2: peer records say how many devices (ranks) the member
+# trains on.
+WIRE_VERSION = 2
 
 
 @dataclass

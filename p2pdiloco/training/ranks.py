@@ -11,6 +11,7 @@ resumes every rank. No network here beyond torch.distributed's own group.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ log = logging.getLogger("p2pdiloco")
 LEADER = 0
 STEP, STOP = 0.0, 1.0  # the command of a control message
 SAME, THETA, EVERYTHING = 0.0, 1.0, 2.0  # what comes after it: nothing, θ, or θ and the optimizer's state
+RANK_WAIT = datetime.timedelta(hours=12)
 CHECK_EVERY = 100  # inner steps between checks that every rank holds the same θ (a missed broadcast is a bug)
 
 
@@ -54,7 +56,9 @@ def ranks_from_env(device: torch.device) -> Optional[Ranks]:
     if world <= 1:
         return None
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # the other ranks wait in a collective while rank 0 alone joins the swarm or downloads its state, which
+        # over a slow link may take longer than torch's 30 minutes; a rank that dies is torchrun's to see
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=RANK_WAIT)
     return Ranks(dist.get_rank(), dist.get_world_size())
 
 

@@ -180,8 +180,8 @@ print(json.dumps(dict(path=found.path.name, sha=found.meta["sha256"])))
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
                     reason="needs root and unshare to mount a small tmpfs: a real full disk")
 def test_a_full_disk_while_checkpointing_is_one_clear_line_and_loses_nothing_saved(tmp_path):
-    """A 28 MB tmpfs holds one 19 MB checkpoint of the tiny model: the first stay saves one, the second stay's
-    checkpoint runs out of space. The second peer says so in one line and exits 1; the first checkpoint is whole."""
+    """A 40 MB tmpfs holds the tokenized text (10.6 MB, kept under the checkpoint folder) and one 19 MB checkpoint of
+    the tiny model: the first stay saves one, the second stay's checkpoint runs out of space. The second peer says so in one line and exits 1; the first checkpoint is whole."""
     disk = tmp_path / "disk"
     disk.mkdir()
     folder = disk / "p2pdiloco" / "x"
@@ -189,7 +189,7 @@ def test_a_full_disk_while_checkpointing_is_one_clear_line_and_loses_nothing_sav
             str(tmp_path), "--checkpoint-dir", str(disk), "--threads", "1", "--batch-size", "4", "--seq-len", "32",
             "--eval-every", "0", "-H", "3", "--max-rounds", "1"]
     newest = [sys.executable, "-c", NEWEST, str(folder), str(TINY_PARAMS)]
-    script = " ; ".join([f"mount -t tmpfs -o size=28m tmpfs {disk} || exit 99",
+    script = " ; ".join([f"mount -t tmpfs -o size=40m tmpfs {disk} || exit 99",
                          f"{shlex.join(join)} > /dev/null 2>&1; echo first=$?",
                          f"{shlex.join(newest)}",
                          f"{shlex.join(join)} 2> {tmp_path / 'second.err'} > /dev/null; echo second=$?",

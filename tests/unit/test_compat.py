@@ -2,7 +2,7 @@
 
 from p2pdiloco.config import OuterConfig, PeerConfig
 from p2pdiloco.protocol.compat import mismatch
-from p2pdiloco.protocol.remote import PeerRecord, parse_peer_record
+from p2pdiloco.protocol.remote import WIRE_VERSION, PeerRecord, parse_peer_record
 
 SWARM = dict(model="small", parameters="3000000", compression="int4", topk="off", weighting="tokens2")
 
@@ -24,7 +24,7 @@ def test_peers_that_publish_no_settings_are_not_compared():
 
 
 def test_published_settings_are_validated_like_any_remote_field():
-    base = dict(peer="p", name="n", version=1, digest="abcdef", wire=1)
+    base = dict(peer="p", name="n", version=1, digest="abcdef", wire=WIRE_VERSION)
     assert parse_peer_record(dict(base, settings=SWARM)).settings == SWARM
     for bad in ([1], {"k": 1}, {"": "v"}, {"k" * 40: "v"}, {"k": "v" * 100}, {str(i): "v" for i in range(40)}):
         assert parse_peer_record(dict(base, settings=bad)) is None

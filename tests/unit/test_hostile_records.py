@@ -7,10 +7,11 @@ import math
 import pytest
 
 from p2pdiloco.core.consensus import SKETCH_DIM, consensus_distance
-from p2pdiloco.protocol.remote import parse_peer_record as parse_record
+from p2pdiloco.protocol.remote import WIRE_VERSION, parse_peer_record as parse_record
 from p2pdiloco.protocol.timing import agreed_deadline
 
-GOOD = dict(peer="12D3Koo", name="a", version=3, digest="abcdef0123456789", ready=-1, sketch=[0.5] * SKETCH_DIM, wire=1)
+GOOD = dict(peer="12D3Koo", name="a", version=3, digest="abcdef0123456789", ready=-1, sketch=[0.5] * SKETCH_DIM,
+            wire=WIRE_VERSION)
 
 
 @pytest.mark.parametrize("change", [
