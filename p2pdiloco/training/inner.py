@@ -156,7 +156,7 @@ class InnerTrainer:
         self.model, self.batches, self.cfg, self.device, self.throttle = model, batches, cfg, device, throttle
         self.optimizer = make_optimizer(model.parameters(), cfg)
         self.ranks = ranks
-        self.lockstep = Lockstep(ranks) if ranks is not None and ranks.leads else None
+        self.lockstep = Lockstep() if ranks is not None and ranks.leads else None
         self.total_steps = 0  # over the peer's life
         self.on_gpu = device.type == "cuda"
         _prepare_blocks(model, cfg)

@@ -110,8 +110,7 @@ class Strided:
 class Lockstep:
     """Rank 0's side: `lead` before each inner step; `theta_written` whenever θ changes outside a step."""
 
-    def __init__(self, ranks: Ranks):
-        self.ranks = ranks
+    def __init__(self):
         self.writes, self.sent = 0, -1  # nothing sent yet: the first step sends θ and the optimizer's state
 
     def theta_written(self) -> None:
@@ -135,12 +134,10 @@ class Lockstep:
             check_same(trainer.model)
 
 
-def send_control(command: float, sends: float, check: bool, position: int, lr: float,
-                 device: torch.device) -> torch.Tensor:
+def send_control(command: float, sends: float, check: bool, position: int, lr: float, device: torch.device) -> None:
     """On the ranks' device: NCCL moves only GPU tensors."""
     control = torch.tensor([command, sends, float(check), float(position), lr], dtype=torch.float64, device=device)
     dist.broadcast(control, LEADER)
-    return control
 
 
 def send_state(trainer, everything: bool) -> None:
