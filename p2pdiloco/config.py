@@ -140,6 +140,10 @@ class InnerConfig:
         "elementwise work (RMSNorm, RoPE, SwiGLU): on an H200 the 100M Llama ran at 2.2x its eager tokens/s. "
         "The first inner step waits for the compile (~30 s on a GPU, longer on a CPU, which needs a C++ "
         "compiler); the bits differ from eager by float rounding.")
+    fsdp: bool = option(
+        False, "Under torchrun, shard the model over the member's ranks with FSDP2 (fully_shard per block): each "
+        "rank holds 1/N of θ, its gradients and the AdamW moments, for a model too large for one device; rank 0 "
+        "also keeps θ whole in host memory for the rounds. Without it the ranks are DDP replicas.")
     round_seconds: Optional[float] = option(
         None, "Time-budgeted H: contribute every this many seconds instead of every H steps.")
     optimizer: str = option(
@@ -163,6 +167,9 @@ class InnerConfig:
         if not 0 <= self.min_lr_ratio <= 1 or not 0 < self.decay_fraction <= 1:
             raise ConfigError(f"--min-lr-ratio must be in [0, 1] and --decay-fraction in (0, 1], got "
                               f"{self.min_lr_ratio} and {self.decay_fraction}")
+        if self.fsdp and (self.optimizer != "adamw" or self.step_in_backward):
+            raise ConfigError("--fsdp steps sharded parameters with torch's AdamW: leave out --inner-optimizer "
+                              "adamw8bit and --step-in-backward")
         if self.step_in_backward and self.grad_clip > 0:
             raise ConfigError(f"--step-in-backward needs --grad-clip 0 (got {self.grad_clip}): clipping to a global "
                               "norm needs every gradient before the first parameter is stepped")

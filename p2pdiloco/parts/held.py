@@ -33,7 +33,9 @@ class Tensors:
 
 
 def materialize(cfg: PeerConfig, workload: Workload) -> Tensors:
-    model = build_model(workload.model_config, cfg.seed, cfg.init_from).to(workload.device)
+    # with --fsdp this is rank 0's mirror of θ, kept in host memory: the device holds only this rank's shard
+    model = build_model(workload.model_config, cfg.seed, cfg.init_from).to(
+        torch.device("cpu") if cfg.inner.fsdp else workload.device)
     vectors = global_vectors(workload.n_params, parking_folder(cfg))
     theta = flat_params(model, out=vectors.theta)  # no staging copy beside it, from a GPU either
     state = GlobalState(theta, cfg.outer.lr, cfg.outer.momentum, storage=(theta, vectors.momentum),

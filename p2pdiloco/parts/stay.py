@@ -70,8 +70,13 @@ class Stay:
     def _evaluate_global(self) -> float:
         """Validation loss of Θ, the global model every peer converges to (θ, the local one, runs ahead)."""
         state = self.diloco.state
-        return evaluate(self.tensors.model, self.workload.val, self.workload.device, params=state.params,
+        return evaluate(self.tensors.model, self.workload.val, self._theta_device, params=state.params,
                         let_go=state.let_go)  # no second model
+
+    @property
+    def _theta_device(self) -> torch.device:
+        """Where the model whose modules evaluate Θ lives (with --fsdp, rank 0's mirror, in host memory)."""
+        return next(self.tensors.model.parameters()).device
 
     def _round_wait_on_leaving(self) -> float:
         """How long the round in flight may still take once training ends. At max rounds/time it may finish.

@@ -424,7 +424,7 @@ class DiLoCo:
                        "local": Concatenated([p for _, p, _ in param_slices(trainer.model)])}
             meta = dict(version=self.state.version, digest=self.state.digest, history=self.state.history,
                         last_members=self.state.last_members, tokens=self.state.tokens)
-        moments, scalars = optimizer_state(trainer.optimizer, trainer.model.parameters())
+        moments, scalars = trainer.optimizer_state()
         tensors.update(moments)
         meta.update(inner_optimizer=trainer.cfg.optimizer, inner_scalars=scalars)
         meta.update(unmerged_tokens=self.unmerged_tokens, unmerged_steps=self.unmerged_steps,
@@ -448,8 +448,7 @@ class DiLoCo:
         trainer.theta_written()
         note = None
         if meta.get("inner_optimizer", "adamw") == trainer.cfg.optimizer:
-            restore_optimizer_state(trainer.optimizer, trainer.model.parameters(), tensors,
-                                    meta.get("inner_scalars") or {}, step=int(meta["inner_step"]))
+            trainer.restore_optimizer_state(tensors, meta.get("inner_scalars") or {}, step=int(meta["inner_step"]))
         else:  # the user switched optimizers: the weights carry over, the moments start afresh
             note = (f"the checkpoint's inner optimizer was {meta.get('inner_optimizer')}, this run's is "
                     f"{trainer.cfg.optimizer}: its moments start afresh")

@@ -7,6 +7,7 @@ stays on the device: the host reads it only when the metrics need it, not once p
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import time
@@ -18,7 +19,9 @@ from torch import nn
 
 from p2pdiloco.config import ConfigError, InnerConfig
 from p2pdiloco.core.exact import chunks
-from p2pdiloco.training.ranks import Lockstep, Ranks, RanksDiverged, data_parallel
+from p2pdiloco.training.ranks import EVERYTHING, MOMENTS, THETA, Lockstep, Ranks, RanksDiverged, Replicas, \
+    data_parallel
+from p2pdiloco.training.sharded import Shards, shard_model
 from p2pdiloco.training.schedule import inner_lr
 from p2pdiloco.runtime.paging import LetGo, hold
 
@@ -92,11 +95,13 @@ def optimizer_state(optimizer: torch.optim.Optimizer, params) -> tuple[dict[str,
     for i, p in enumerate(params):
         for key, value in optimizer.state.get(p, {}).items():
             if isinstance(value, torch.Tensor):
-                shared = seen.get((value.data_ptr(), value.dtype, value.shape)) if value.numel() else None
+                local = value.to_local() if hasattr(value, "to_local") else value  # a DTensor's own memory
+                where = (local.data_ptr(), value.dtype, value.shape)
+                shared = seen.get(where) if local.numel() else None
                 if shared is not None:
                     scalars.setdefault(str(i), {})[ALIAS + key] = shared
                 else:
-                    seen[(value.data_ptr(), value.dtype, value.shape)] = f"inner.{i}.{key}"
+                    seen[where] = f"inner.{i}.{key}"
                     tensors[f"inner.{i}.{key}"] = value.detach()  # on its device: the writer copies
             elif isinstance(value, (int, float, bool)):
                 scalars.setdefault(str(i), {})[key] = value
@@ -147,24 +152,75 @@ def _prepare_blocks(model: nn.Module, cfg: InnerConfig) -> None:
         model.compile_blocks()
 
 
+def _modules(model: nn.Module, cfg: InnerConfig, device: torch.device,
+             ranks: Ranks | None) -> tuple[nn.Module | None, nn.Module]:
+    """(θ whole as rank 0 reads and writes it, the module the steps train): `model` twice, or with --fsdp rank 0's
+    model and a copy of it sharded over the ranks (the other ranks shard theirs, and keep no θ whole)."""
+    if cfg.fsdp and ranks is None:
+        raise ConfigError("--fsdp shards the model over a member's ranks: start it with torchrun "
+                          "--nproc-per-node N (N > 1), or leave --fsdp out")
+    if not cfg.fsdp:
+        _prepare_blocks(model, cfg)
+        return model, model
+    trained = copy.deepcopy(model) if ranks.leads else model
+    _prepare_blocks(trained, cfg)
+    shard_model(trained, device)
+    log.info("rank %d of %d holds %d of θ's %d parameters (FSDP2)", ranks.rank, ranks.world,
+             sum(p.to_local().numel() for p in trained.parameters()), sum(p.numel() for p in trained.parameters()))
+    return (model if ranks.leads else None), trained
+
+
 class InnerTrainer:
     """Owns the local model and its AdamW state, which are kept across rounds (as DiLoCo prescribes)."""
 
     def __init__(self, model: nn.Module, batches: Iterator, cfg: InnerConfig, device: torch.device,
                  throttle: float = 1.0, ranks: Ranks | None = None):
-        """`ranks`: this member's torchrun ranks (training.ranks), where it has more than one."""
-        self.model, self.batches, self.cfg, self.device, self.throttle = model, batches, cfg, device, throttle
-        self.optimizer = make_optimizer(model.parameters(), cfg)
-        self.ranks = ranks
+        """`ranks`: this member's torchrun ranks (training.ranks), where it has more than one; with `cfg.fsdp`
+        they shard the model (training.sharded), and `model` stays rank 0's θ whole (the mirror)."""
+        self.batches, self.cfg, self.device, self.throttle = batches, cfg, device, throttle
+        self.ranks, self.sharded = ranks, cfg.fsdp
+        self.layout = Shards() if cfg.fsdp else Replicas()  # how the ranks hold θ (moot for a peer of one)
         self.lockstep = Lockstep() if ranks is not None and ranks.leads else None
-        self.total_steps = 0  # over the peer's life
-        self.on_gpu = device.type == "cuda"
-        _prepare_blocks(model, cfg)
+        # θ as the swarm's side reads and writes it (rank 0); the module the steps train
+        self.mirror, self.trained = _modules(model, cfg, device, ranks)
+        self._behind = False  # with --fsdp: the shards took steps the mirror lacks
+        self.total_steps, self.on_gpu = 0, device.type == "cuda"  # steps: over the peer's life
+        self.optimizer = make_optimizer(self.trained.parameters(), cfg)
         if cfg.step_in_backward:
-            for p in model.parameters():
+            for p in self.trained.parameters():
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._step_one)
-        self.forward = model if ranks is None else data_parallel(model, ranks, device, cfg.step_in_backward)
+        self.forward = self.trained if ranks is None or cfg.fsdp else \
+            data_parallel(self.trained, ranks, device, cfg.step_in_backward)
+
+    @property
+    def model(self) -> nn.Module:
+        """θ, as rank 0 (or a peer of one) reads and writes it between steps. With --fsdp, the mirror, first
+        brought up to date from the shards where they stepped since (every rank takes part)."""
+        if self._behind:
+            self.lockstep.gather(self, THETA)
+            self._behind = False
+        return self.mirror
+
+    def optimizer_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """The inner optimizer's state (`optimizer_state`'s form), whole where it is sharded."""
+        if not self.sharded:
+            return optimizer_state(self.optimizer, self.trained.parameters())
+        if self.layout.restored is not None:  # not dealt out yet (no step since): the shards do not hold it
+            return self.layout.restored[0], self.layout.restored[1]
+        tensors, scalars = self.lockstep.gather(self, EVERYTHING if self._behind else MOMENTS)
+        self._behind = False
+        return tensors, scalars
+
+    def restore_optimizer_state(self, tensors: dict[str, torch.Tensor], scalars: dict, step: int) -> None:
+        """A checkpoint's optimizer state (whole, whatever the ranks that wrote it): for the shards at the next
+        step where they are sharded, else into this optimizer (a member's other ranks take it from rank 0's)."""
+        if self.sharded:
+            self.layout.restore(tensors, scalars, step)
+        else:
+            restore_optimizer_state(self.optimizer, self.trained.parameters(), tensors, scalars, step=step)
+        if self.lockstep is not None:
+            self.lockstep.everything_written()
 
     def _step_one(self, param: nn.Parameter) -> None:
         """In the backward pass, once `param`'s gradient is complete. Every parameter whose gradient came
@@ -213,12 +269,13 @@ class InnerTrainer:
         loss.backward()  # with step_in_backward, this also steps every parameter (_step_one)
         if not self.cfg.step_in_backward:
             if self.cfg.grad_clip > 0:
-                nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+                nn.utils.clip_grad_norm_(self.trained.parameters(), self.cfg.grad_clip)
             self.optimizer.step()
         # freed now, not before the next backward: between steps, where a round's Δ, its outer step and the
         # checkpoints come and go, the gradients (4 bytes per parameter) are not held
         self.optimizer.zero_grad(set_to_none=True)
         self.total_steps += 1
+        self._behind = self.sharded
         return loss.detach()
 
     def timed_step(self, progress: int | None = None) -> tuple[torch.Tensor, float]:

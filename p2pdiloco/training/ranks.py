@@ -25,8 +25,9 @@ from p2pdiloco.config import ConfigError
 
 log = logging.getLogger("p2pdiloco")
 LEADER = 0
-STEP, STOP = 0.0, 1.0  # the command of a control message
-SAME, THETA, EVERYTHING = 0.0, 1.0, 2.0  # what comes after it: nothing, θ, or θ and the optimizer's state
+STEP, STOP, GATHER = 0.0, 1.0, 2.0  # the command of a control message
+# what comes after it (GATHER: what goes): nothing, θ, θ and the optimizer's state, or the optimizer's state
+SAME, THETA, EVERYTHING, MOMENTS = 0.0, 1.0, 2.0, 3.0
 RANK_WAIT = datetime.timedelta(hours=12)
 CHECK_EVERY = 100  # inner steps between checks that every rank holds the same θ (a missed broadcast is a bug)
 
@@ -108,7 +109,8 @@ class Strided:
 
 
 class Lockstep:
-    """Rank 0's side: `lead` before each inner step; `theta_written` whenever θ changes outside a step."""
+    """Rank 0's side: `lead` before each inner step; `theta_written` whenever θ changes outside a step; `gather`
+    where θ is sharded and rank 0 reads it."""
 
     def __init__(self):
         self.writes, self.sent = 0, -1  # nothing sent yet: the first step sends θ and the optimizer's state
@@ -116,8 +118,18 @@ class Lockstep:
     def theta_written(self) -> None:
         self.writes += 1
 
+    def everything_written(self) -> None:
+        """A restore: the optimizer's state goes to the ranks too, at the next step."""
+        self.writes, self.sent = self.writes + 1, -1
+
     def lead(self, trainer, lr: float) -> None:
         self._send(STEP, trainer, lr, check=trainer.total_steps % CHECK_EVERY == 0)
+
+    def gather(self, trainer, what: float):
+        """Where θ is sharded: the ranks' shards of θ (THETA) whole into rank 0's mirror, or of the optimizer's
+        state (MOMENTS, returned), or both (EVERYTHING). Every rank takes part."""
+        send_control(GATHER, what, False, trainer.batches.position, 0.0, trainer.device)
+        return trainer.layout.gather(trainer, what)
 
     def stop(self, trainer) -> None:
         """The member leaves: the other ranks leave their loop, once every rank's θ was found equal."""
@@ -131,7 +143,7 @@ class Lockstep:
             send_state(trainer, everything=sends == EVERYTHING)
             self.sent = self.writes
         if check:
-            check_same(trainer.model)
+            trainer.layout.check(trainer)
 
 
 def send_control(command: float, sends: float, check: bool, position: int, lr: float, device: torch.device) -> None:
@@ -141,28 +153,49 @@ def send_control(command: float, sends: float, check: bool, position: int, lr: f
 
 
 def send_state(trainer, everything: bool) -> None:
-    """θ from rank 0 to all (and with `everything`, the inner optimizer's state: a restored rank 0's moments)."""
-    from p2pdiloco.training.inner import optimizer_state, restore_optimizer_state  # inner imports this module
-
-    params = list(trainer.model.parameters())
+    """θ from rank 0 to all (and with `everything`, the inner optimizer's state, its step and the stream's seed: a
+    restored rank 0's)."""
     if everything:
-        moments, scalars = optimizer_state(trainer.optimizer, params) if dist.get_rank() == LEADER else ({}, {})
-        shapes = {k: (tuple(v.shape), v.dtype) for k, v in moments.items()}
-        box = [dict(scalars=scalars, shapes=shapes, step=trainer.total_steps, seed=trainer.batches.seed)]
+        box = [dict(step=trainer.total_steps, seed=trainer.batches.seed)]
         dist.broadcast_object_list(box, LEADER)
-        meta = box[0]
-        if dist.get_rank() != LEADER:
-            moments = {k: torch.empty(shape, dtype=dtype, device=params[0].device)
-                       for k, (shape, dtype) in meta["shapes"].items()}
-        for name in sorted(moments):
-            dist.broadcast(moments[name], LEADER)
-        if dist.get_rank() != LEADER:
-            restore_optimizer_state(trainer.optimizer, params, moments, meta["scalars"], meta["step"])
-            trainer.total_steps = meta["step"]
-            trainer.batches.seed = meta["seed"]
-    with torch.no_grad():
-        for p in params:
-            dist.broadcast(p.data, LEADER)
+        trainer.total_steps = box[0]["step"]
+        trainer.batches.seed = box[0]["seed"]
+    trainer.layout.share(trainer, everything)
+
+
+class Replicas:
+    """How a DDP member's ranks keep θ: each whole (`InnerTrainer.layout`; `sharded.Shards` is FSDP's)."""
+
+    restored = None  # a restore writes rank 0's optimizer, whose state the next share sends
+
+    def restore(self, tensors: dict[str, torch.Tensor], scalars: dict, step: int) -> None:
+        raise AssertionError("a member of replicas restores into rank 0's optimizer")
+
+    def share(self, trainer, everything: bool) -> None:
+        from p2pdiloco.training.inner import optimizer_state, restore_optimizer_state  # inner imports this module
+
+        params = list(trainer.trained.parameters())
+        if everything:
+            moments, scalars = optimizer_state(trainer.optimizer, params) if dist.get_rank() == LEADER else ({}, {})
+            box = [dict(scalars=scalars, shapes={k: (tuple(v.shape), v.dtype) for k, v in moments.items()})]
+            dist.broadcast_object_list(box, LEADER)
+            meta = box[0]
+            if dist.get_rank() != LEADER:
+                moments = {k: torch.empty(shape, dtype=dtype, device=params[0].device)
+                           for k, (shape, dtype) in meta["shapes"].items()}
+            for name in sorted(moments):
+                dist.broadcast(moments[name], LEADER)
+            if dist.get_rank() != LEADER:
+                restore_optimizer_state(trainer.optimizer, params, moments, meta["scalars"], trainer.total_steps)
+        with torch.no_grad():
+            for p in params:
+                dist.broadcast(p.data, LEADER)
+
+    def gather(self, trainer, what: float) -> None:
+        raise AssertionError("rank 0 of a member of replicas holds θ whole: nothing to gather")
+
+    def check(self, trainer) -> None:
+        check_same(trainer.trained)
 
 
 def check_same(model) -> None:
@@ -181,7 +214,7 @@ def leave_group(trainer) -> None:
     (it frees them under the GIL, which the thread tearing the group down holds: seen to deadlock at exit), then
     the model without its DDP wrapper, and the group."""
     dist.barrier()
-    trainer.forward = trainer.model
+    trainer.forward = trainer.trained
     dist.destroy_process_group()
 
 
@@ -193,11 +226,14 @@ def follow(trainer) -> int:
         control = torch.zeros(5, dtype=torch.float64, device=trainer.device)
         dist.broadcast(control, LEADER)
         command, sends, check, position, lr = control.tolist()
+        if command == GATHER:
+            trainer.layout.gather(trainer, sends)
+            continue
         if sends != SAME:
             send_state(trainer, everything=sends == EVERYTHING)
         trainer.batches.position = int(position)
         if check:
-            check_same(trainer.model)
+            trainer.layout.check(trainer)
         if command == STOP:
             leave_group(trainer)
             return steps

@@ -1,5 +1,5 @@
-"""Tokens per second and memory of one member as it gets more local ranks (torchrun, DDP inside): a lone member
-trains for --seconds with 1, 2, ... ranks in turn (each rank --threads torch threads, so each rank has its own cores
+"""Tokens per second and memory of one member as it gets more local ranks (torchrun; DDP replicas, or the model
+sharded with --fsdp, per --layouts): a lone member trains for --seconds with 1, 2, ... ranks in turn (each rank --threads torch threads, so each rank has its own cores
 where the machine has them). The member's tokens per second come from its summary record; its memory is sampled
 every second: the whole process tree's resident pages, each counted once (`ops.residency.union_bytes`), and each
 rank's PSS (with its helpers for rank 0), peaks over the run. Run it inside a loopback-only namespace:
@@ -23,12 +23,12 @@ from p2pdiloco.runtime.lifeline import descendants
 from p2pdiloco.runtime.schema import Start, Summary, of_kind, read_records
 
 
-def run(ranks: int, a, folder: Path) -> dict:
+def run(ranks: int, layout: str, a, folder: Path) -> dict:
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     join = peer_command("join", "--model", a.model, "--name", "m", "--log-dir", str(folder), "--checkpoint-dir",
                         str(folder / "ck"), "--max-time", str(a.seconds), "--eval-every", "0", "--checkpoint-every",
-                        "0", "--threads", str(a.threads), *a.join)
+                        "0", "--threads", str(a.threads), *(["--fsdp"] if layout == "fsdp" else []), *a.join)
     if ranks > 1:
         join = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                 *join[1:]]
@@ -43,7 +43,7 @@ def run(ranks: int, a, folder: Path) -> dict:
         stop_tree(proc)
     records = read_records(folder / "m.jsonl")
     summary, start = of_kind(records, Summary)[-1], of_kind(records, Start)[-1]
-    return dict(ranks=ranks, tokens_per_s=summary.tokens / summary.training_seconds, tokens=summary.tokens,
+    return dict(ranks=ranks, layout=layout, tokens_per_s=summary.tokens / summary.training_seconds, tokens=summary.tokens,
                 training_seconds=summary.training_seconds, n_params=start.n_params,
                 member_peak_bytes=peaks["member"], member_bytes_per_param=peaks["member"] / start.n_params,
                 rank_peak_pss_bytes={r: v for r, v in peaks.items() if r != "member"}, exit=proc.returncode)
@@ -77,6 +77,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="small")
     parser.add_argument("--ranks", default="1,2")
+    parser.add_argument("--layouts", default="ddp", help="for more than one rank: ddp, fsdp or both")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--seconds", type=float, default=90.0, help="each run's --max-time")
     parser.add_argument("--repeats", type=int, default=2)
@@ -84,24 +85,29 @@ def main():
     parser.add_argument("join", nargs="*", help="more `p2pdiloco join` flags (after --)")
     a = parser.parse_args()
     counts = [int(n) for n in a.ranks.split(",")]
+    setups = [(n, layout) for n in counts for layout in (a.layouts.split(",") if n > 1 else ["one"])]
     folder, rows = Path(tempfile.mkdtemp(prefix="ranks-")), []
     try:
         for _ in range(a.repeats):
-            for n in counts:
-                rows.append(run(n, a, folder / "run"))
+            for n, layout in setups:
+                rows.append(run(n, layout, a, folder / "run"))
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    rate = {n: statistics.mean(r["tokens_per_s"] for r in rows if r["ranks"] == n) for n in counts}
+    name = {setup: f"{setup[0]}-{setup[1]}" for setup in setups}
+    rate = {name[s]: statistics.mean(r["tokens_per_s"] for r in rows if (r["ranks"], r["layout"]) == s)
+            for s in setups}
+    first = name[setups[0]]
     result = dict(model=a.model, threads_per_rank=a.threads, seconds=a.seconds, runs=rows, tokens_per_s=rate,
-                  speedup={n: rate[n] / rate[counts[0]] for n in counts})
+                  speedup={k: rate[k] / rate[first] for k in rate})
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1))
-    for n in counts:
-        last = [r for r in rows if r["ranks"] == n][-1]
-        print(f"{a.model}, {n} rank(s) × {a.threads} thread(s): {rate[n]:.0f} tokens/s, "
-              f"{rate[n] / rate[counts[0]]:.3f}× {counts[0]} rank(s); member {last['member_peak_bytes'] / 1e9:.2f} GB "
-              f"({last['member_bytes_per_param']:.1f} B/param), per rank PSS "
+    for setup in setups:
+        last = [r for r in rows if (r["ranks"], r["layout"]) == setup][-1]
+        key = name[setup]
+        print(f"{a.model}, {key} × {a.threads} thread(s): {rate[key]:.0f} tokens/s, {rate[key] / rate[first]:.3f}× "
+              f"{first}; member {last['member_peak_bytes'] / 1e9:.2f} GB ({last['member_bytes_per_param']:.1f} "
+              f"B/param), per rank PSS "
               + ", ".join(f"{r}: {v / 1e9:.2f} GB" for r, v in sorted(last["rank_peak_pss_bytes"].items())))
     print(f"-> {a.out}")
 

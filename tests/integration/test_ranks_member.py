@@ -1,6 +1,6 @@
 """A member of two ranks under torchrun (gloo on CPU) merges with a peer of one: the swarm sees one member that
-trains on twice the batch, and every process of both ends with the same model. Restarted with one rank, the
-member resumes from its checkpoint."""
+trains on twice the batch, and every process of both ends with the same model (DDP), or each holds its half of it
+(FSDP2). Restarted with one rank, the member resumes from its checkpoint."""
 
 import os
 import signal
@@ -15,10 +15,15 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
 BATCH, SEQ = 8, 64  # the harness's
 
 
-def test_a_member_of_two_torchrun_ranks_merges_as_one_peer_with_twice_the_tokens_and_resumes_with_one(tmp_path):
+@pytest.mark.parametrize("layout", ["ddp", "fsdp"])
+def test_a_member_of_two_torchrun_ranks_merges_as_one_peer_with_twice_the_tokens_and_resumes_with_one(tmp_path,
+                                                                                                      layout):
+    sharded = ["--fsdp"] if layout == "fsdp" else []
     with local_swarm(tmp_path, "ranks") as swarm:
-        swarm.start_peer("box", "-H", "5", "--max-rounds", "4", ranks=2)
-        swarm.start_peer("laptop", "-H", "5", "--max-rounds", "4")
+        # quorum 2: torchrun starts slower than a lone process, and the box's first rounds would otherwise merge
+        # alone before the laptop is up (seen in CI: all 4 solo)
+        swarm.start_peer("box", "-H", "5", "--max-rounds", "4", "--quorum", "2", *sharded, ranks=2)
+        swarm.start_peer("laptop", "-H", "5", "--max-rounds", "4", "--quorum", "2")
         swarm.wait_clean(["box", "laptop"], timeout=400)
         left_at = swarm.records("box", "summary")[-1].version
         swarm.start_peer("box", "-H", "5", "--max-rounds", "1")  # the same member, now one process
@@ -34,7 +39,9 @@ def test_a_member_of_two_torchrun_ranks_merges_as_one_peer_with_twice_the_tokens
     assert not islands_disagreeing(swarm, ["box", "laptop"])  # both members of each island hold one Θ
     # rank 1 trained every step rank 0 did, and left only once both held the same θ (else both exit non-zero)
     steps = swarm.records("box", "summary")[0].tokens // (2 * BATCH * SEQ)
-    assert f"trained {steps} steps beside rank 0" in (swarm.log_dir / "box-rank1.log").read_text()
+    follower_log = (swarm.log_dir / "box-rank1.log").read_text()
+    assert f"trained {steps} steps beside rank 0" in follower_log
+    assert ("(FSDP2)" in follower_log) == (layout == "fsdp")
 
 
 def rank_process(launcher_pid: int, rank: int) -> int:

@@ -1,0 +1,139 @@
+"""FSDP2 inside one member (`--fsdp` under torchrun): each rank holds 1/N of θ, of its gradients and of the AdamW
+moments (`fully_shard` on every transformer block, then on the whole model), so the inner steps' memory per rank
+falls as 1/N.
+
+The swarm's side is unchanged: rank 0 keeps θ whole in a plain copy of the model (the *mirror*, in host memory),
+and everything that reads or writes θ between steps (the pseudo-gradient, a round's rebase, a checkpoint, a
+restore) works on it. The mirror is brought up to date from the shards only when rank 0 reads θ after a step
+(`gather_theta`: every rank takes part), and a write to it reaches the shards before the next step
+(`scatter_theta`, from rank 0). A checkpoint holds θ and the moments whole, so a member resumes with any number of
+ranks, or as a single process. No network here beyond torch.distributed's own group.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from p2pdiloco.config import ConfigError
+from p2pdiloco.training.ranks import EVERYTHING, LEADER, MOMENTS, THETA
+
+
+def shard_model(model: nn.Module, device: torch.device) -> nn.Module:
+    """`model`, in place, as the inner steps train it: its blocks and then the whole of it sharded over every
+    rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if not hasattr(model, "blocks"):
+        raise ConfigError(f"--fsdp: {type(model).__name__} names no repeated blocks to shard")
+    model.to(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for block in model.blocks():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # what no block holds: the embeddings, the last norm, the head
+    return model
+
+
+class Shards:
+    """How a sharded member's ranks keep θ: each its part (`InnerTrainer.layout`; `ranks.Replicas` is DDP's)."""
+
+    def __init__(self):
+        self.restored: Optional[tuple[dict[str, torch.Tensor], dict, int]] = None  # rank 0: for the next share
+
+    def restore(self, tensors: dict[str, torch.Tensor], scalars: dict, step: int) -> None:
+        """Rank 0: the optimizer state whole from a checkpoint, dealt out to the ranks at the next step."""
+        self.restored = ({k: v for k, v in tensors.items() if k.startswith("inner.")}, scalars, step)
+
+    def share(self, trainer, everything: bool) -> None:
+        """Every rank: rank 0's θ (and with `everything`, what it restored of the optimizer) into the shards."""
+        scatter_theta(trainer.trained, trainer.mirror)
+        if everything:
+            scatter_moments(trainer.optimizer, trainer.trained, self.restored)
+            self.restored = None
+
+    def gather(self, trainer, what: float) -> Optional[tuple[dict[str, torch.Tensor], dict]]:
+        """Every rank: θ whole into rank 0's mirror (THETA), the optimizer's state whole (MOMENTS, returned), or
+        both (EVERYTHING)."""
+        if what in (THETA, EVERYTHING):
+            gather_theta(trainer.trained, trainer.mirror)
+        return gather_moments(trainer.optimizer, trainer.trained) if what in (MOMENTS, EVERYTHING) else None
+
+    def check(self, trainer) -> None:
+        """Nothing to compare: no two ranks hold the same part of θ."""
+
+
+def _pairs(trained: nn.Module, mirror: Optional[nn.Module]):
+    """(shard, the mirror's parameter or None) by name: the same order on every rank."""
+    whole = dict(mirror.named_parameters()) if mirror is not None else {}
+    for name, p in trained.named_parameters():
+        if mirror is not None and name not in whole:
+            raise RuntimeError(f"the sharded model has a parameter the mirror lacks: {name}")
+        yield p, whole.get(name)
+
+
+@torch.no_grad()
+def gather_theta(trained: nn.Module, mirror: Optional[nn.Module]) -> None:
+    """Every rank: θ whole into rank 0's mirror (a parameter at a time: one parameter's all-gather in flight)."""
+    for p, whole in _pairs(trained, mirror):
+        full = p.full_tensor()
+        if whole is not None:
+            whole.copy_(full)
+
+
+@torch.no_grad()
+def scatter_theta(trained: nn.Module, mirror: Optional[nn.Module]) -> None:
+    """Every rank: each its shard of rank 0's mirror."""
+    for p, whole in _pairs(trained, mirror):
+        p.copy_(_shard_of(whole, p))
+
+
+def _shard_of(whole: Optional[torch.Tensor], like) -> torch.Tensor:
+    """`whole` (rank 0's; None elsewhere) dealt out as `like`'s shards, from rank 0."""
+    from torch.distributed.tensor import distribute_tensor
+
+    local = like.to_local()
+    if whole is None:
+        whole = torch.empty(like.shape, dtype=local.dtype, device=local.device)
+    return distribute_tensor(whole.to(local.device, local.dtype), like.device_mesh, like.placements, src_data_rank=LEADER)
+
+
+def gather_moments(optimizer: torch.optim.Optimizer, trained: nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
+    """Every rank: the inner optimizer's state whole, as `inner.optimizer_state` names it (rank 0 keeps it)."""
+    from torch.distributed.tensor import DTensor
+
+    from p2pdiloco.training.inner import optimizer_state  # inner imports this module
+
+    tensors, scalars = optimizer_state(optimizer, trained.parameters())
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in tensors.items()}, scalars
+
+
+def scatter_moments(optimizer: torch.optim.Optimizer, trained: nn.Module,
+                    restored: Optional[tuple[dict[str, torch.Tensor], dict, int]]) -> Optional[int]:
+    """Every rank: each its shards of the optimizer state rank 0 restored (`restored`: its moments whole, scalars
+    and step; None elsewhere). Returns the step, on every rank (None: rank 0 restored nothing)."""
+    from p2pdiloco.training.inner import restore_optimizer_state  # inner imports this module
+
+    tensors, scalars, step = restored if restored is not None else ({}, {}, None)
+    box = [dict(shapes={k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}, scalars=scalars, step=step)]
+    dist.broadcast_object_list(box, LEADER)
+    meta = box[0]
+    if meta["step"] is None:
+        return None
+    params = list(trained.parameters())
+    mine = {}
+    for name in sorted(meta["shapes"]):
+        shape, dtype = meta["shapes"][name]
+        p = params[int(name.split(".")[1])]  # inner.{i}.{key}
+        if shape == tuple(p.shape):  # a moment: sharded as its parameter is
+            mine[name] = _shard_of(tensors.get(name), p)
+        else:  # a scalar (AdamW's step): the same on every rank
+            device = p.to_local().device
+            value = tensors[name].to(device) if name in tensors else torch.empty(shape, dtype=dtype, device=device)
+            dist.broadcast(value, LEADER)
+            mine[name] = value
+    restore_optimizer_state(optimizer, params, mine, meta["scalars"], step=meta["step"])
+    return meta["step"]
