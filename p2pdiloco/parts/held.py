@@ -15,7 +15,8 @@ from p2pdiloco.parts.workload import Workload, parking_folder
 from p2pdiloco.runtime.heap import give_back_free_heap
 from p2pdiloco.training.inner import flat_params
 from p2pdiloco.training.model import build_model
-from p2pdiloco.training.parked import Held, Parked, global_vectors
+from p2pdiloco.runtime.paging import FileVectors
+from p2pdiloco.training.parked import Held, Parked, global_vectors, parked_parameters
 
 
 @dataclass(frozen=True)
@@ -23,12 +24,20 @@ class Tensors:
     model: torch.nn.Module
     vectors: Held | Parked  # where Θ and the momentum live: memory, or files (training.parked)
     state: GlobalState
+    mirror: Optional[FileVectors] = None  # with --fsdp and the state on disk: where the model's θ lives
+
+    def let_go_of_model(self, part: Optional[slice] = None) -> None:
+        """With --fsdp, rank 0's model is a copy of θ read and written only between steps: where it is parked,
+        its pages go (a no-op otherwise)."""
+        if self.mirror is not None:
+            self.mirror.let_go(part)
 
     def park(self) -> None:
         """Θ and the momentum are cold until a round starts or ends, an evaluation, a checkpoint or a joiner
         reads them (nothing to do where they are kept in memory). What the round's work freed goes back to the
         kernel too (`runtime.heap`)."""
         self.vectors.let_go()
+        self.let_go_of_model()
         give_back_free_heap()
 
 
@@ -40,7 +49,9 @@ def materialize(cfg: PeerConfig, workload: Workload) -> Tensors:
     theta = flat_params(model, out=vectors.theta)  # no staging copy beside it, from a GPU either
     state = GlobalState(theta, cfg.outer.lr, cfg.outer.momentum, storage=(theta, vectors.momentum),
                         let_go=vectors.let_go)
-    tensors = Tensors(model, vectors, state)
+    folder = parking_folder(cfg)
+    mirror = parked_parameters(model, folder) if cfg.inner.fsdp and folder is not None else None
+    tensors = Tensors(model, vectors, state, mirror)
     tensors.park()
     return tensors
 

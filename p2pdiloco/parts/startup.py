@@ -89,7 +89,8 @@ def _diloco(cfg: PeerConfig, workload: Workload, helpers: Helpers, tensors, merg
             ranks: Optional[Ranks]):
     # our own data order (a restored checkpoint brings back the seed it had, whatever our peer id is now)
     stream = member_stream(cfg, workload, stream_seed(helpers.peer_id, cfg.swarm.run_id), ranks)
-    trainer = InnerTrainer(tensors.model, stream, cfg.inner, workload.device, cfg.throttle, ranks)
+    trainer = InnerTrainer(tensors.model, stream, cfg.inner, workload.device, cfg.throttle, ranks,
+                           tensors.let_go_of_model)
     # our last merged Δ waits on disk beside our checkpoints: only a lost fork reads it (4 B/param less)
     return seams.diloco(trainer, tensors.state, merger, helpers.peer_id, name, merger.clock,
                         eager=cfg.outer.application == "eager",

@@ -174,12 +174,13 @@ class InnerTrainer:
     """Owns the local model and its AdamW state, which are kept across rounds (as DiLoCo prescribes)."""
 
     def __init__(self, model: nn.Module, batches: Iterator, cfg: InnerConfig, device: torch.device,
-                 throttle: float = 1.0, ranks: Ranks | None = None):
+                 throttle: float = 1.0, ranks: Ranks | None = None, let_go_of_model=lambda: None):
         """`ranks`: this member's torchrun ranks (training.ranks), where it has more than one; with `cfg.fsdp`
-        they shard the model (training.sharded), and `model` stays rank 0's θ whole (the mirror)."""
+        they shard the model (training.sharded), and `model` stays rank 0's θ whole (the mirror), whose pages
+        `let_go_of_model()` drops once the shards took it (where it is parked: parts.held)."""
         self.batches, self.cfg, self.device, self.throttle = batches, cfg, device, throttle
         self.ranks, self.sharded = ranks, cfg.fsdp
-        self.layout = Shards() if cfg.fsdp else Replicas()  # how the ranks hold θ (moot for a peer of one)
+        self.layout = Shards(let_go_of_model) if cfg.fsdp else Replicas()  # how the ranks hold θ (moot for a peer of one)
         self.lockstep = Lockstep() if ranks is not None and ranks.leads else None
         # θ as the swarm's side reads and writes it (rank 0); the module the steps train
         self.mirror, self.trained = _modules(model, cfg, device, ranks)

@@ -20,6 +20,8 @@ from typing import Optional
 
 import torch
 
+from torch import nn
+
 from p2pdiloco.runtime.paging import FLOAT32, FileVectors
 
 log = logging.getLogger(__name__)
@@ -62,3 +64,25 @@ def global_vectors(n: int, folder: Optional[Path]) -> Held | Parked:
         log.warning("cannot park the global state in %s (%s): it stays in memory (%.2f GB)", folder, e,
                     2 * n * FLOAT32 / 1e9)
         return Held(n)
+
+
+def parked_parameters(model: nn.Module, folder: Path) -> Optional[FileVectors]:
+    """A model's parameters moved into one unlinked file of `folder`, mapped shared (with --fsdp, rank 0's mirror
+    of θ: read and written only around rounds, checkpoints and restores), or None where the folder cannot hold
+    them (they stay in memory, with a warning). `let_go` on the result drops their pages from this process."""
+    from p2pdiloco.training.inner import param_slices  # inner imports torch's FSDP: only a peer that parks
+
+    n = sum(p.numel() for _, p, _ in param_slices(model))
+    try:
+        file = FileVectors(n, 1, folder, prefix="mirror-")
+    except (OSError, ValueError) as e:
+        log.warning("cannot park θ's whole copy in %s (%s): it stays in memory (%.2f GB)", folder, e, n * FLOAT32 / 1e9)
+        return None
+    flat = file.vectors[0]
+    with torch.no_grad():
+        for _, p, part in param_slices(model):
+            view = flat[part].view_as(p)
+            view.copy_(p)
+            p.data = view  # a tied parameter is one Parameter: rebound once
+    file.let_go()
+    return file

@@ -41,7 +41,8 @@ def shard_model(model: nn.Module, device: torch.device) -> nn.Module:
 class Shards:
     """How a sharded member's ranks keep θ: each its part (`InnerTrainer.layout`; `ranks.Replicas` is DDP's)."""
 
-    def __init__(self):
+    def __init__(self, let_go_of_mirror=lambda: None):
+        self.let_go_of_mirror = let_go_of_mirror  # rank 0: where the mirror is parked, its pages go after a share
         self.restored: Optional[tuple[dict[str, torch.Tensor], dict, int]] = None  # rank 0: for the next share
 
     def restore(self, tensors: dict[str, torch.Tensor], scalars: dict, step: int) -> None:
@@ -54,6 +55,7 @@ class Shards:
         if everything:
             scatter_moments(trainer.optimizer, trainer.trained, self.restored)
             self.restored = None
+        self.let_go_of_mirror()
 
     def gather(self, trainer, what: float) -> Optional[tuple[dict[str, torch.Tensor], dict]]:
         """Every rank: θ whole into rank 0's mirror (THETA), the optimizer's state whole (MOMENTS, returned), or

@@ -18,7 +18,7 @@ BATCH, SEQ = 8, 64  # the harness's
 @pytest.mark.parametrize("layout", ["ddp", "fsdp"])
 def test_a_member_of_two_torchrun_ranks_merges_as_one_peer_with_twice_the_tokens_and_resumes_with_one(tmp_path,
                                                                                                       layout):
-    sharded = ["--fsdp"] if layout == "fsdp" else []
+    sharded = ["--fsdp", "--global-state-on-disk"] if layout == "fsdp" else []  # rank 0's θ parked too
     with local_swarm(tmp_path, "ranks") as swarm:
         # quorum 2: torchrun starts slower than a lone process, and the box's first rounds would otherwise merge
         # alone before the laptop is up (seen in CI: all 4 solo)

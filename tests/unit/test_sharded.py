@@ -1,10 +1,12 @@
 """A member of two ranks with --fsdp (FSDP2 on gloo): each rank holds half of θ and of the AdamW moments, yet the
-member trains as one process would on both ranks' batches; rank 0 reads θ and the optimizer's state whole, its
-writes of θ reach the shards, and a checkpoint a single process wrote resumes the member (re-sharded on load)."""
+member trains as one process would on both ranks' batches; rank 0 reads θ and the optimizer's state whole (its
+copy of θ parked in a file, as --global-state-on-disk keeps it), its writes of θ reach the shards, and a checkpoint
+a single process wrote resumes the member (re-sharded on load)."""
 
 import dataclasses
 import multiprocessing
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -12,6 +14,7 @@ import torch.distributed as dist
 from p2pdiloco.training.data import BatchStream
 from p2pdiloco.training.inner import InnerTrainer, flat_params, load_flat_params, optimizer_state
 from p2pdiloco.training.model import build_model
+from p2pdiloco.training.parked import parked_parameters
 from p2pdiloco.training.ranks import Ranks, Strided, follow
 from p2pdiloco.training.schedule import inner_lr
 from tests.unit.test_ranks import CFG, SEED, TEXT, nudge
@@ -20,11 +23,13 @@ SHARDED = dataclasses.replace(CFG, fsdp=True)
 MEMBER = 2 * CFG.batch_size * CFG.seq_len  # the member's tokens per step: the schedule's clock
 
 
-def member_trainer(rank: int) -> InnerTrainer:
+def member_trainer(rank: int, folder: str) -> tuple[InnerTrainer, object]:
+    """Rank 0's mirror of θ parked in a file, as --global-state-on-disk parks it (parts.held)."""
     stream = BatchStream(TEXT, CFG.batch_size, CFG.seq_len, seed=SEED if rank == 0 else 0)  # rank 1 learns it
-    ranks = Ranks(rank, 2)
-    return InnerTrainer(build_model("tiny", seed=rank), Strided(stream, ranks), SHARDED, torch.device("cpu"),
-                        ranks=ranks)
+    ranks, model = Ranks(rank, 2), build_model("tiny", seed=rank)
+    parked = parked_parameters(model, Path(folder) / "park") if rank == 0 else None
+    return InnerTrainer(model, Strided(stream, ranks), SHARDED, torch.device("cpu"), ranks=ranks,
+                        let_go_of_model=parked.let_go if parked else lambda: None), parked
 
 
 def pairs(first: int, count: int):
@@ -38,7 +43,7 @@ def rank_main(rank: int, folder: str) -> None:
     os.environ["WORLD_SIZE"] = "2"
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
     torch.set_num_threads(1)
-    t = member_trainer(rank)
+    t, parked = member_trainer(rank, folder)
     held = dict(theta=sum(p.to_local().numel() for p in t.trained.parameters()))
     if rank != 0:
         follow(t)
@@ -59,8 +64,9 @@ def rank_main(rank: int, folder: str) -> None:
     t.theta_written()
     t.restore_optimizer_state(saved["moments"], saved["scalars"], step=5)
     t.total_steps = 5
-    for _ in range(2):
-        t.train_step()
+    t.train_step()
+    held["mirror_resident"] = parked.resident_bytes()  # the shards took the restored θ: its pages went
+    t.train_step()
     resumed = flat_params(t.model).clone()
     t.release_ranks()
     torch.save(dict(trained=trained, resumed=resumed, steps=t.total_steps, n=resumed.numel(), **held),
@@ -92,6 +98,7 @@ def test_a_sharded_member_holds_half_of_theta_per_rank_and_trains_resumes_as_one
     # each rank holds about half of θ and of the moments (a tensor's rows split in two)
     assert zero["theta"] + one["theta"] == zero["n"] and max(zero["theta"], one["theta"]) <= 0.52 * zero["n"]
     assert zero["moments"] + one["moments"] == zero["n"] and max(zero["moments"], one["moments"]) <= 0.52 * zero["n"]
+    assert zero["mirror_resident"] <= 0.05 * 4 * zero["n"]  # rank 0's parked θ, once the shards took it
 
     # the same five steps in one process over both ranks' batches, with the same write of θ after the third
     alone = one_process()
