@@ -104,13 +104,19 @@ def _shard_of(whole: Optional[torch.Tensor], like) -> torch.Tensor:
 
 
 def gather_moments(optimizer: torch.optim.Optimizer, trained: nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
-    """Every rank: the inner optimizer's state whole, as `inner.optimizer_state` names it (rank 0 keeps it)."""
+    """Every rank: the inner optimizer's state whole, as `inner.optimizer_state` names it, on rank 0 (for a
+    checkpoint: 8 bytes per parameter with AdamW while it is written); empty on the others."""
     from torch.distributed.tensor import DTensor
 
     from p2pdiloco.training.inner import optimizer_state  # inner imports this module
 
     tensors, scalars = optimizer_state(optimizer, trained.parameters())
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in tensors.items()}, scalars
+    whole = {}
+    for name, value in tensors.items():  # one tensor at a time whole on the other ranks: they keep none of it
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        if dist.get_rank() == LEADER:
+            whole[name] = full
+    return whole, scalars
 
 
 def scatter_moments(optimizer: torch.optim.Optimizer, trained: nn.Module,
