@@ -28,7 +28,8 @@ def run(ranks: int, layout: str, a, folder: Path) -> dict:
     folder.mkdir(parents=True)
     join = peer_command("join", "--model", a.model, "--name", "m", "--log-dir", str(folder), "--checkpoint-dir",
                         str(folder / "ck"), "--max-time", str(a.seconds), "--eval-every", "0", "--checkpoint-every",
-                        "0", "--threads", str(a.threads), *(["--fsdp"] if layout == "fsdp" else []), *a.join)
+                        "0", "--threads", str(alone_threads(a) if ranks == 1 else a.threads),
+                        *(["--fsdp"] if layout == "fsdp" else []), *a.join)
     if ranks > 1:
         join = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                 *join[1:]]
@@ -47,6 +48,11 @@ def run(ranks: int, layout: str, a, folder: Path) -> dict:
                 training_seconds=summary.training_seconds, n_params=start.n_params,
                 member_peak_bytes=peaks["member"], member_bytes_per_param=peaks["member"] / start.n_params,
                 rank_peak_pss_bytes={r: v for r, v in peaks.items() if r != "member"}, exit=proc.returncode)
+
+
+def alone_threads(a) -> int:
+    """A one-process member's torch threads: --threads-alone (e.g. every core, as a peer's default), else --threads."""
+    return a.threads_alone or a.threads
 
 
 def sample(launcher: int, peaks: dict) -> None:
@@ -79,6 +85,8 @@ def main():
     parser.add_argument("--ranks", default="1,2")
     parser.add_argument("--layouts", default="ddp", help="for more than one rank: ddp, fsdp or both")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--threads-alone", type=int, default=0,
+                        help="torch threads of the one-process member (default: --threads)")
     parser.add_argument("--seconds", type=float, default=90.0, help="each run's --max-time")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("runs/ranks.json"))
@@ -98,14 +106,16 @@ def main():
     rate = {name[s]: statistics.mean(r["tokens_per_s"] for r in rows if (r["ranks"], r["layout"]) == s)
             for s in setups}
     first = name[setups[0]]
-    result = dict(model=a.model, threads_per_rank=a.threads, seconds=a.seconds, runs=rows, tokens_per_s=rate,
+    result = dict(model=a.model, threads_per_rank=a.threads, threads_alone=alone_threads(a), seconds=a.seconds,
+                  runs=rows, tokens_per_s=rate,
                   speedup={k: rate[k] / rate[first] for k in rate})
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1))
     for setup in setups:
         last = [r for r in rows if (r["ranks"], r["layout"]) == setup][-1]
         key = name[setup]
-        print(f"{a.model}, {key} × {a.threads} thread(s): {rate[key]:.0f} tokens/s, {rate[key] / rate[first]:.3f}× "
+        threads = alone_threads(a) if setup[0] == 1 else a.threads
+        print(f"{a.model}, {key} × {threads} thread(s): {rate[key]:.0f} tokens/s, {rate[key] / rate[first]:.3f}× "
               f"{first}; member {last['member_peak_bytes'] / 1e9:.2f} GB ({last['member_bytes_per_param']:.1f} "
               f"B/param), per rank PSS "
               + ", ".join(f"{r}: {v / 1e9:.2f} GB" for r, v in sorted(last["rank_peak_pss_bytes"].items())))
