@@ -180,7 +180,7 @@ class InnerTrainer:
         `let_go_of_model()` drops once the shards took it (where it is parked: parts.held)."""
         self.batches, self.cfg, self.device, self.throttle = batches, cfg, device, throttle
         self.ranks, self.sharded = ranks, cfg.fsdp
-        self.layout = Shards(let_go_of_model) if cfg.fsdp else Replicas()  # how the ranks hold θ (moot for a peer of one)
+        self.layout = Shards(let_go_of_model) if cfg.fsdp else Replicas()  # how the ranks hold θ (if several)
         self.lockstep = Lockstep() if ranks is not None and ranks.leads else None
         # θ as the swarm's side reads and writes it (rank 0); the module the steps train
         self.mirror, self.trained = _modules(model, cfg, device, ranks)

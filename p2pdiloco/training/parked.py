@@ -76,7 +76,8 @@ def parked_parameters(model: nn.Module, folder: Path) -> Optional[FileVectors]:
     try:
         file = FileVectors(n, 1, folder, prefix="mirror-")
     except (OSError, ValueError) as e:
-        log.warning("cannot park θ's whole copy in %s (%s): it stays in memory (%.2f GB)", folder, e, n * FLOAT32 / 1e9)
+        log.warning("cannot park θ's whole copy in %s (%s): it stays in memory (%.2f GB)", folder, e,
+                    n * FLOAT32 / 1e9)
         return None
     flat = file.vectors[0]
     with torch.no_grad():

@@ -1,6 +1,6 @@
 """FSDP2 inside one member (`--fsdp` under torchrun): each rank holds 1/N of θ, of its gradients and of the AdamW
-moments (`fully_shard` on every transformer block, then on the whole model), so the inner steps' memory per rank
-falls as 1/N.
+moments (`fully_shard` on every transformer block, then on the whole model): a model whose training state does not
+fit one device (or one process) trains over N.
 
 The swarm's side is unchanged: rank 0 keeps θ whole in a plain copy of the model (the *mirror*, in host memory),
 and everything that reads or writes θ between steps (the pseudo-gradient, a round's rebase, a checkpoint, a
@@ -100,7 +100,8 @@ def _shard_of(whole: Optional[torch.Tensor], like) -> torch.Tensor:
     local = like.to_local()
     if whole is None:
         whole = torch.empty(like.shape, dtype=local.dtype, device=local.device)
-    return distribute_tensor(whole.to(local.device, local.dtype), like.device_mesh, like.placements, src_data_rank=LEADER)
+    return distribute_tensor(whole.to(local.device, local.dtype), like.device_mesh, like.placements,
+                             src_data_rank=LEADER)
 
 
 def gather_moments(optimizer: torch.optim.Optimizer, trained: nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
@@ -120,9 +121,9 @@ def gather_moments(optimizer: torch.optim.Optimizer, trained: nn.Module) -> tupl
 
 
 def scatter_moments(optimizer: torch.optim.Optimizer, trained: nn.Module,
-                    restored: Optional[tuple[dict[str, torch.Tensor], dict, int]]) -> Optional[int]:
+                    restored: Optional[tuple[dict[str, torch.Tensor], dict, int]]) -> None:
     """Every rank: each its shards of the optimizer state rank 0 restored (`restored`: its moments whole, scalars
-    and step; None elsewhere). Returns the step, on every rank (None: rank 0 restored nothing)."""
+    and step; None elsewhere, and on rank 0 where it restored nothing)."""
     from p2pdiloco.training.inner import restore_optimizer_state  # inner imports this module
 
     tensors, scalars, step = restored if restored is not None else ({}, {}, None)
@@ -130,7 +131,7 @@ def scatter_moments(optimizer: torch.optim.Optimizer, trained: nn.Module,
     dist.broadcast_object_list(box, LEADER)
     meta = box[0]
     if meta["step"] is None:
-        return None
+        return
     params = list(trained.parameters())
     mine = {}
     for name in sorted(meta["shapes"]):
@@ -144,4 +145,3 @@ def scatter_moments(optimizer: torch.optim.Optimizer, trained: nn.Module,
             dist.broadcast(value, LEADER)
             mine[name] = value
     restore_optimizer_state(optimizer, params, mine, meta["scalars"], step=meta["step"])
-    return meta["step"]

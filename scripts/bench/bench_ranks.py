@@ -1,6 +1,7 @@
 """Tokens per second and memory of one member as it gets more local ranks (torchrun; DDP replicas, or the model
-sharded with --fsdp, per --layouts): a lone member trains for --seconds with 1, 2, ... ranks in turn (each rank --threads torch threads, so each rank has its own cores
-where the machine has them). The member's tokens per second come from its summary record; its memory is sampled
+sharded with --fsdp, per --layouts): a lone member trains for --seconds with 1, 2, ... ranks in turn (each rank
+--threads torch threads, so each rank has its own cores where the machine has them; --threads-alone for the member
+of one process). The member's tokens per second come from its summary record; its memory is sampled
 every second: the whole process tree's resident pages, each counted once (`ops.residency.union_bytes`), and each
 rank's PSS (with its helpers for rank 0), peaks over the run. Run it inside a loopback-only namespace:
     unshare -n bash -c 'ip link set lo up && .venv/bin/python scripts/bench/bench_ranks.py --ranks 1,2'
@@ -44,7 +45,8 @@ def run(ranks: int, layout: str, a, folder: Path) -> dict:
         stop_tree(proc)
     records = read_records(folder / "m.jsonl")
     summary, start = of_kind(records, Summary)[-1], of_kind(records, Start)[-1]
-    return dict(ranks=ranks, layout=layout, tokens_per_s=summary.tokens / summary.training_seconds, tokens=summary.tokens,
+    return dict(ranks=ranks, layout=layout, tokens_per_s=summary.tokens / summary.training_seconds,
+                tokens=summary.tokens,
                 training_seconds=summary.training_seconds, n_params=start.n_params,
                 member_peak_bytes=peaks["member"], member_bytes_per_param=peaks["member"] / start.n_params,
                 rank_peak_pss_bytes={r: v for r, v in peaks.items() if r != "member"}, exit=proc.returncode)

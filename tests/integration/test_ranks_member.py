@@ -1,6 +1,7 @@
 """A member of two ranks under torchrun (gloo on CPU) merges with a peer of one: the swarm sees one member that
-trains on twice the batch, and every process of both ends with the same model (DDP), or each holds its half of it
-(FSDP2). Restarted with one rank, the member resumes from its checkpoint."""
+trains on twice the batch, and every process of both ends with the same model (DDP). Relaunched with its model
+sharded over the ranks (--fsdp), the member resumes from its checkpoint. A restart with another number of ranks,
+and a sharded member's own checkpoint, are tests/unit/test_sharded.py's."""
 
 import os
 import signal
@@ -15,33 +16,35 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
 BATCH, SEQ = 8, 64  # the harness's
 
 
-@pytest.mark.parametrize("layout", ["ddp", "fsdp"])
-def test_a_member_of_two_torchrun_ranks_merges_as_one_peer_with_twice_the_tokens_and_resumes_with_one(tmp_path,
-                                                                                                      layout):
-    sharded = ["--fsdp", "--global-state-on-disk"] if layout == "fsdp" else []  # rank 0's θ parked too
+def test_a_member_of_two_torchrun_ranks_merges_as_one_peer_with_twice_the_tokens_and_resumes_sharded(tmp_path):
     with local_swarm(tmp_path, "ranks") as swarm:
         # quorum 2: torchrun starts slower than a lone process, and the box's first rounds would otherwise merge
         # alone before the laptop is up (seen in CI: all 4 solo)
-        swarm.start_peer("box", "-H", "5", "--max-rounds", "4", "--quorum", "2", *sharded, ranks=2)
+        swarm.start_peer("box", "-H", "5", "--max-rounds", "4", "--quorum", "2", ranks=2)
         swarm.start_peer("laptop", "-H", "5", "--max-rounds", "4", "--quorum", "2")
         swarm.wait_clean(["box", "laptop"], timeout=400)
         left_at = swarm.records("box", "summary")[-1].version
-        swarm.start_peer("box", "-H", "5", "--max-rounds", "1")  # the same member, now one process
+        # the same member again, its model now sharded over its ranks (FSDP2) and rank 0's θ parked: the DDP
+        # checkpoint's whole θ and moments are dealt out to the shards, and its leaving checkpoint gathers them
+        swarm.start_peer("box", "-H", "5", "--max-rounds", "1", "--fsdp", "--global-state-on-disk", ranks=2)
         swarm.wait_clean(["box"], timeout=200)
     restored = swarm.records("box", "restore")
     assert restored and restored[-1].version == left_at
     assert swarm.records("box", "round")[-1].version > left_at
-    contributions = [c for c in swarm.records("box", "contribute") if c.time < restored[-1].time]
-    assert contributions and all(c.tokens == 2 * BATCH * SEQ * c.steps for c in contributions)
+    assert [c.why for c in swarm.records("box", "checkpoint") if c.time > restored[-1].time][-1] == "leaving"
+    contributions = swarm.records("box", "contribute")
+    assert contributions[-1].time > restored[-1].time  # one of the sharded member's
+    assert all(c.tokens == 2 * BATCH * SEQ * c.steps for c in contributions)
     assert all(c.tokens == BATCH * SEQ * c.steps for c in swarm.records("laptop", "contribute"))
     merged = [r for r in swarm.records("box", "round") if r.applied and len(r.members) == 2]
     assert merged, swarm.records("box", "round")
     assert not islands_disagreeing(swarm, ["box", "laptop"])  # both members of each island hold one Θ
-    # rank 1 trained every step rank 0 did, and left only once both held the same θ (else both exit non-zero)
+    # rank 1 trained every step rank 0 did (it left only once both held the same θ, else both exit non-zero), then
+    # held half of θ in the second launch
     steps = swarm.records("box", "summary")[0].tokens // (2 * BATCH * SEQ)
     follower_log = (swarm.log_dir / "box-rank1.log").read_text()
     assert f"trained {steps} steps beside rank 0" in follower_log
-    assert ("(FSDP2)" in follower_log) == (layout == "fsdp")
+    assert "(FSDP2)" in follower_log.split(f"trained {steps} steps beside rank 0")[1]
 
 
 def rank_process(launcher_pid: int, rank: int) -> int:
