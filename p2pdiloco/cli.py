@@ -150,6 +150,20 @@ def config_or_usage_error(options: dict) -> PeerConfig:
         raise click.UsageError(str(e)) from None
 
 
+def launch_ranks(nproc: int) -> typing.NoReturn:
+    """This process becomes torchrun, which starts `nproc` ranks of this same command (less --nproc): the same pid,
+    so a signal to it reaches the ranks as torchrun's would."""
+    import os
+
+    from p2pdiloco.ops.launcher import ranks_command, without_option
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise click.UsageError("--nproc: this process is already one of torchrun's ranks (leave --nproc out)")
+    command = ranks_command(nproc, without_option(sys.argv[1:], "--nproc"))
+    sys.stdout.flush()
+    os.execv(command[0], command)
+
+
 @click.group(context_settings=CONTEXT)
 @click.version_option(package_name="p2pdiloco")
 def cli():
@@ -159,9 +173,14 @@ def cli():
 @cli.command(cls=Sectioned)
 @swarm_options
 @train_options
-def join(**options):
+@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Train as one member of this many local processes (torchrun's ranks: one per GPU of a box, or "
+              "CPU processes), as `torchrun --standalone --nproc-per-node N -m p2pdiloco.cli join ...` does.")
+def join(nproc: int, **options):
     """Join a swarm (or start one, without --initial-peers) and train."""
     cfg = config_or_usage_error(options)
+    if nproc > 1:
+        launch_ranks(nproc)
     from p2pdiloco.training.data import DataError
     from p2pdiloco.peer import log_file, run_peer
     from p2pdiloco.runtime.logs import configure_logging

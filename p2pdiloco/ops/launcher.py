@@ -35,6 +35,26 @@ def join_command(via: str | list[str], name: str, log_dir: Path, *args: str, run
     return peer_command("join", *initial, *run, "--log-dir", str(log_dir), *checkpoints, "--name", name, *args)
 
 
+def ranks_command(nproc: int, cli_args: list[str], launcher_flags: tuple[str, ...] = ()) -> list[str]:
+    """`p2pdiloco <cli_args>` as one member of `nproc` local processes: torchrun (torch.distributed.run) starts them,
+    and they meet on the loopback (--standalone)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+            *launcher_flags, "-m", "p2pdiloco.cli", *cli_args]
+
+
+def without_option(args: list[str], flag: str) -> list[str]:
+    """`args` without `flag` and its value (`--flag V` or `--flag=V`)."""
+    out, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = True
+        elif not arg.startswith(flag + "="):
+            out.append(arg)
+    return out
+
+
 def start_process(args: list[str], log_file: Path, env: Optional[dict] = None) -> subprocess.Popen:
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with log_file.open("ab") as out:

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from p2pdiloco.ops import swarmreport
-from p2pdiloco.ops.launcher import join_command, start_bootstrap, start_process, stop_tree
+from p2pdiloco.ops.launcher import join_command, ranks_command, start_bootstrap, start_process, stop_tree
 from p2pdiloco.runtime.lifeline import descendants
 from p2pdiloco.runtime.schema import Record, read_records
 
@@ -36,8 +36,7 @@ class LocalSwarm:
         cmd = join_command(via or self.address, name, self.log_dir, *TINY, *args, run_id=self.run_id,
                            checkpoint_dir=self.log_dir / "checkpoints")
         if ranks > 1:  # python -m torch.distributed.run (torchrun) ... -m p2pdiloco.cli join ...
-            cmd = [cmd[0], "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-                   *launcher_flags, *cmd[1:]]
+            cmd = ranks_command(ranks, cmd[3:], launcher_flags)
         self.procs[name] = start_process(cmd, self.log_dir / f"{name}.log", env=env)
         return self.procs[name]
 

@@ -24,9 +24,10 @@ def test_a_member_of_two_torchrun_ranks_merges_as_one_peer_with_twice_the_tokens
         swarm.start_peer("laptop", "-H", "5", "--max-rounds", "4", "--quorum", "2")
         swarm.wait_clean(["box", "laptop"], timeout=400)
         left_at = swarm.records("box", "summary")[-1].version
-        # the same member again, its model now sharded over its ranks (FSDP2) and rank 0's θ parked: the DDP
-        # checkpoint's whole θ and moments are dealt out to the shards, and its leaving checkpoint gathers them
-        swarm.start_peer("box", "-H", "5", "--max-rounds", "1", "--fsdp", "--global-state-on-disk", ranks=2)
+        # the same member again, launched by `join --nproc 2` (which becomes torchrun), its model now sharded over
+        # its ranks (FSDP2) and rank 0's θ parked: the DDP checkpoint's whole θ and moments are dealt out to the
+        # shards, and its leaving checkpoint gathers them
+        swarm.start_peer("box", "-H", "5", "--max-rounds", "1", "--fsdp", "--global-state-on-disk", "--nproc", "2")
         swarm.wait_clean(["box"], timeout=200)
     restored = swarm.records("box", "restore")
     assert restored and restored[-1].version == left_at

@@ -44,12 +44,20 @@ def test_help_does_not_import_torch_or_hivemind():
     (["join", "--outer-momentum", "1"], "outer momentum must be in [0, 1)"),
     (["join", "--step-in-backward"], "--step-in-backward needs --grad-clip 0"),
     (["join", "--checkpoint-seconds", "-5"], "checkpoint seconds must be a number >= 0"),
+    (["join", "--nproc", "0"], "0 is not in the range x>=1"),
+    (["join", "--fsdp", "--inner-optimizer", "adamw8bit"], "--fsdp steps sharded parameters with torch's AdamW"),
 ])
 def test_bad_flags_exit_nonzero_with_a_clear_message(args, message):
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 2
     assert message in result.output
     assert "Traceback" not in result.output
+
+
+def test_nproc_inside_torchrun_is_refused_before_anything_starts(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    result = CliRunner().invoke(cli, ["join", "--nproc", "2"])
+    assert result.exit_code == 2 and "already one of torchrun's ranks" in result.output
 
 
 def test_unreachable_initial_peer_fails_fast_and_clearly(tmp_path):
@@ -314,6 +322,6 @@ def test_join_help_lists_its_options_by_config_section():
     assert "--inner-lr" in sections["Inner steps"] and "--outer-lr" in sections["Outer step"]
     assert "--initial-peers" in sections["Meeting the swarm"]
     assert "--compression" in sections["Rounds, islands and the wire"]
-    assert sections["Other options"] == ["--profile"] and "-h, --help" in result.output
+    assert sections["Other options"] == ["--profile", "--nproc"] and "-h, --help" in result.output
     listed = [option for options in sections.values() for option in options]
     assert len(listed) == len(set(listed)) > 60

@@ -71,3 +71,13 @@ def test_the_testbed_refuses_to_run_without_root_and_says_so(monkeypatch):
     monkeypatch.setattr("os.geteuid", lambda: 1000)
     with pytest.raises(TestbedError, match="needs root"):
         Testbed(2).start()
+
+
+def test_nproc_becomes_torchrun_over_the_same_command_without_it():
+    from p2pdiloco.ops.launcher import ranks_command, without_option
+
+    args = ["join", "--nproc", "4", "--model", "tiny", "--nproc=3", "--name", "box"]
+    assert without_option(args, "--nproc") == ["join", "--model", "tiny", "--name", "box"]
+    assert ranks_command(4, ["join", "--name", "box"]) == [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m",
+        "p2pdiloco.cli", "join", "--name", "box"]
