@@ -13,9 +13,9 @@ from p2pdiloco.config import PeerConfig
 from p2pdiloco.core.state import GlobalState
 from p2pdiloco.parts.workload import Workload, parking_folder
 from p2pdiloco.runtime.heap import give_back_free_heap
+from p2pdiloco.runtime.paging import FileVectors
 from p2pdiloco.training.inner import flat_params
 from p2pdiloco.training.model import build_model
-from p2pdiloco.runtime.paging import FileVectors
 from p2pdiloco.training.parked import Held, Parked, global_vectors, parked_parameters
 
 
@@ -26,11 +26,11 @@ class Tensors:
     state: GlobalState
     mirror: Optional[FileVectors] = None  # with --fsdp and the state on disk: where the model's θ lives
 
-    def let_go_of_model(self, part: Optional[slice] = None) -> None:
+    def let_go_of_model(self) -> None:
         """With --fsdp, rank 0's model is a copy of θ read and written only between steps: where it is parked,
         its pages go (a no-op otherwise)."""
         if self.mirror is not None:
-            self.mirror.let_go(part)
+            self.mirror.let_go()
 
     def park(self) -> None:
         """Θ and the momentum are cold until a round starts or ends, an evaluation, a checkpoint or a joiner

@@ -34,8 +34,7 @@ from typing import Callable, Iterator, Optional, Protocol
 
 import torch
 
-from p2pdiloco.training.inner import (InnerTrainer, flat_params, load_flat_params, optimizer_state, param_slices,
-                                      restore_optimizer_state)
+from p2pdiloco.training.inner import InnerTrainer, flat_params, load_flat_params, param_slices
 from p2pdiloco.protocol.outcomes import Committed, Contribution, Kept, Parts, RolledBack, RoundOutcome, Solo
 from p2pdiloco.core.state import GlobalState, contains
 from p2pdiloco.protocol.timing import RoundClock

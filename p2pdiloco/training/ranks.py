@@ -164,12 +164,8 @@ def send_state(trainer, everything: bool) -> None:
 
 
 class Replicas:
-    """How a DDP member's ranks keep θ: each whole (`InnerTrainer.layout`; `sharded.Shards` is FSDP's)."""
-
-    restored = None  # a restore writes rank 0's optimizer, whose state the next share sends
-
-    def restore(self, tensors: dict[str, torch.Tensor], scalars: dict, step: int) -> None:
-        raise AssertionError("a member of replicas restores into rank 0's optimizer")
+    """How a DDP member's ranks keep θ: each whole (`InnerTrainer.layout`; `sharded.Shards` is FSDP's, which also
+    gathers θ for rank 0 and holds a restored optimizer state until the next share: a replica needs neither)."""
 
     def share(self, trainer, everything: bool) -> None:
         from p2pdiloco.training.inner import optimizer_state, restore_optimizer_state  # inner imports this module
@@ -190,9 +186,6 @@ class Replicas:
         with torch.no_grad():
             for p in params:
                 dist.broadcast(p.data, LEADER)
-
-    def gather(self, trainer, what: float) -> None:
-        raise AssertionError("rank 0 of a member of replicas holds θ whole: nothing to gather")
 
     def check(self, trainer) -> None:
         check_same(trainer.trained)
