@@ -26,7 +26,9 @@ from p2pdiloco.sim.learners import Board, IslandMerger, Sender, Wire
 from p2pdiloco.sim.timeline import Deferred, Runner, Timeline
 from p2pdiloco.training.data import BatchStream, load_data, order_seed, stream_seed, validation_batches, \
     bits_per_byte_factor
+from p2pdiloco.core.fragments import Stagger
 from p2pdiloco.training.diloco import DiLoCo
+from p2pdiloco.training.fragments import Streams, model_fragments
 from p2pdiloco.training.inner import InnerTrainer, evaluate, flat_params
 from p2pdiloco.training.model import build_model, resolve_config
 from p2pdiloco.training.tokenizer import vocab_size
@@ -187,6 +189,80 @@ def diloco(bench: Bench, h: int, wire: Wire, m: Optional[int] = None) -> Curve:
             learner.diloco.close()
     curve.notes = dict(rounds=rounds, forks=forks)
     return curve
+
+
+def streaming(bench: Bench, h: int, wire: Wire, fragments: int, overlap: int = 0, in_flight: int = 2,
+              flush: bool = True) -> Curve:
+    """M learners whose models merge as `fragments` fragments (training.fragments), each fragment in synchronous
+    rounds every H steps on the staggered schedule (core.fragments.Stagger), each on its own board (its own
+    records, islands and error feedback). A fragment's round is waited for `overlap` steps after it left (the
+    steps taken meanwhile are rebased onto its merge, as a peer's delayed application does), at the same step
+    on every learner: a run is the same whatever the threads' speed. `flush`: at the end, every fragment with
+    unmerged steps merges them, so Θ holds every token trained, as with P = 1, whose last round falls there."""
+    s = bench.setup
+    torch.manual_seed(s.seed)
+    group, boards = [], None
+    for i in range(s.learners):
+        name = f"learner{i}"
+        trainer, state = bench.learner(name)
+        if boards is None:
+            sizes = [f.size for f in model_fragments(trainer.model, fragments)]
+            boards = [Board(wire, size) for size in sizes]
+        merger_for = _island_merger(boards, name, sync_rules(h))
+        streams = Streams(trainer, state, merger_for, Stagger(fragments, h, in_flight), name, name)
+        for board, part in zip(boards, streams.parts):
+            board.publish(name, part.state)
+        group.append(streams)
+    first = group[0]
+    curve, merges, forks = Curve(), 0, 0
+    curve.add(0, bench.bpb(first.trainer.model, first.global_params()))
+    tokens = s.learners * s.batch_size * s.seq_len
+    left: dict[int, int] = {}
+
+    def settle(i: int) -> None:
+        nonlocal merges, forks
+        for learner in group:
+            settled = learner.wait(i, timeout=600)
+            if not settled.outcome.committed:
+                raise RuntimeError(f"fragment {i}'s round was not merged: {settled.outcome.reason}")
+            boards[i].publish(learner.parts[i].name, learner.parts[i].state)
+        merges += 1
+        forks += len({learner.parts[i].state.digest for learner in group}) - 1
+
+    try:
+        for step in range(1, s.steps + 1):
+            for learner in group:
+                learner.inner_step()
+            for i in first.due():
+                for learner in group:
+                    learner.contribute(i)
+                left[i] = step
+            for i in [i for i, at in sorted(left.items()) if step - at >= overlap]:
+                settle(i)
+                del left[i]
+            if step % s.eval_every == 0 and step < s.steps:
+                curve.add(step * tokens, bench.bpb(first.trainer.model, first.global_params()))
+        for i in sorted(left):
+            settle(i)
+        unflushed = bench.bpb(first.trainer.model, first.global_params())
+        if flush:
+            for i in first.unsent():
+                for learner in group:
+                    learner.contribute(i)
+                settle(i)
+    finally:
+        for learner in group:
+            learner.close()
+    curve.add(s.steps * tokens, bench.bpb(first.trainer.model, first.global_params()))
+    curve.notes = dict(fragments=fragments, merges=merges, forks=forks, versions=first.versions,
+                       unflushed_bpb=round(unflushed, 5))
+    return curve
+
+
+def _island_merger(boards: list[Board], name: str, rules: RoundRules):
+    def merger_for(i: int, clock: RoundClock) -> IslandMerger:
+        return IslandMerger(boards[i], name, rules, boards[i].wire.feedback(), clock)
+    return merger_for
 
 
 def decoupled_rules(h: int, step_seconds: float, overlap_steps: Optional[int] = None) -> RoundRules:

@@ -131,11 +131,17 @@ class DiLoCo:
     # ---- inner steps --------------------------------------------------------------------------------------
     def inner_step(self) -> tuple[float, float]:
         loss, seconds = self.trainer.timed_step(self.swarm_tokens)
+        self.count_step(seconds)
+        return loss, seconds
+
+    def count_step(self, seconds: float, share: float = 1.0) -> None:
+        """One inner step of θ is unmerged progress now. `share`: the part of its time that trained what this
+        DiLoCo merges (training.fragments: a fragment's, so that the fragments' merged seconds add up to the
+        step's); its tokens count whole, as the merge weights and the schedule's clock count them."""
         self.unmerged_tokens += self.trainer.tokens_per_step
         self.unmerged_steps += 1
-        self.unmerged_seconds += seconds
+        self.unmerged_seconds += seconds * share
         self.clock.step.update(seconds)
-        return loss, seconds
 
     @property
     def swarm_tokens(self) -> int:

@@ -14,6 +14,9 @@ and momentum), -ilr<f> (inner lr); decoupled rows also -slow<f> (the last learne
 equal), -sync<f> (an all-reduce's simulated seconds, 2 by default; a step is 1) and -tau<n> (τ of the grace
 window, Eq. 3: H by default, as a peer's --overlap-steps); e.g. dec-H100-int4-stale0.5,
 H100-int4-olr1.0-om0.8, dec-H100-int4-slow1-sync120 (rounds longer than H steps: every Δ a round late).
+Synchronous rows take -frag<P> (Streaming DiLoCo: P fragments on staggered rounds, p2pdiloco.sim.parity.streaming),
+-ov<n> (a fragment's round waited for n steps after it left; 0 by default) and -inflight<n> (τ: 2 by default),
+e.g. H100-int4-frag8, H100-int4-frag8-ov5.
 
 Reports validation bits per byte at the end of each row (mean and spread over seeds) and each row's difference to
 `dp` at equal tokens (paired by seed), writes the JSON as it goes (a row at a time) and a PNG of bits per byte
@@ -38,9 +41,9 @@ import torch
 from p2pdiloco.config import OuterConfig
 from p2pdiloco.sim.learners import Wire
 from p2pdiloco.protocol.island import Bounds
-from p2pdiloco.sim.parity import Bench, Curve, Setup, data_parallel, decoupled, diloco
+from p2pdiloco.sim.parity import Bench, Curve, Setup, data_parallel, decoupled, diloco, streaming
 
-ROW = re.compile(r"^(?:dp|(solo-|dec-)?H(\d+)-(fp32|int8|int4|int2|topk2))((?:-(?:stale|olr|om|ilr|sync|slow|tau)[0-9.]+)*)$")
+ROW = re.compile(r"^(?:dp|(solo-|dec-)?H(\d+)-(fp32|int8|int4|int2|topk2))((?:-(?:stale|olr|om|ilr|sync|slow|tau|frag|ov|inflight)[0-9.]+)*)$")
 SETUP_MODIFIERS = {"olr": "outer_lr", "om": "outer_momentum", "ilr": "inner_lr"}
 
 
@@ -49,12 +52,18 @@ def parse_row(row: str) -> tuple[str, int, str, dict]:
     match = ROW.match(row)
     if not match:
         raise SystemExit(f"unknown row {row!r}: dp, H<steps>-<fp32|int8|int4|int2|topk2>, solo-H<steps>-<wire> or "
-                         "dec-H<steps>-<wire>, each with optional -stale<f>, -olr<f>, -om<f>, -ilr<f> (dec: -slow<f>, -sync<f>, -tau<n>)")
+                         "dec-H<steps>-<wire>, each with optional -stale<f>, -olr<f>, -om<f>, -ilr<f> (dec: -slow<f>, -sync<f>, -tau<n>; "
+                         "synchronous: -frag<P>, -ov<n>, -inflight<n>)")
     kind, h, wire, mods = match.groups()
-    modifiers = {name: float(value) for name, value in re.findall(r"-(stale|olr|om|ilr|sync|slow|tau)([0-9.]+)", mods or "")}
-    if row.startswith("dp"):
+    modifiers = {name: float(value) for name, value in re.findall(r"-(stale|olr|om|ilr|sync|slow|tau|frag|ov|inflight)([0-9.]+)", mods or "")}
+    kind = "dp" if row.startswith("dp") else (kind or "sync-").rstrip("-")
+    streamed = {"frag", "ov", "inflight"} & set(modifiers)
+    if streamed and (kind != "sync" or "frag" not in modifiers or modifiers["frag"] < 1):
+        raise SystemExit(f"row {row!r}: -frag<P> (P at least 1), -ov and -inflight are for synchronous rows, "
+                         "-ov and -inflight with -frag")
+    if kind == "dp":
         return "dp", 0, "", modifiers
-    return (kind or "sync-").rstrip("-"), int(h), wire, modifiers
+    return kind, int(h), wire, modifiers
 
 
 # a wire's own outer step, where a peer's profile gives one (peers/slow-uplink.toml: SparseLoCo's rounds)
@@ -78,6 +87,9 @@ def run_row(row: str, bench: Bench, count: str = "merged") -> Curve:
         tau = modifiers.get("tau")
         return decoupled(bench, h, wire, speeds=speeds, sync_seconds=modifiers.get("sync", 2.0),
                          overlap_steps=int(tau) if tau else None, count=count)
+    if "frag" in modifiers:
+        return streaming(bench, h, wire, int(modifiers["frag"]), overlap=int(modifiers.get("ov", 0)),
+                         in_flight=int(modifiers.get("inflight", 2)))
     return diloco(bench, h, wire, m=1 if kind == "solo" else None)
 
 

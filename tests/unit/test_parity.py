@@ -11,7 +11,7 @@ import torch
 
 from p2pdiloco.protocol.island import Bounds
 from p2pdiloco.sim.learners import Wire
-from p2pdiloco.sim.parity import Bench, Setup, data_parallel, decoupled, diloco
+from p2pdiloco.sim.parity import Bench, Setup, data_parallel, decoupled, diloco, streaming
 
 SETUP = Setup(batch_size=2, seq_len=32, eval_batches=2, learners=3, steps=6, eval_every=3, warmup_steps=2,
               inner_lr=3e-3)
@@ -96,6 +96,10 @@ def test_bench_parity_checks_every_row_name_before_training():
     assert parse_row("dec-H100-int4-tau5-slow1") == ("dec", 100, "int4", {"tau": 5.0, "slow": 1.0})
     with pytest.raises(SystemExit, match="unknown row 'H100-int3'"):
         parse_row("H100-int3")
+    assert parse_row("H100-int4-frag8-ov5") == ("sync", 100, "int4", {"frag": 8.0, "ov": 5.0})
+    for wrong in ("dec-H100-int4-frag8", "H100-int4-ov5", "H100-int4-frag0"):
+        with pytest.raises(SystemExit, match="for synchronous rows"):
+            parse_row(wrong)
 
 
 @pytest.mark.slow
@@ -115,3 +119,14 @@ def test_with_one_learner_missing_islands_no_round_raises_the_merged_models_loss
         losses[momentum] = dict(enumerate(x / bench.bpb_factor for x in curve.bpb))
     assert val_rises(losses[OuterConfig().momentum], noise=0.02) == []
     assert val_rises(losses[0.9], noise=0.5)  # the test bites: the old default's rise is far beyond noise
+
+
+def test_fragments_merge_with_members_bitwise_equal_and_one_fragment_is_the_synchronous_row(bench):
+    one = streaming(bench, 3, Wire.named("int4"), fragments=1)
+    sync = diloco(bench, 3, Wire.named("int4"))
+    assert one.bpb == sync.bpb and one.tokens == sync.tokens  # P = 1 is today's rounds, bit for bit
+    three = streaming(bench, 3, Wire.named("int4"), fragments=3, overlap=1)
+    assert three.notes["forks"] == 0  # every learner holds each fragment's Θ bit for bit after each merge
+    assert three.tokens == sync.tokens and three.final != sync.final
+    # a round a step, each fragment's every 3 steps; at the end the two with steps left merge them
+    assert three.notes["versions"] == [3, 3, 2] and three.notes["merges"] == 8
