@@ -125,4 +125,8 @@ class Stagger:
     def due(self, i: int, steps_since: int, sent_before: bool) -> bool:
         """Whether fragment i should leave, `steps_since` inner steps after its last round left (or after the
         start, if it has none)."""
-        return steps_since >= (self.h if sent_before else self.first(i))
+        return self.overdue(i, steps_since, sent_before) >= 0
+
+    def overdue(self, i: int, steps_since: int, sent_before: bool) -> int:
+        """How many steps past due fragment i is (negative: not due yet)."""
+        return steps_since - (self.h if sent_before else self.first(i))

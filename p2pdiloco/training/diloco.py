@@ -418,50 +418,40 @@ class DiLoCo:
         unsettled: its island may merge it after we stop, so a restart finding the swarm past its version gives
         the unmerged progress up (`_settle_restored`), rather than risk counting it twice."""
         assert self.can_checkpoint, "an eager peer checkpoints between rounds only"
-        trainer = self.trainer
-        flight = self.in_flight
-        unsettled = self.unsettled if flight is None else dict(version=flight.contribution.version,
-                                                               stream_position=None)
         with self.state.lock:  # no copies of Θ: only this (the training) thread changes it, and it is saving
             let_go = self.state.let_go
             tensors = {"global": Released(self.state.params, let_go),
-                       "momentum": Released(self.state.outer.momentum_buffer, let_go),
-                       "local": Concatenated([p for _, p, _ in param_slices(trainer.model)])}
-            meta = dict(version=self.state.version, digest=self.state.digest, history=self.state.history,
-                        last_members=self.state.last_members, tokens=self.state.tokens)
-        moments, scalars = trainer.optimizer_state()
-        tensors.update(moments)
-        meta.update(inner_optimizer=trainer.cfg.optimizer, inner_scalars=scalars)
-        meta.update(unmerged_tokens=self.unmerged_tokens, unmerged_steps=self.unmerged_steps,
-                    unmerged_seconds=self.unmerged_seconds, inner_step=trainer.total_steps, unsettled=unsettled,
-                    settled_step=self.settled_step,
-                    stream_position=getattr(trainer.batches, "position", None),
-                    stream_seed=getattr(trainer.batches, "seed", None),
-                    stream_at=trainer.batches.where() if hasattr(trainer.batches, "where") else None)
+                       "momentum": Released(self.state.outer.momentum_buffer, let_go)}
+            meta = self.rounds_checkpoint()
+        trainer_meta, trainer_tensors = trainer_checkpoint(self.trainer)
+        meta.update(trainer_meta)
+        tensors.update(trainer_tensors)
         return meta, tensors
+
+    def rounds_checkpoint(self) -> dict:
+        """What of a checkpoint's metadata is this DiLoCo's own (not the trainer's): Θ's version and lineage, and
+        the unmerged counters."""
+        flight = self.in_flight
+        unsettled = self.unsettled if flight is None else dict(version=flight.contribution.version,
+                                                               stream_position=None)
+        return dict(version=self.state.version, digest=self.state.digest, history=self.state.history,
+                    last_members=self.state.last_members, tokens=self.state.tokens,
+                    unmerged_tokens=self.unmerged_tokens, unmerged_steps=self.unmerged_steps,
+                    unmerged_seconds=self.unmerged_seconds, unsettled=unsettled, settled_step=self.settled_step)
 
     def restore_checkpoint_state(self, meta: dict, tensors: dict[str, torch.Tensor],
                                  contributed: Optional[dict] = None) -> Optional[str]:
         """Resume from a checkpoint; a note for the log where not everything could be restored. `contributed`:
         our newest contribution as noted when it left (`checkpoint.note_contribution`): one made after this
         checkpoint carried its unmerged progress, and its outcome is unknown until we see the swarm."""
-        trainer = self.trainer
+        note = restore_trainer(self.trainer, meta, tensors)
+        self.restore_rounds(meta, [tensors["global"], tensors["momentum"]], contributed)
+        return note
+
+    def restore_rounds(self, meta: dict, state: list[torch.Tensor], contributed: Optional[dict] = None) -> None:
+        """Θ and the momentum (`state`), and `rounds_checkpoint`'s metadata, back."""
         self.state.load(dict(version=meta["version"], digest=meta["digest"], history=meta.get("history", []),
-                             last_members=meta.get("last_members", []), tokens=meta.get("tokens", 0)),
-                        [tensors["global"], tensors["momentum"]])
-        load_flat_params(trainer.model, tensors["local"])
-        trainer.theta_written()
-        note = None
-        if meta.get("inner_optimizer", "adamw") == trainer.cfg.optimizer:
-            trainer.restore_optimizer_state(tensors, meta.get("inner_scalars") or {}, step=int(meta["inner_step"]))
-        else:  # the user switched optimizers: the weights carry over, the moments start afresh
-            note = (f"the checkpoint's inner optimizer was {meta.get('inner_optimizer')}, this run's is "
-                    f"{trainer.cfg.optimizer}: its moments start afresh")
-        trainer.total_steps = int(meta["inner_step"])
-        if meta.get("stream_seed") is not None:  # our own data order, whatever our peer id is this time
-            trainer.batches.seed = int(meta["stream_seed"])
-        if meta.get("stream_position") is not None:
-            trainer.batches.position = int(meta["stream_position"])
+                             last_members=meta.get("last_members", []), tokens=meta.get("tokens", 0)), state)
         self.unmerged_tokens, self.unmerged_steps = meta["unmerged_tokens"], meta["unmerged_steps"]
         self.unmerged_seconds = float(meta.get("unmerged_seconds", 0.0))
         left = meta.get("unsettled")  # left with a round in flight
@@ -469,7 +459,37 @@ class DiLoCo:
         self.settled_step = int(meta.get("settled_step", -1))
         if contributed is not None and contributed["inner_step"] > self.settled_step:  # left after we saved
             self.unsettled = dict(version=contributed["version"], stream_position=contributed.get("stream_position"))
-        return note
+
+
+def trainer_checkpoint(trainer: InnerTrainer) -> tuple[dict, dict[str, Entry]]:
+    """θ, the inner optimizer's state, the step count and the data stream's position: a checkpoint's part that is
+    the trainer's, whatever merges its model (one DiLoCo, or the fragments of training.fragments)."""
+    tensors = {"local": Concatenated([p for _, p, _ in param_slices(trainer.model)])}
+    moments, scalars = trainer.optimizer_state()
+    tensors.update(moments)
+    meta = dict(inner_optimizer=trainer.cfg.optimizer, inner_scalars=scalars, inner_step=trainer.total_steps,
+                stream_position=getattr(trainer.batches, "position", None),
+                stream_seed=getattr(trainer.batches, "seed", None),
+                stream_at=trainer.batches.where() if hasattr(trainer.batches, "where") else None)
+    return meta, tensors
+
+
+def restore_trainer(trainer: InnerTrainer, meta: dict, tensors: dict[str, torch.Tensor]) -> Optional[str]:
+    """`trainer_checkpoint`'s part back; a note for the log where the moments could not be."""
+    load_flat_params(trainer.model, tensors["local"])
+    trainer.theta_written()
+    note = None
+    if meta.get("inner_optimizer", "adamw") == trainer.cfg.optimizer:
+        trainer.restore_optimizer_state(tensors, meta.get("inner_scalars") or {}, step=int(meta["inner_step"]))
+    else:  # the user switched optimizers: the weights carry over, the moments start afresh
+        note = (f"the checkpoint's inner optimizer was {meta.get('inner_optimizer')}, this run's is "
+                f"{trainer.cfg.optimizer}: its moments start afresh")
+    trainer.total_steps = int(meta["inner_step"])
+    if meta.get("stream_seed") is not None:  # our own data order, whatever our peer id is this time
+        trainer.batches.seed = int(meta["stream_seed"])
+    if meta.get("stream_position") is not None:
+        trainer.batches.position = int(meta["stream_position"])
+    return note
 
 
 def _flat(p: torch.Tensor) -> torch.Tensor:

@@ -15,10 +15,13 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from p2pdiloco.core.fragments import Fragment, Stagger, split
+from p2pdiloco.core.exact import digest
+from p2pdiloco.core.fragments import RULE, Fragment, Stagger, split
 from p2pdiloco.core.state import GlobalState
 from p2pdiloco.protocol.timing import RoundClock
-from p2pdiloco.training.diloco import DiLoCo, Merger, Settled
+from p2pdiloco.protocol.outcomes import Contribution
+from p2pdiloco.training.checkpoint import CheckpointError, Concatenated, Entry
+from p2pdiloco.training.diloco import DiLoCo, Merger, Settled, restore_trainer, trainer_checkpoint
 from p2pdiloco.training.inner import InnerTrainer, param_slices
 
 
@@ -120,15 +123,20 @@ class Streams:
         return [i for i, part in enumerate(self.parts) if part.in_flight is not None]
 
     def due(self) -> list[int]:
-        """The fragments whose rounds should leave now, in fragment order, τ in flight at most."""
-        room = self.stagger.in_flight - len(self.in_flight)
-        due = []
+        """The fragments whose rounds should leave now, τ in flight at most: the longest overdue first (in
+        fragment order among equals), so that a fragment held back by τ is not passed over by the others'
+        next rounds."""
+        overdue = []
         for i, part in enumerate(self.parts):
-            if part.in_flight is None and len(due) < room:
-                since = self.trainer.total_steps - (self.started_at if self.left_at[i] is None else self.left_at[i])
-                if self.stagger.due(i, since, self.left_at[i] is not None):
-                    due.append(i)
-        return due
+            if part.in_flight is None:
+                late = self.stagger.overdue(i, self.trainer.total_steps - self._since(i), self.left_at[i] is not None)
+                if late >= 0:
+                    overdue.append((-late, i))
+        room = self.stagger.in_flight - len(self.in_flight)
+        return [i for _, i in sorted(overdue)[:max(0, room)]]
+
+    def _since(self, i: int) -> int:
+        return self.started_at if self.left_at[i] is None else self.left_at[i]
 
     def contribute(self, i: int) -> None:
         self.parts[i].contribute()
@@ -155,6 +163,13 @@ class Streams:
                 out[piece.flat] = part.state.params[own]
         return out
 
+    def _in_layout(self, vector_of: Callable[[DiLoCo], torch.Tensor]) -> list[torch.Tensor]:
+        """Every fragment's pieces of one of its vectors, in the model's flat layout: that vector of the whole
+        model, as views (concatenated, they are Θ or the momentum in the layout of P = 1)."""
+        pieces = [(piece.flat.start, vector_of(part)[own])
+                  for fragment, part in zip(self.fragments, self.parts) for piece, own in fragment.slices()]
+        return [t for _, t in sorted(pieces, key=lambda x: x[0])]
+
     @property
     def versions(self) -> list[int]:
         return [part.state.version for part in self.parts]
@@ -162,3 +177,73 @@ class Streams:
     def close(self) -> None:
         for part in self.parts:
             part.close()
+
+    # ---- resuming ---------------------------------------------------------------------------------------
+    @property
+    def can_checkpoint(self) -> bool:
+        return all(part.can_checkpoint for part in self.parts)
+
+    def checkpoint_state(self) -> tuple[dict, dict[str, Entry]]:
+        """A checkpoint in the format of P = 1 (`training.checkpoint`): Θ and the momentum whole in the model's
+        layout, written from the fragments' own vectors without a copy, so `export` and `sample` read it as
+        any other. Each fragment's version, lineage and counters go in `meta["fragments"]`; the top-level
+        version is their sum (it grows with every fragment's round: the checkpoints' order)."""
+        assert self.can_checkpoint, "an eager peer checkpoints between rounds only"
+        theta = self._in_layout(lambda part: part.state.params)
+        momentum = self._in_layout(lambda part: part.state.outer.momentum_buffer)
+        meta = dict(version=sum(self.versions), digest=digest(*theta, *momentum), history=[], last_members=[],
+                    tokens=self.swarm_tokens,
+                    fragments=dict(count=len(self.parts), rule=RULE, h=self.stagger.h,
+                                   parts=[dict(part.rounds_checkpoint(), left_at=left)
+                                          for part, left in zip(self.parts, self.left_at)]))
+        tensors: dict[str, Entry] = {"global": Concatenated(theta), "momentum": Concatenated(momentum)}
+        trainer_meta, trainer_tensors = trainer_checkpoint(self.trainer)
+        meta.update(trainer_meta)
+        tensors.update(trainer_tensors)
+        return meta, tensors
+
+    def restore_checkpoint_state(self, meta: dict, tensors: dict[str, torch.Tensor],
+                                 contributed: Optional[dict[int, dict]] = None) -> Optional[str]:
+        """Resume from `checkpoint_state`'s checkpoint; CheckpointError if it was split otherwise (another P, rule
+        or H) or a fragment's part does not hash to its recorded digest. `contributed`: each fragment's newest
+        contribution as noted when it left (DiLoCo.restore_checkpoint_state)."""
+        saved = meta.get("fragments")
+        ours = dict(count=len(self.parts), rule=RULE, h=self.stagger.h)
+        if not isinstance(saved, dict) or {k: saved.get(k) for k in ours} != ours \
+                or not isinstance(saved.get("parts"), list) or len(saved["parts"]) != len(self.parts):
+            theirs = {k: saved.get(k) for k in ours} if isinstance(saved, dict) else "a whole model's (no fragments)"
+            raise CheckpointError(f"the checkpoint's fragments are {theirs}, this run's {ours}: start it with "
+                                  "the settings it was saved with, or from another folder")
+        note = restore_trainer(self.trainer, meta, tensors)
+        for i, (fragment, part, rounds) in enumerate(zip(self.fragments, self.parts, saved["parts"])):
+            state = [torch.cat([tensors[key][piece.flat] for piece in fragment.pieces]) for key in ("global", "momentum")]
+            part.restore_rounds(rounds, state, (contributed or {}).get(i))
+            if part.state.digest != rounds.get("digest"):
+                raise CheckpointError(f"fragment {i}: its part of the global state does not match its digest")
+            self.left_at[i] = rounds.get("left_at")
+        return note
+
+
+def train_streams(streams: Streams, should_leave: Callable[[], bool],
+                  on_step: Callable[[torch.Tensor, float], None] = lambda loss, seconds: None,
+                  on_round: Callable[[int, Settled], None] = lambda i, s: None,
+                  final_wait: Callable[[], float] = lambda: 120.0,
+                  on_contribute: Callable[[int, Contribution], None] = lambda i, c: None,
+                  ready: Callable[[], bool] = lambda: True) -> None:
+    """`training.diloco.train` for fragments: inner steps until `should_leave()`, each fragment's round leaving
+    when the stagger says (once `ready()`), outcomes applied between steps as they arrive; at the end, the rounds
+    in flight may finish within `final_wait()`, and are abandoned otherwise (their steps stay unmerged)."""
+    while not should_leave():
+        if ready():
+            for i in streams.due():
+                streams.contribute(i)
+                on_contribute(i, streams.parts[i].in_flight.contribution)
+        loss, seconds = streams.inner_step()
+        on_step(loss, seconds)
+        for i, settled in streams.poll():
+            on_round(i, settled)
+    for i in streams.in_flight:  # let the rounds finish: abandoning one costs its island a retry
+        try:
+            on_round(i, streams.wait(i, timeout=final_wait()))
+        except TimeoutError:
+            streams.parts[i].abandon()

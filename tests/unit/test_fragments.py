@@ -2,13 +2,17 @@
 balanced for every preset, P = 1 bit for bit today's DiLoCo, each fragment's rounds committing or rolling back
 on their own."""
 
+import threading
+import time
+
 import pytest
 import torch
 
 from p2pdiloco.config import MODEL_PRESETS
 from p2pdiloco.core.fragments import Stagger, imbalance, split
+from p2pdiloco.protocol.outcomes import Solo
 from p2pdiloco.training.diloco import SoloMerger
-from p2pdiloco.training.fragments import Streams
+from p2pdiloco.training.fragments import Streams, train_streams
 from p2pdiloco.training.inner import flat_params
 from p2pdiloco.training.model import resolve_config
 from tests.unit.test_decoupled import make_diloco
@@ -122,3 +126,119 @@ def test_fragments_time_and_tokens_add_up_to_the_steps():
     assert sum(p.unmerged_seconds for p in streams.parts) == pytest.approx(seconds)
     assert all(p.unmerged_tokens == 3 * base.trainer.tokens_per_step for p in streams.parts)
     assert streams.swarm_tokens == 3 * base.trainer.tokens_per_step
+
+
+def streams_on_a_stream(p=3, h=4, seed=0):
+    from p2pdiloco.config import InnerConfig
+    from p2pdiloco.core.state import GlobalState
+    from p2pdiloco.training.data import BatchStream
+    from p2pdiloco.training.inner import InnerTrainer
+    from p2pdiloco.training.model import build_model
+    text = torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+    model = build_model("tiny", seed=0)
+    trainer = InnerTrainer(model, BatchStream(text, 4, 16, seed=1), InnerConfig(batch_size=4, seq_len=16,
+                                                                              warmup_steps=0), torch.device("cpu"))
+    state = GlobalState(flat_params(model), lr=0.7, momentum=0.9)
+    return Streams(trainer, state, lambda i, clock: SoloMerger(), Stagger(p, h), "me", "me")
+
+
+def lockstep(streams, steps):
+    for _ in range(steps):
+        streams.inner_step()
+        for i in streams.due():
+            streams.contribute(i)
+            streams.wait(i, 10)
+
+
+def test_a_checkpoint_of_fragments_resumes_bit_for_bit_and_is_a_whole_models_for_export(tmp_path):
+    from p2pdiloco.training import checkpoint
+    ran = streams_on_a_stream()
+    lockstep(ran, 7)  # the fragments at different versions, each with unmerged steps
+    assert len(set(ran.versions)) > 1
+    meta, tensors = ran.checkpoint_state()
+    path = checkpoint.save(tmp_path, meta, tensors)
+    found = checkpoint.load_one(path, ran.global_params().numel())  # Θ whole: its digest checked as any other's
+    assert torch.equal(found.tensors["global"], ran.global_params())
+    lockstep(ran, 9)
+
+    resumed = streams_on_a_stream()
+    resumed.restore_checkpoint_state(found.meta, found.tensors)
+    assert resumed.versions == [part["version"] for part in found.meta["fragments"]["parts"]]
+    lockstep(resumed, 9)
+    assert resumed.versions == ran.versions
+    assert torch.equal(resumed.global_params(), ran.global_params())
+    assert torch.equal(flat_params(resumed.trainer.model), flat_params(ran.trainer.model))
+    assert [p.unmerged_steps for p in resumed.parts] == [p.unmerged_steps for p in ran.parts]
+
+    with pytest.raises(checkpoint.CheckpointError, match="fragments are"):
+        streams_on_a_stream(p=2).restore_checkpoint_state(found.meta, found.tensors)
+    found.tensors["global"][0] += 1.0  # fragment 0's part no longer hashes to its digest
+    with pytest.raises(checkpoint.CheckpointError, match="fragment 0"):
+        streams_on_a_stream().restore_checkpoint_state(found.meta, found.tensors)
+
+
+class CountingMerger:
+    """Solo rounds that note how many of the peer's fragments are in flight at once, and when each left."""
+
+    def __init__(self, i, board):
+        self.i, self.board = i, board
+
+    def merge(self, c):
+        with self.board["lock"]:
+            self.board["now"] += 1
+            self.board["most"] = max(self.board["most"], self.board["now"])
+            self.board["left"].append((self.i, self.board["streams"].trainer.total_steps))
+        time.sleep(0.1)  # a round outlasts a few steps: rounds overlap, and τ has to hold them back
+        with self.board["lock"]:
+            self.board["now"] -= 1
+        return Solo.of(c)
+
+
+def test_the_training_loop_staggers_the_fragments_rounds_with_at_most_tau_in_flight():
+    base = make_diloco(SoloMerger())
+    board = dict(lock=threading.Lock(), now=0, most=0, left=[])
+    streams = Streams(base.trainer, base.state, lambda i, clock: CountingMerger(i, board),
+                      Stagger(4, 8, in_flight=2), "me", "me")
+    board["streams"] = streams
+    steps = iter(range(60))
+    rounds = []
+    train_streams(streams, lambda: next(steps, None) is None, on_round=lambda i, s: rounds.append((i, s)))
+    assert board["most"] <= 2 and streams.in_flight == []
+    firsts = {}
+    for i, at in board["left"]:
+        firsts.setdefault(i, at)
+    assert all(firsts[i] >= Stagger(4, 8).first(i) for i in range(4)), firsts
+    for i in range(4):  # a fragment's rounds are H steps apart at least
+        times = [at for j, at in board["left"] if j == i]
+        assert len(times) >= 3 and all(b - a >= 8 for a, b in zip(times, times[1:]))
+    assert len(rounds) == len(board["left"]) and all(s.outcome.committed for _, s in rounds)
+
+
+class Gate:
+    """A round held until its gate opens."""
+
+    def __init__(self):
+        self.open = threading.Event()
+
+    def merge(self, c):
+        assert self.open.wait(30)
+        return Solo.of(c)
+
+
+def test_a_fragment_held_back_by_tau_goes_before_the_others_next_rounds():
+    base = make_diloco(SoloMerger())
+    gates = [Gate() for _ in range(4)]
+    streams = Streams(base.trainer, base.state, lambda i, clock: gates[i], Stagger(4, 8, in_flight=2), "me", "me")
+    for step in range(1, 13):
+        streams.inner_step()
+        for i in streams.due():
+            streams.contribute(i)
+        if step == 4:
+            assert streams.in_flight == [0, 1]  # left at steps 2 and 4; 2 and 3 are due at 6 and 8: τ holds them
+    assert streams.due() == [] and streams.in_flight == [0, 1]
+    gates[0].open.set()
+    streams.wait(0, 10)
+    # fragment 0 is due again (10 steps since its round), but 2 has waited longest (6 steps past due), then 3
+    assert streams.due() == [2]
+    for gate in gates:
+        gate.open.set()
