@@ -17,7 +17,8 @@ def trainer(compiled: bool, **overrides) -> InnerTrainer:
     return InnerTrainer(build_model("tiny", seed=0), BatchStream(TEXT, 4, 32, seed=1), cfg, torch.device("cpu"))
 
 
-@pytest.mark.parametrize("overrides", [{}, dict(activation_checkpointing=True)], ids=["plain", "recompute"])
+@pytest.mark.parametrize("overrides", [{}, pytest.param(dict(activation_checkpointing=True), marks=pytest.mark.slow)],
+                         ids=["plain", "recompute"])  # recompute: slow, the default suite's budget
 def test_compiled_layers_train_and_evaluate_as_eager_ones(overrides):
     compiled, eager = trainer(True, **overrides), trainer(False, **overrides)
     assert len(compiled.model.blocks()) == 4 and all(b._compiled_call_impl is not None for b in compiled.model.blocks())
