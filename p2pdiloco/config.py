@@ -262,6 +262,11 @@ class SwarmConfig:
         None, "τ: inner steps a round may run in flight (default H: the next contribution is due then).")
     max_staleness: int = option(2, "Contribute from up to this many versions behind; further behind, catch up "
                                 "first.")
+    fragments: int = option(
+        1, "Streaming DiLoCo: merge the model as this many fragments of about equal size, each in rounds of its own "
+        "on a staggered schedule, so a round carries 1/P of the model (1: the whole model every round; "
+        "docs/fragments.md).")
+    fragments_in_flight: int = option(2, "τ of --fragments: at most this many fragments' rounds at once.")
     wait_for_newest: bool = option(
         False, "Decoupled mode: while peers on a newer global state train and none of them looks for an island, "
         "wait for them (up to 1.5 rounds) and join their island a version behind, rather than form an island that "
@@ -307,6 +312,7 @@ class SwarmConfig:
             raise ConfigError(f"grace gamma must be in (0, 1), got {self.grace_gamma}")
         if self.overlap_steps is not None:
             _positive(self, "overlap_steps")
+        _positive(self, "fragments", "fragments_in_flight")
         if not isinstance(self.max_staleness, int) or self.max_staleness < 0:
             raise ConfigError(f"max staleness must be an integer >= 0, got {self.max_staleness!r}")
         if self.topk is not None and not (0 < self.topk < 1 and self.compression != "none"):
@@ -419,6 +425,21 @@ class PeerConfig:
         _positive(self, "keep_checkpoints")
         if not isinstance(self.eval_every, int) or self.eval_every < 0:
             raise ConfigError(f"eval every must be an integer >= 0, got {self.eval_every!r}")
+        if self.swarm.fragments > 1:
+            self._check_fragments()
+
+    def _check_fragments(self) -> None:
+        """What --fragments does not run with yet, each said in one line."""
+        refused = [(self.inner.fsdp, "--fsdp"), (self.swarm.mode == "sync", "--mode sync"),
+                   (self.inner.round_seconds is not None, "--round-seconds"),
+                   (self.swarm.client_mode, "--client-mode"), (self.global_state_on_disk, "--global-state-on-disk"),
+                   (self.outer.rda, "--rda")]
+        for on, flag in refused:
+            if on:
+                raise ConfigError(f"--fragments {self.swarm.fragments} does not run with {flag} yet")
+        if self.swarm.fragments > self.inner.steps:
+            raise ConfigError(f"--fragments {self.swarm.fragments} is more than -H {self.inner.steps}: each "
+                              "fragment's round would leave more often than once a step")
 
     def replace(self, **changes) -> "PeerConfig":
         return dataclasses.replace(self, **changes)

@@ -13,6 +13,7 @@ from typing import Optional
 from p2pdiloco.config import PeerConfig
 from p2pdiloco.parts.follower import run_follower
 from p2pdiloco.parts.startup import start
+from p2pdiloco.parts.streamed import start_streamed
 from p2pdiloco.parts.workload import pick_device
 from p2pdiloco.runtime.signals import on_stop_signals
 from p2pdiloco.training.ranks import follows_rank_0
@@ -29,7 +30,7 @@ class Peer:
         self.stop = threading.Event()
 
     def run(self) -> dict:
-        stay = start(self.cfg, self.stop)
+        stay = (start_streamed if self.cfg.swarm.fragments > 1 else start)(self.cfg, self.stop)
         try:
             return stay.train()
         finally:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -10,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from p2pdiloco.config import PeerConfig
+from p2pdiloco.config import ConfigError, PeerConfig
 from p2pdiloco.core.state import StateChanged
 from p2pdiloco.parts.workload import Workload
 from p2pdiloco.runtime import schema
@@ -89,7 +88,7 @@ class Checkpoints:
             return
         started = self.saved_at = time.monotonic()  # a failed write is not retried at every step
         meta, tensors = self._state(diloco, why)
-        job = Write(meta, why, functools.partial(diloco.state.unchanged, diloco.state.generation))
+        job = Write(meta, why, diloco.checkpoint_guard())
         if wait or not self.background:
             self._write(job, tensors)
             job.stall_seconds = time.monotonic() - started
@@ -154,13 +153,13 @@ class Checkpoints:
             self.metrics.write(schema.Checkpoint(peer=self.name, version=job.meta["version"], path=str(job.path),
                                                  why=job.why, seconds=job.seconds, stall_seconds=job.stall_seconds))
 
-    def note_contribution(self, diloco: DiLoCo, c) -> None:
+    def note_contribution(self, diloco: DiLoCo, c, fragment: Optional[int] = None) -> None:
         """Each contribution as it leaves: should we die before the next checkpoint, the restart knows that the
         newest one's unmerged progress went out in it (`DiLoCo.unsettled`). A failed write costs that knowledge
-        only: the restart then rebases the progress as before."""
+        only: the restart then rebases the progress as before. With --fragments, one note per fragment."""
         try:
             checkpoint.note_contribution(self.folder, c, diloco.trainer.total_steps,
-                                         getattr(diloco.trainer.batches, "position", None))
+                                         getattr(diloco.trainer.batches, "position", None), fragment)
         except OSError as e:
             log.warning("%s: could not note the contribution in %s: %s", self.name, self.folder, e)
 
@@ -183,13 +182,23 @@ class Checkpoints:
             log.warning("%s: ignoring checkpoint %s: it is of run %r, model %r", self.name, found.path,
                         found.meta.get("run_id"), found.meta.get("model"))
             return
-        note = diloco.restore_checkpoint_state(found.meta, found.tensors, checkpoint.last_contribution(self.folder))
+        fragments = self.cfg.swarm.fragments
+        saved = found.meta.get("fragments")
+        if fragments == 1 and saved is not None:
+            raise ConfigError(f"{found.path} was saved with --fragments {saved.get('count')}: start with it, or "
+                              "give another --checkpoint-dir")
+        contributed = checkpoint.last_contribution(self.folder) if fragments == 1 else {
+            i: checkpoint.last_contribution(self.folder, i) for i in range(fragments)}
+        try:
+            note = diloco.restore_checkpoint_state(found.meta, found.tensors, contributed)
+        except checkpoint.CheckpointError as e:  # split otherwise (another --fragments): this run cannot use it
+            raise ConfigError(f"{found.path}: {e}") from None
         # copied into the model, Θ and the optimizer: free the loaded tensors now rather than keep them beside
         # the model for the whole run
         found.tensors.clear()
         if note:
             log.warning("%s: %s", self.name, note)
-        state = diloco.state
-        log.info("%s: resumed from checkpoint %s (version %d)", self.name, found.path, state.version)
-        self.metrics.write(schema.Restore(peer=self.name, version=state.version, digest=state.digest,
+        meta = found.meta
+        log.info("%s: resumed from checkpoint %s (version %d)", self.name, found.path, meta["version"])
+        self.metrics.write(schema.Restore(peer=self.name, version=meta["version"], digest=meta["digest"],
                                           path=str(found.path), inner_step=diloco.trainer.total_steps))

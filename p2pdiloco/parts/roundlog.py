@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -24,9 +24,16 @@ def mean_loss(losses: list[torch.Tensor]) -> float:
 
 
 class RoundLog:
-    def __init__(self, name: str, workload: Workload, diloco: DiLoCo, heartbeat, metrics, steps_per_round: int):
+    def __init__(self, name: str, workload: Workload, diloco: DiLoCo, heartbeat, metrics, steps_per_round: int,
+                 fragment: Optional[int] = None, merged_seconds: Optional[Callable[[], float]] = None):
+        """`fragment`: this log is of one fragment's rounds (--fragments); the windows of inner steps are written
+        by fragment 0's alone, and `merged_seconds` (all the fragments') is the peer's goodput numerator."""
         self.name, self.workload, self.diloco, self.heartbeat, self.metrics = name, workload, diloco, heartbeat, metrics
-        self.progress = Progress(name, steps_per_round)
+        self.fragment = fragment
+        self.merged_seconds = merged_seconds or (lambda: self.diloco.merged_seconds)
+        self.windows = not fragment  # None or 0
+        label = name if fragment is None else f"{name}/f{fragment}"
+        self.progress = Progress(label, steps_per_round, None if self.windows else False)
         self.started = time.monotonic()
         self.training_ended: Optional[float] = None  # leaving (the last round's wait, saving) is not training
         self.rounds = self.merged_rounds = 0
@@ -60,16 +67,17 @@ class RoundLog:
         self.progress.step(self.window_loss if trainer.on_gpu else float(loss), rate, island=self.last_island)
         if len(self.window_losses) == WINDOW:
             self.window_loss = mean_loss(self.window_losses)
-            self.metrics.write(schema.Window(peer=self.name, step=trainer.total_steps, tokens=self.tokens_trained,
-                                             loss=self.window_loss, tokens_per_s=rate,
-                                             step_seconds=self.window_seconds / WINDOW,
-                                             in_flight=self.diloco.in_flight is not None, **self._goodput()))
+            if self.windows:
+                self.metrics.write(schema.Window(peer=self.name, step=trainer.total_steps, tokens=self.tokens_trained,
+                                                 loss=self.window_loss, tokens_per_s=rate,
+                                                 step_seconds=self.window_seconds / WINDOW,
+                                                 in_flight=self.diloco.in_flight is not None, **self._goodput()))
             self.heartbeat.note(inner_step=trainer.total_steps, tokens_per_s=rate, loss=self.window_loss)
             self.window_losses, self.window_started, self.window_seconds = [], time.monotonic(), 0.0
 
     def _goodput(self) -> dict:
         """Cumulative over this process's life: inner-step time, and the part of it that reached Θ."""
-        return dict(compute_seconds=self.compute_seconds, merged_seconds=self.diloco.merged_seconds)
+        return dict(compute_seconds=self.compute_seconds, merged_seconds=self.merged_seconds())
 
     def settled(self, settled: Settled) -> None:
         self.rounds += 1
@@ -94,7 +102,8 @@ class RoundLog:
             step_seconds_ema=diloco.clock.step.get(), consensus_distance=distance,
             fork_distance=fork_distance(own, others_states), version_spread=max(versions) - min(versions),
             live_peers=len(versions), recovered_tokens=diloco.recovered_tokens, **self._goodput(),
-            utilization=self.compute_seconds / max(wall, 1e-9), wall=wall, digest=state.digest))
+            utilization=self.compute_seconds / max(wall, 1e-9), wall=wall, digest=state.digest,
+            fragment=self.fragment))
         val_text = f" val {val:.4f}" if val is not None else ""
         self.progress.end_round(f"round {self.rounds}: {'merged' if settled.applied else 'not merged'} "
                                 f"({o.reason}, island {len(o.members)}) v{state.version}{val_text} "
@@ -105,22 +114,26 @@ class RoundLog:
         self.heartbeat.note(rounds=self.rounds, island=len(o.members), bytes_sent=self.bytes_sent)
         self.progress.start_round(self.rounds, state.version)
 
-    def summary(self, initial_val: Optional[float], final_val: float, device: torch.device) -> schema.Summary:
+    def summary(self, initial_val: Optional[float], final_val: float, device: torch.device,
+                version: Optional[int] = None, digest: Optional[str] = None) -> schema.Summary:
+        """`version` and `digest`: the peer's, where its global state is not this log's DiLoCo's (fragments)."""
         state, wall = self.diloco.state, time.monotonic() - self.started
+        version = state.version if version is None else version
+        digest = state.digest if digest is None else digest
         # utilization while training: leaving (the last round's wait, checkpoint, final evaluation) is not
         # part of it; `seconds` is the whole stay
         training = (self.training_ended or time.monotonic()) - self.started
         summary = schema.Summary(peer=self.name, rounds=self.rounds, merged_rounds=self.merged_rounds,
-                                 version=state.version, initial_val=initial_val, final_val=final_val,
+                                 version=version, initial_val=initial_val, final_val=final_val,
                                  final_val_bpb=self.workload.bpb(final_val),
-                                 digest=state.digest, seconds=wall, training_seconds=training,
+                                 digest=digest, seconds=wall, training_seconds=training,
                                  compute_seconds=self.compute_seconds,
                                  utilization=self.compute_seconds / max(training, 1e-9), tokens=self.tokens_trained,
                                  device_peak_bytes=(torch.cuda.max_memory_allocated(device)
                                                     if device.type == "cuda" else None))
         self.metrics.write(summary)
         log.info("%s: done after %d rounds (version %d): val loss %s -> %.4f (%.4f bits per byte), compute "
-                 "%.0f%% of wall time", self.name, self.rounds, state.version,
+                 "%.0f%% of wall time", self.name, self.rounds, version,
                  "-" if initial_val is None else f"{initial_val:.4f}", final_val, self.workload.bpb(final_val),
                  100 * summary.utilization)
         return summary

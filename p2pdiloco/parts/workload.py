@@ -14,6 +14,7 @@ from p2pdiloco.core.outer import Segment
 from p2pdiloco.training.data import (BatchStream, TrainingData, bits_per_byte_factor, load_data, order_seed,
                                      validation_batches)
 from p2pdiloco.training.inner import bitsandbytes
+from p2pdiloco.core.fragments import RULE as FRAGMENT_RULE
 from p2pdiloco.training.model import build_model, config_fingerprint, rda_segments, resolve_config
 from p2pdiloco.training.ranks import Ranks, Strided, rank_device
 from p2pdiloco.training.tokenizer import vocab_size
@@ -43,6 +44,7 @@ class Workload:
     segments: list[Segment]
     val: list
     bpb_factor: float  # validation loss → bits per byte of text: compares runs whatever their tokenizer
+    shapes: tuple = ()  # each parameter's name and shape, in the flat layout's order (--fragments splits them)
 
     def bpb(self, loss: Optional[float]) -> Optional[float]:
         return None if loss is None else loss * self.bpb_factor
@@ -50,10 +52,13 @@ class Workload:
     def settings(self, cfg: PeerConfig) -> dict[str, str]:
         """What must match to merge: the model's config, the tokenizer and the data join by hash (16 hex digits);
         the RDA norms each member sends (a node that only reduces parts reads how many from here)."""
-        return cfg.merge_settings(self.n_params, dict(
+        settings = cfg.merge_settings(self.n_params, dict(
             model_config=config_fingerprint(self.model_config)[:16],
             tokenizer=self.data.tokenizer_fingerprint[:16], data=self.data.fingerprint[:16],
             norms=str(len(self.segments) if cfg.outer.rda else 0)))
+        if cfg.swarm.fragments > 1:  # how the model is split, and into how many (P = 1 says nothing: as before)
+            settings["fragments"] = f"{cfg.swarm.fragments}:{FRAGMENT_RULE}"
+        return settings
 
 
 TOKEN_CACHE = "token-cache"  # under --checkpoint-dir: text tokenized once, read back at every restart
@@ -72,7 +77,8 @@ def prepare(cfg: PeerConfig) -> Workload:
         shapes = build_model(model_config, cfg.seed)
     val = validation_batches(data.val, cfg.eval_batches, cfg.inner.batch_size, cfg.inner.seq_len)
     return Workload(device, data, model_config, sum(p.numel() for p in shapes.parameters()), rda_segments(shapes),
-                    val, bits_per_byte_factor(val, data.tokenizer))
+                    val, bits_per_byte_factor(val, data.tokenizer),
+                    tuple((name, tuple(p.shape)) for name, p in shapes.named_parameters()))
 
 
 def member_stream(cfg: PeerConfig, workload: Workload, seed: int, ranks: Optional[Ranks]):

@@ -106,6 +106,7 @@ class Contribute(Record, kind="contribute"):
 @dataclass(kw_only=True)
 class Round(Record, kind="round"):
     """An outer round settled: merged (applied) or not, with who took part and what it cost."""
+    fragment: Optional[int] = None  # --fragments: the fragment it merged (its version, digest and round count)
     round: int = 0
     version: int = 0  # the global version after the round
     applied: bool = False

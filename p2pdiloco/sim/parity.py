@@ -260,7 +260,7 @@ def streaming(bench: Bench, h: int, wire: Wire, fragments: int, overlap: int = 0
 
 
 def _island_merger(boards: list[Board], name: str, rules: RoundRules):
-    def merger_for(i: int, clock: RoundClock) -> IslandMerger:
+    def merger_for(i: int, clock: RoundClock, state: GlobalState) -> IslandMerger:
         return IslandMerger(boards[i], name, rules, boards[i].wire.feedback(), clock)
     return merger_for
 

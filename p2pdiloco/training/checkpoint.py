@@ -227,7 +227,13 @@ def load_latest(folder: Path, n_params: int, report=lambda message: None) -> Opt
 CONTRIBUTED = "contributed.json"  # beside a peer's checkpoints: its newest contribution, whatever its outcome
 
 
-def note_contribution(folder: Path, contribution, inner_step: int, stream_position: Optional[int] = None) -> None:
+def contributed_file(folder: Path, fragment: Optional[int] = None) -> Path:
+    """Where the newest contribution is noted (with --fragments, each fragment's apart)."""
+    return folder / (CONTRIBUTED if fragment is None else f"contributed-f{fragment}.json")
+
+
+def note_contribution(folder: Path, contribution, inner_step: int, stream_position: Optional[int] = None,
+                      fragment: Optional[int] = None) -> None:
     """Record a contribution as it leaves (a few bytes, atomically). A checkpoint older than it holds progress that
     this contribution carried, and its island may merge it after we die: a restored peer reads this to know. Not
     fsynced (every round, on the training thread): a killed process's writes stay in the kernel's cache; only a
@@ -235,15 +241,16 @@ def note_contribution(folder: Path, contribution, inner_step: int, stream_positi
     folder.mkdir(parents=True, exist_ok=True)
     note = dict(version=int(contribution.version), digest=str(contribution.digest), inner_step=int(inner_step),
                 steps=int(contribution.steps), stream_position=stream_position)
-    tmp = folder / f".{CONTRIBUTED}.tmp"
+    final = contributed_file(folder, fragment)
+    tmp = folder / f".{final.name}.tmp"
     tmp.write_text(json.dumps(note))
-    tmp.replace(folder / CONTRIBUTED)
+    tmp.replace(final)
 
 
-def last_contribution(folder: Path) -> Optional[dict]:
+def last_contribution(folder: Path, fragment: Optional[int] = None) -> Optional[dict]:
     """The newest contribution noted in `folder` (None: none, or unreadable: as if none)."""
     try:
-        note = json.loads((folder / CONTRIBUTED).read_text())
+        note = json.loads(contributed_file(folder, fragment).read_text())
     except (OSError, ValueError):
         return None
     if not (isinstance(note, dict) and isinstance(note.get("version"), int)

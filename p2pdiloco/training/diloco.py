@@ -25,12 +25,13 @@ or lost. `merged_seconds` is the inner-step time that reached the global model (
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, Iterator, Optional, Protocol
+from typing import Callable, ContextManager, Iterator, Optional, Protocol
 
 import torch
 
@@ -427,6 +428,11 @@ class DiLoCo:
         meta.update(trainer_meta)
         tensors.update(trainer_tensors)
         return meta, tensors
+
+    def checkpoint_guard(self) -> Callable[[], ContextManager]:
+        """Held while a checkpoint writes Θ in the background: raises StateChanged if a round changed it since
+        this was taken."""
+        return functools.partial(self.state.unchanged, self.state.generation)
 
     def rounds_checkpoint(self) -> dict:
         """What of a checkpoint's metadata is this DiLoCo's own (not the trainer's): Θ's version and lineage, and

@@ -11,7 +11,9 @@ every fragment (`Streams.inner_step`); fragment i's rounds leave on the staggere
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Optional
+import contextlib
+
+from typing import Callable, ContextManager, Iterator, Optional
 
 import torch
 
@@ -70,6 +72,14 @@ class FragmentTrainer:
         return self.trainer.cfg
 
     @property
+    def on_gpu(self) -> bool:
+        return self.trainer.on_gpu
+
+    @property
+    def optimizer(self):
+        return self.trainer.optimizer
+
+    @property
     def batches(self):
         return self.trainer.batches
 
@@ -87,11 +97,12 @@ def fragment_state(full: GlobalState, fragment: Fragment) -> GlobalState:
 
 
 class Streams:
-    """One peer's P fragments over one trainer. `merger_for(i, clock)`: fragment i's merger (its own rounds,
-    islands and records: a swarm's fragment i is a swarm of its own), timed by the fragment's own round clock."""
+    """One peer's P fragments over one trainer. `merger_for(i, clock, state)`: fragment i's merger (its own
+    rounds, islands and records: a swarm's fragment i is a swarm of its own), timed by the fragment's own round
+    clock, over its part of the global state."""
 
     def __init__(self, trainer: InnerTrainer, state: GlobalState,
-                 merger_for: Callable[[int, RoundClock], Merger],
+                 merger_for: Callable[[int, RoundClock, GlobalState], Merger],
                  stagger: Stagger, peer: str, name: str, **diloco_options):
         if trainer.cfg.fsdp:
             raise ValueError("fragments: not with a model sharded over ranks (--fsdp)")
@@ -99,9 +110,9 @@ class Streams:
         self.fragments = model_fragments(trainer.model, stagger.fragments)
         self.parts = []
         for f in self.fragments:
-            clock = RoundClock()
-            self.parts.append(DiLoCo(FragmentTrainer(trainer, f), fragment_state(state, f), merger_for(f.index, clock),
-                                     peer, name, clock=clock, **diloco_options))
+            clock, part = RoundClock(), fragment_state(state, f)
+            self.parts.append(DiLoCo(FragmentTrainer(trainer, f), part, merger_for(f.index, clock, part), peer, name,
+                                     clock=clock, **diloco_options))
         self.left_at: list[Optional[int]] = [None] * len(self.parts)  # the step count when each last contributed
         self.started_at = trainer.total_steps
 
@@ -182,6 +193,18 @@ class Streams:
     @property
     def can_checkpoint(self) -> bool:
         return all(part.can_checkpoint for part in self.parts)
+
+    def checkpoint_guard(self) -> Callable[[], ContextManager]:
+        """Every fragment's guard at once: a background checkpoint's Θ is refused if any fragment's changed."""
+        guards = [part.checkpoint_guard() for part in self.parts]
+
+        @contextlib.contextmanager
+        def held():
+            with contextlib.ExitStack() as stack:
+                for guard in guards:
+                    stack.enter_context(guard())
+                yield
+        return held
 
     def checkpoint_state(self) -> tuple[dict, dict[str, Entry]]:
         """A checkpoint in the format of P = 1 (`training.checkpoint`): Θ and the momentum whole in the model's

@@ -24,7 +24,9 @@ from p2pdiloco.training.inner import InnerTrainer, flat_params
 from p2pdiloco.training.model import build_model
 from tests.unit.test_decoupled import random_batches
 
-pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
+# slow (17 s): the default suite's budget; tests/integration/test_fragment_peers.py runs fragments' rounds between
+# real peers by default. What only this one shows: a joiner taking each fragment's state from its own swarm
+pytestmark = [pytest.mark.swarm, pytest.mark.slow, pytest.mark.timeout(400)]
 
 P, H = 2, 4
 BASE = SwarmConfig(run_id="streams", compression="int4", quorum=3, connect_timeout=20.0)
@@ -63,7 +65,7 @@ class FragmentPeer:
             return self.streams.parts[i].state.snapshot()
         return share
 
-    def _merger(self, i: int, clock):
+    def _merger(self, i: int, clock, state):
         settings, averager, heartbeat = self.parts[i]
         merger = build_merger(settings, self.dht, averager, heartbeat, lambda *a: None, threading.Event(), clock,
                               None)

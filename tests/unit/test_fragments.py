@@ -4,11 +4,12 @@ on their own."""
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from p2pdiloco.config import MODEL_PRESETS
+from p2pdiloco.config import MODEL_PRESETS, SwarmConfig
 from p2pdiloco.core.fragments import Stagger, imbalance, split
 from p2pdiloco.protocol.outcomes import Solo
 from p2pdiloco.training.diloco import SoloMerger
@@ -75,7 +76,7 @@ def test_one_fragment_is_bit_for_bit_todays_diloco():
     plain = make_diloco(SoloMerger())
     drive(plain.inner_step, plain.contribute, lambda: plain.wait(10))
     base = make_diloco(SoloMerger())
-    streams = Streams(base.trainer, base.state, lambda i, clock: SoloMerger(), Stagger(1, 4), "me", "me")
+    streams = Streams(base.trainer, base.state, lambda i, clock, state: SoloMerger(), Stagger(1, 4), "me", "me")
     drive(streams.inner_step, lambda: streams.contribute(0), lambda: streams.wait(0, 10))
     part = streams.parts[0]
     assert torch.equal(flat_params(base.trainer.model), flat_params(plain.trainer.model))
@@ -96,7 +97,7 @@ class FailingMerger:
 def test_each_fragment_commits_or_rolls_back_alone():
     base = make_diloco(SoloMerger())
     theta0 = base.state.params.clone()
-    streams = Streams(base.trainer, base.state, lambda i, clock: FailingMerger() if i == 1 else SoloMerger(),
+    streams = Streams(base.trainer, base.state, lambda i, clock, state: FailingMerger() if i == 1 else SoloMerger(),
                       Stagger(4, 4, in_flight=4), "me", "me")
     for _ in range(8):  # two periods of H = 4: every fragment due twice
         streams.inner_step()
@@ -121,7 +122,7 @@ def test_each_fragment_commits_or_rolls_back_alone():
 
 def test_fragments_time_and_tokens_add_up_to_the_steps():
     base = make_diloco(SoloMerger())
-    streams = Streams(base.trainer, base.state, lambda i, clock: SoloMerger(), Stagger(4, 4), "me", "me")
+    streams = Streams(base.trainer, base.state, lambda i, clock, state: SoloMerger(), Stagger(4, 4), "me", "me")
     seconds = sum(streams.inner_step()[1] for _ in range(3))
     assert sum(p.unmerged_seconds for p in streams.parts) == pytest.approx(seconds)
     assert all(p.unmerged_tokens == 3 * base.trainer.tokens_per_step for p in streams.parts)
@@ -139,7 +140,7 @@ def streams_on_a_stream(p=3, h=4, seed=0):
     trainer = InnerTrainer(model, BatchStream(text, 4, 16, seed=1), InnerConfig(batch_size=4, seq_len=16,
                                                                               warmup_steps=0), torch.device("cpu"))
     state = GlobalState(flat_params(model), lr=0.7, momentum=0.9)
-    return Streams(trainer, state, lambda i, clock: SoloMerger(), Stagger(p, h), "me", "me")
+    return Streams(trainer, state, lambda i, clock, state: SoloMerger(), Stagger(p, h), "me", "me")
 
 
 def lockstep(streams, steps):
@@ -197,7 +198,7 @@ class CountingMerger:
 def test_the_training_loop_staggers_the_fragments_rounds_with_at_most_tau_in_flight():
     base = make_diloco(SoloMerger())
     board = dict(lock=threading.Lock(), now=0, most=0, left=[])
-    streams = Streams(base.trainer, base.state, lambda i, clock: CountingMerger(i, board),
+    streams = Streams(base.trainer, base.state, lambda i, clock, state: CountingMerger(i, board),
                       Stagger(4, 8, in_flight=2), "me", "me")
     board["streams"] = streams
     steps = iter(range(60))
@@ -228,7 +229,7 @@ class Gate:
 def test_a_fragment_held_back_by_tau_goes_before_the_others_next_rounds():
     base = make_diloco(SoloMerger())
     gates = [Gate() for _ in range(4)]
-    streams = Streams(base.trainer, base.state, lambda i, clock: gates[i], Stagger(4, 8, in_flight=2), "me", "me")
+    streams = Streams(base.trainer, base.state, lambda i, clock, state: gates[i], Stagger(4, 8, in_flight=2), "me", "me")
     for step in range(1, 13):
         streams.inner_step()
         for i in streams.due():
@@ -242,3 +243,20 @@ def test_a_fragment_held_back_by_tau_goes_before_the_others_next_rounds():
     assert streams.due() == [2]
     for gate in gates:
         gate.open.set()
+
+
+def test_a_peers_checkpoints_of_fragments_resume_fragments_and_a_peer_of_one_fragment_refuses_them(tmp_path):
+    from p2pdiloco.config import ConfigError
+    from tests.unit.test_background_checkpoint import checkpoints
+    ran = streams_on_a_stream(p=2)
+    lockstep(ran, 5)
+    saving = checkpoints(tmp_path, SimpleNamespace(state=SimpleNamespace(params=ran.global_params())),
+                         swarm=SwarmConfig(fragments=2))
+    saving.save(ran, "timed", wait=True)
+    resumed = streams_on_a_stream(p=2)
+    saving.resume(resumed)
+    assert resumed.versions == ran.versions and torch.equal(resumed.global_params(), ran.global_params())
+    assert saving.metrics.written[-1].version == sum(ran.versions)
+    whole = make_diloco(SoloMerger())
+    with pytest.raises(ConfigError, match="was saved with --fragments 2"):
+        checkpoints(tmp_path, whole).resume(whole)
