@@ -260,3 +260,19 @@ def test_a_peers_checkpoints_of_fragments_resume_fragments_and_a_peer_of_one_fra
     whole = make_diloco(SoloMerger())
     with pytest.raises(ConfigError, match="was saved with --fragments 2"):
         checkpoints(tmp_path, whole).resume(whole)
+
+
+@pytest.mark.parametrize("flags, said", [
+    (dict(inner=dict(fsdp=True)), "--fsdp"), (dict(swarm=dict(mode="sync")), "--mode sync"),
+    (dict(inner=dict(round_seconds=30.0)), "--round-seconds"), (dict(global_state_on_disk=True), "--global-state-on-disk"),
+    (dict(outer=dict(rda=True)), "--rda"), (dict(inner=dict(steps=4)), "more than -H 4")])
+def test_what_fragments_do_not_run_with_is_refused_in_one_line(flags, said):
+    import dataclasses
+    from p2pdiloco.config import ConfigError, InnerConfig, OuterConfig, PeerConfig
+    parts = dict(inner=InnerConfig(**flags.pop("inner", {})), outer=OuterConfig(**flags.pop("outer", {})),
+                 swarm=SwarmConfig(fragments=8, **flags.pop("swarm", {})))
+    with pytest.raises(ConfigError, match=said.replace("-", r"\-")):
+        dataclasses.replace(PeerConfig(), **parts, **flags)
+    assert dataclasses.replace(PeerConfig(), swarm=SwarmConfig(fragments=8)).swarm.fragments == 8
+    with pytest.raises(ConfigError, match="fragments must be a positive integer"):
+        SwarmConfig(fragments=0)
