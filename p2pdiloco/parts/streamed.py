@@ -84,7 +84,9 @@ def start_fragment_helpers(cfg: PeerConfig, workload: Workload, fragments: tuple
     dht = node.start_dht(cfg.swarm, leaving=leaving)
     averagers = []
     try:
-        overlap = cfg.swarm.overlap_steps or cfg.inner.steps  # a fragment's next round is due H steps later
+        # τ of the grace window (Eq. 3): a fragment's round should end before the τ in flight hold the next ones
+        # back, τ·H/P steps after it left (with H, as for P = 1, rounds of 27 steps held fragments due every 6)
+        overlap = cfg.swarm.overlap_steps or max(1, cfg.swarm.fragments_in_flight * cfg.inner.steps // len(fragments))
         peer = node.peer_id(dht)
         settings = tuple(merge_settings(fragment_config(cfg.swarm, f.index, len(fragments)), cfg.outer, f.size, [],
                                         overlap, peer) for f in fragments)
