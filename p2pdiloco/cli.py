@@ -221,7 +221,9 @@ def bootstrap(reduce, **options):
 @click.option("--interval", type=click.FloatRange(min=0.5), default=2.0, show_default=True,
               help="Seconds between refreshes with --watch.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (one line per refresh with --watch).")
-def status(watch, interval, as_json, **options):
+@click.option("--fragments", type=click.IntRange(min=1), default=1, show_default=True,
+              help="The swarm's --fragments: each fragment's swarm is read, and each peer's fragments' versions shown.")
+def status(watch, interval, as_json, fragments, **options):
     """Show the live swarm: each peer's version, speed, loss, island, traffic; the swarm's totals.
 
     Joins the DHT as a client through --initial-peers and trains nothing.
@@ -230,7 +232,7 @@ def status(watch, interval, as_json, **options):
     from p2pdiloco.swarm.node import SwarmConnectError
 
     try:
-        swarm = build_config(options).swarm
+        swarm = dataclasses.replace(build_config(options).swarm, fragments=fragments)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
     if not swarm.initial_peers:

@@ -32,6 +32,7 @@ class PeerView:
     seen_seconds_ago: Optional[float]  # since it last published its record (None: the DHT did not say)
     ready: bool  # looking for an island right now
     merging: bool = False  # its island's all-reduce is running (closed to others)
+    versions: tuple = ()  # --fragments: each fragment's version (`version` is then their sum)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class SwarmView:
     consensus_distance: float
     rounds_per_minute: Optional[float] = None  # global versions per minute, once two views are compared
     reducers: list = field(default_factory=list)  # the live reducer nodes' names (or ids' last 8 characters)
+    fragments: list = field(default_factory=list)  # --fragments: each fragment's swarm (newest version, spread)
     at: float = field(default_factory=time.monotonic)
 
     def as_dict(self) -> dict:
@@ -70,6 +72,28 @@ def view_of(run_id: str, seen: list[tuple[PeerRecord, Optional[float]]], before:
     return view
 
 
+def fragments_view(run_id: str, views: list[SwarmView], before: Optional[SwarmView] = None) -> SwarmView:
+    """A swarm of P fragments (each a swarm of its own: `views`, in fragment order) as one view: a row per peer
+    from fragment 0's swarm, with each fragment's version (a peer's fragments at different versions is the
+    normal case), its version the sum of them, and each fragment's newest version and spread."""
+    by_peer: dict[str, list[Optional[int]]] = {}
+    for i, view in enumerate(views):
+        for p in view.peers:
+            by_peer.setdefault(p.peer, [None] * len(views))[i] = p.version
+    peers = [dataclasses.replace(p, version=sum(v or 0 for v in by_peer[p.peer]), versions=tuple(by_peer[p.peer]))
+             for p in views[0].peers]
+    newest = sum(v.newest_version for v in views)
+    view = dataclasses.replace(views[0], run_id=run_id, peers=peers, newest_version=newest,
+                               version_spread=max(v.version_spread for v in views),
+                               consensus_distance=max(v.consensus_distance for v in views), rounds_per_minute=None,
+                               fragments=[dict(newest_version=v.newest_version, version_spread=v.version_spread,
+                                               peers=len(v.peers)) for v in views])
+    if before is not None and view.at > before.at:  # fragment rounds per minute, all fragments together
+        view = dataclasses.replace(view, rounds_per_minute=max(60.0 * (newest - before.newest_version)
+                                                               / (view.at - before.at), 0.0))
+    return view
+
+
 def _peer_view(r: PeerRecord, age: Optional[float]) -> PeerView:
     return PeerView(name=r.name, peer=r.peer[-8:], version=r.version, tokens_per_s=r.tokens_per_s,
                     loss=r.loss if r.inner_step else None, island=r.island, rounds=r.rounds,
@@ -83,7 +107,8 @@ def table(view: SwarmView):
     from rich.table import Table
 
     rpm = "-" if view.rounds_per_minute is None else f"{view.rounds_per_minute:.2f}"
-    t = Table(title=f"swarm {view.run_id!r}: {len(view.peers)} peers",
+    kind = f", {len(view.fragments)} fragments (a peer's version: each fragment's)" if view.fragments else ""
+    t = Table(title=f"swarm {view.run_id!r}: {len(view.peers)} peers{kind}",
               caption=f"{view.tokens_per_s:,.0f} tokens/s · version {view.newest_version} "
                       f"(spread {view.version_spread}) · {rpm} rounds/min · consensus distance "
                       f"{view.consensus_distance:.3g}\nreducer nodes: {', '.join(view.reducers) or 'none'}"
@@ -91,7 +116,8 @@ def table(view: SwarmView):
     for column in ("name", "id", "devices", "version", "tokens/s", "loss", "island", "rounds", "sent", "mode", "seen"):
         t.add_column(column, justify="left" if column in ("name", "id", "mode") else "right")
     for p in view.peers:
-        t.add_row(p.name, p.peer, str(p.devices), str(p.version), f"{p.tokens_per_s:,.0f}",
+        version = str(p.version) if not p.versions else " ".join("-" if v is None else str(v) for v in p.versions)
+        t.add_row(p.name, p.peer, str(p.devices), version, f"{p.tokens_per_s:,.0f}",
                   "-" if p.loss is None else f"{p.loss:.3f}", str(p.island or "-"), str(p.rounds),
                   _bytes(p.bytes_sent), ("client" if p.client_mode else "full") + _activity(p),
                   "-" if p.seen_seconds_ago is None else f"{p.seen_seconds_ago:.0f}s ago")
@@ -123,6 +149,7 @@ def run_status(cfg, as_json: bool, watch: bool, interval: float, echo=print, max
     """Join the DHT as a client, show the swarm once (or every `interval` seconds with `watch`), leave."""
     import json
 
+    from p2pdiloco.swarm.fragments import fragment_config
     from p2pdiloco.swarm.node import start_dht
     from p2pdiloco.swarm.records import fetch_records_seen, fetch_reducers
 
@@ -130,10 +157,15 @@ def run_status(cfg, as_json: bool, watch: bool, interval: float, echo=print, max
     try:
         views: list[SwarmView] = []
 
+        runs = [fragment_config(cfg, i, cfg.fragments).run_id for i in range(cfg.fragments)]
+
         def observe() -> SwarmView:
             recent = [v for v in views if v.at >= time.monotonic() - RATE_WINDOW]
-            view = view_of(cfg.run_id, fetch_records_seen(dht, cfg.run_id), recent[0] if recent else None,
-                           fetch_reducers(dht, cfg.run_id))
+            before = recent[0] if recent else None
+            if cfg.fragments == 1:
+                view = view_of(cfg.run_id, fetch_records_seen(dht, cfg.run_id), before, fetch_reducers(dht, cfg.run_id))
+            else:  # each fragment's swarm under its own run id
+                view = fragments_view(cfg.run_id, [view_of(run, fetch_records_seen(dht, run)) for run in runs], before)
             views[:] = recent + [view]
             return view
 

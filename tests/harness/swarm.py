@@ -70,11 +70,11 @@ class LocalSwarm:
                 raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
             time.sleep(0.5)
 
-    def watch_status(self, via: str | None = None, interval: float = 1.0) -> None:
+    def watch_status(self, via: str | None = None, interval: float = 1.0, extra: tuple[str, ...] = ()) -> None:
         """Start `p2pdiloco status --watch --json` through `via` (default: the bootstrap node): one process for the
         whole test, as each one-off call pays seconds of imports and DHT start-up on a loaded machine."""
         cmd = [sys.executable, "-m", "p2pdiloco.cli", "status", "--initial-peers", via or self.address,
-               "--run-id", self.run_id, "--json", "--watch", "--interval", str(interval)]
+               "--run-id", self.run_id, "--json", "--watch", "--interval", str(interval), *extra]
         self.procs["status"] = start_process(cmd, self.log_dir / "status.log")
 
     def status(self) -> dict | None:

@@ -1,7 +1,7 @@
 """`join --fragments P`: peers merge their model as P fragments, each in rounds of its own (docs/fragments.md).
-Each fragment's members hold its Θ bit for bit, and a restart resumes every fragment from the peer's checkpoint
-(written in the whole model's format: tests/unit/test_fragments.py checks that `export` can read it and that a peer
-of one fragment refuses it)."""
+Each fragment's members hold its Θ bit for bit, `status --fragments` shows each peer's fragments' versions, and a
+restart resumes every fragment from the peer's checkpoint (written in the whole model's format:
+tests/unit/test_fragments.py checks that `export` can read it and that a peer of one fragment refuses it)."""
 
 import pytest
 
@@ -23,8 +23,15 @@ def digests_by_fragment(rounds) -> dict:
 def test_peers_merge_their_fragments_bitwise_equal_and_a_restart_resumes_each(tmp_path):
     names = ["a", "b"]
     with local_swarm(tmp_path, "streamed") as swarm:
+        swarm.watch_status(extra=("--fragments", "2"))
         for name in names:
             swarm.start_peer(name, *ARGS, "--max-rounds", "2")
+
+        def merged_both():  # the status view: every peer, with each fragment's version
+            view = swarm.status()
+            return view and len(view["peers"]) == 2 and all(p["versions"] and None not in p["versions"]
+                                                            and min(p["versions"]) >= 1 for p in view["peers"])
+        swarm.wait_for(merged_both, 120, "status showing both peers with both fragments merged")
         swarm.wait_clean(names, timeout=300)
         rounds = [r for name in names for r in swarm.records(name, "round")]
         assert {r.fragment for r in rounds} == {0, 1}  # each round merged one fragment

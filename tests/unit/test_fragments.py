@@ -276,3 +276,19 @@ def test_what_fragments_do_not_run_with_is_refused_in_one_line(flags, said):
     assert dataclasses.replace(PeerConfig(), swarm=SwarmConfig(fragments=8)).swarm.fragments == 8
     with pytest.raises(ConfigError, match="fragments must be a positive integer"):
         SwarmConfig(fragments=0)
+
+
+def test_fragment_0_keeps_the_runs_id_so_a_peer_of_another_p_meets_it_and_is_refused():
+    from p2pdiloco.protocol.compat import mismatch
+    from p2pdiloco.protocol.remote import PeerRecord
+    from p2pdiloco.swarm.fragments import fragment_config
+    run = SwarmConfig(run_id="run")
+    assert [fragment_config(run, i, 3).run_id for i in range(3)] == ["run", "run_f1of3", "run_f2of3"]
+    assert fragment_config(run, 0, 1) is run
+    with pytest.raises(ValueError):
+        fragment_config(run, 3, 3)
+    whole = dict(model="tiny", parameters="100")
+    fragmented = dict(whole, fragments="8:rows-greedy-v1")  # what parts.workload publishes with --fragments 8
+    seen = [PeerRecord("x", "x", 1, "d", settings=fragmented)]
+    assert "fragments" in mismatch(whole, seen) and mismatch(fragmented, seen) is None
+    assert "fragments" in mismatch(fragmented, [PeerRecord("y", "y", 1, "d", settings=whole)])

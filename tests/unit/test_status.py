@@ -63,3 +63,20 @@ def test_status_fields_from_the_network_are_validated_like_every_other_field():
     for field, bad in (("loss", float("nan")), ("loss", -1.0), ("island", -1), ("rounds", "7"),
                        ("bytes_sent", 2.5), ("client_mode", "yes"), ("client_mode", 1)):
         assert parse_peer_record(dict(good, **{field: bad})) is None, (field, bad)
+
+
+def test_a_fragmented_swarm_shows_each_peers_fragments_at_their_own_versions():
+    from p2pdiloco.ops.status import fragments_view
+    f0 = view_of("run_f0of2", [(record("a", 3, tokens_per_s=100.0), 0.5), (record("b", 3, tokens_per_s=90.0), 0.5)])
+    f1 = view_of("run_f1of2", [(record("a", 2), 0.5), (record("b", 1, digest="e" * 8), 0.5)])
+    view = fragments_view("run", [f0, f1])
+    assert [(p.name, p.versions, p.version) for p in view.peers] == [("a", (3, 2), 5), ("b", (3, 1), 4)]
+    assert view.newest_version == 5 and view.version_spread == 1 and view.tokens_per_s == 190.0
+    assert view.fragments == [dict(newest_version=3, version_spread=0, peers=2),
+                              dict(newest_version=2, version_spread=1, peers=2)]
+    text = _render(table(view))
+    assert "2 fragments" in text and "3 2" in text and "3 1" in text
+    later = fragments_view("run", [view_of("x", [(record("a", 4), 0.5)]), view_of("y", [(record("a", 3), 0.5)])],
+                           before=dataclasses.replace(view, at=view.at - 60.0))
+    assert abs(later.rounds_per_minute - 2.0) < 0.05  # 7 - 5 fragment rounds in a minute
+    assert json.loads(json.dumps(view.as_dict()))["peers"][0]["versions"] == [3, 2]
