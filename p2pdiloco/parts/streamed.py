@@ -219,7 +219,7 @@ class StreamedStay:
         self.first.start(initial_val, self.workload.data.description, cfg.swarm.mode, self.startup.seconds)
         train_streams(self.streams, self._should_leave, self._on_step, self._on_round,
                       final_wait=self._round_wait_on_leaving, on_contribute=self._on_contribute,
-                      ready=lambda: all(lane.membership.joined for lane in self.lanes))
+                      ready=self._may_contribute)
         if cfg.checkpoint_every or self.checkpoints.timed:
             self.checkpoints.save(self.streams, "leaving", wait=True)
             if self.checkpoints.error:
@@ -233,6 +233,12 @@ class StreamedStay:
         if self.leave_error is not None:
             raise self.leave_error
         return summary.to_dict()
+
+    def _may_contribute(self, i: int) -> bool:
+        """Once joined; and with --max-rounds, fragment i until it has done them (the others may still need
+        rounds: its peers, done with theirs, would not be there to merge another)."""
+        done = self.cfg.max_rounds is not None and self.lanes[i].log.rounds >= self.cfg.max_rounds
+        return not done and all(lane.membership.joined for lane in self.lanes)
 
     def _evaluate_global(self) -> float:
         """Validation loss of Θ whole, from the fragments' parts (each at its own version)."""

@@ -133,13 +133,13 @@ class Streams:
     def in_flight(self) -> list[int]:
         return [i for i, part in enumerate(self.parts) if part.in_flight is not None]
 
-    def due(self) -> list[int]:
+    def due(self, allowed: Callable[[int], bool] = lambda i: True) -> list[int]:
         """The fragments whose rounds should leave now, τ in flight at most: the longest overdue first (in
         fragment order among equals), so that a fragment held back by τ is not passed over by the others'
-        next rounds."""
+        next rounds. `allowed(i)`: whether fragment i may contribute at all now."""
         overdue = []
         for i, part in enumerate(self.parts):
-            if part.in_flight is None:
+            if part.in_flight is None and allowed(i):
                 late = self.stagger.overdue(i, self.trainer.total_steps - self._since(i), self.left_at[i] is not None)
                 if late >= 0:
                     overdue.append((-late, i))
@@ -252,15 +252,16 @@ def train_streams(streams: Streams, should_leave: Callable[[], bool],
                   on_round: Callable[[int, Settled], None] = lambda i, s: None,
                   final_wait: Callable[[], float] = lambda: 120.0,
                   on_contribute: Callable[[int, Contribution], None] = lambda i, c: None,
-                  ready: Callable[[], bool] = lambda: True) -> None:
+                  ready: Callable[[int], bool] = lambda i: True) -> None:
     """`training.diloco.train` for fragments: inner steps until `should_leave()`, each fragment's round leaving
-    when the stagger says (once `ready()`), outcomes applied between steps as they arrive; at the end, the rounds
-    in flight may finish within `final_wait()`, and are abandoned otherwise (their steps stay unmerged)."""
+    when the stagger says and `ready(i)` (a restarted peer contributes once it has joined; a fragment that has
+    done its rounds stops, rather than look for an island its peers, done too, have left), outcomes applied
+    between steps as they arrive; at the end, the rounds in flight may finish within `final_wait()`, and are
+    abandoned otherwise (their steps stay unmerged)."""
     while not should_leave():
-        if ready():
-            for i in streams.due():
-                streams.contribute(i)
-                on_contribute(i, streams.parts[i].in_flight.contribution)
+        for i in streams.due(ready):
+            streams.contribute(i)
+            on_contribute(i, streams.parts[i].in_flight.contribution)
         loss, seconds = streams.inner_step()
         on_step(loss, seconds)
         for i, settled in streams.poll():

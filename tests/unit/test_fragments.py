@@ -292,3 +292,14 @@ def test_fragment_0_keeps_the_runs_id_so_a_peer_of_another_p_meets_it_and_is_ref
     seen = [PeerRecord("x", "x", 1, "d", settings=fragmented)]
     assert "fragments" in mismatch(whole, seen) and mismatch(fragmented, seen) is None
     assert "fragments" in mismatch(fragmented, [PeerRecord("y", "y", 1, "d", settings=whole)])
+
+
+def test_a_fragment_not_ready_sends_no_round_and_the_others_go_on():
+    base = make_diloco(SoloMerger())
+    streams = Streams(base.trainer, base.state, lambda i, clock, state: SoloMerger(), Stagger(3, 3), "me", "me")
+    steps = iter(range(12))
+    rounds = []
+    train_streams(streams, lambda: next(steps, None) is None, on_round=lambda i, s: rounds.append(i),
+                  ready=lambda i: i != 1)  # fragment 1 has done its rounds (--max-rounds), say
+    assert 1 not in rounds and {0, 2} <= set(rounds)
+    assert streams.versions[1] == 0 and streams.parts[1].unmerged_steps == 12
