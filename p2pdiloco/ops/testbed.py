@@ -105,6 +105,7 @@ class Testbed:
     seed: int = 0
     use_netem: Optional[bool] = None  # None: probe
     natted: frozenset = frozenset()  # indices of the peers behind a NAT
+    rates: dict = field(default_factory=dict)  # peer index → its link's Mbit/s, where not `link`'s (a slow uplink)
     realtime_line: bool = True  # the delay line ahead of the peers for the CPU (see ops/delayline.py)
     line_tick_ms: float = 1.0  # the delay line wakes at most once per tick (0: for each packet)
     _delayline: Optional[subprocess.Popen] = None
@@ -280,7 +281,7 @@ class Testbed:
         sh("ip", "-n", edge, "addr", "add", f"{self.address(i)}/24", "dev", peer_end)
         for where, dev in ((self.hub, hub_end), (edge, peer_end)):
             sh("ip", "-n", where, "link", "set", dev, "up")
-            self._shape(where, dev)
+            self._shape(where, dev, self.rates.get(i, self.link.rate_mbit))
         sh("ip", "-n", edge, "route", "add", "10.213.0.0/16", "via", f"10.213.{i + 1}.1")  # the hub: nothing else
         self._hub("sysctl", "-qw", f"net.ipv4.conf.{hub_end}.rp_filter=0")
         if edge != ns:
@@ -303,9 +304,9 @@ class Testbed:
                  f"}}\n")
         sh("ip", "netns", "exec", router, "nft", "-f", "-", stdin=rules)
 
-    def _shape(self, ns: str, dev: str) -> None:
-        """tbf on each direction; its burst grows with the rate (a fixed 32 KB burst caps 1 Gbit/s at ~830)."""
-        rate = self.link.rate_mbit
+    def _shape(self, ns: str, dev: str, rate: float) -> None:
+        """tbf on each direction at `rate` Mbit/s; its burst grows with the rate (a fixed 32 KB burst caps 1 Gbit/s
+        at ~830)."""
         burst = max(32_000, int(rate * 1e6 / 8 / 250))
         tbf = ["tbf", "rate", f"{rate}mbit", "burst", str(burst), "latency", "100ms"]
         if self.use_netem and (self.link.delay_ms or self.link.loss):

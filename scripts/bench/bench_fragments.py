@@ -3,8 +3,9 @@ links of RATE Mbit/s with DELAY ms one way), the same model, H, wire and rounds,
 
 Per variant: each peer's send rate as its link carries it (the hub's counter of the bytes the peer's link
 delivered, sampled every 50 ms), its peak over any 1 s window, compute utilization and the final validation loss
-(each peer's summary), wall-clock. Prints the peaks' ratio against --fragments 1 (issue 50's goal: at most 1/6 at
-P = 8) and writes the JSON and a PNG of the traces. Needs root (the testbed); run it as
+(each peer's summary), the other peers' all-reduce and round times (with `--slow-peer`, the last peer's link
+is that slow: what the others wait for it), wall-clock. Prints the peaks' ratio against --fragments 1 (issue 50's
+goal: at most 1/6 at P = 8) and writes the JSON and a PNG of the traces. Needs root (the testbed); run it as
     python scripts/bench/bench_fragments.py [--fragments 1,8] [--model small] [-H 48] [--rounds 2]
 """
 
@@ -65,14 +66,25 @@ def run_variant(tb: Testbed, fragments: int, args, log_dir: Path) -> dict:
     summaries = [s for i in range(args.peers) for s in of_kind(read_records(log_dir / f"p{i}.jsonl"), Summary)]
     rounds = [r for i in range(args.peers) for r in of_kind(read_records(log_dir / f"p{i}.jsonl"), Round)]
     peaks = [peak_rate(samples, i + 1, 1.0) for i in range(args.peers)]
+    fast = [r for i in range(args.peers - 1 if args.slow_peer else args.peers)
+            for r in of_kind(read_records(log_dir / f"p{i}.jsonl"), Round) if r.applied and len(r.members) > 1]
     return dict(fragments=fragments, exit_codes=[p.returncode for p in peers], wall_seconds=round(wall, 1),
                 peak_bytes_per_s=peaks, peak_mean=statistics.mean(peaks),
                 mean_bytes_per_s=[mean_rate(samples, i + 1) for i in range(args.peers)],
                 merged_rounds=sum(r.applied for r in rounds), rounds=len(rounds),
                 island_sizes=sorted({len(r.members) for r in rounds if r.applied}),
+                # the other peers' merged rounds: the all-reduce's time (with a slow peer: its transfer), and
+                # ready → settled
+                sync_seconds=median([r.sync_seconds for r in fast]),
+                round_seconds=median([r.round_seconds for r in fast]),
                 utilization=statistics.mean(s.utilization for s in summaries) if summaries else None,
                 final_val=statistics.mean(s.final_val for s in summaries) if summaries else None,
                 trace=trace(samples, 1, 0.25))
+
+
+def median(values: list):
+    values = [v for v in values if v]
+    return statistics.median(values) if values else None
 
 
 def peak_rate(samples: list, column: int, window: float) -> float:
@@ -131,6 +143,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--compression", default="int4")
+    p.add_argument("--slow-peer", type=float, default=0.0,
+                   help="the last peer's link in Mbit/s (a slow uplink among the others; 0: all alike)")
     p.add_argument("--timeout", type=float, default=1200.0)
     p.add_argument("--log-dir", type=Path, default=Path("runs/bench-fragments"))
     p.add_argument("--out", type=Path, default=Path("runs/bench-fragments/report.json"))
@@ -138,12 +152,14 @@ def main() -> None:
     args = p.parse_args()
     variants = [int(x) for x in args.fragments.split(",")]
     results = {}
-    with Testbed(args.peers, Link(args.rate_mbit, args.delay_ms)) as tb:
+    rates = {args.peers - 1: args.slow_peer} if args.slow_peer else {}
+    with Testbed(args.peers, Link(args.rate_mbit, args.delay_ms), rates=rates) as tb:
         for fragments in variants:
             results[f"P{fragments}"] = r = run_variant(tb, fragments, args, args.log_dir / f"P{fragments}")
             print(f"--fragments {fragments}: peak {r['peak_mean'] * 8 / 1e6:.2f} Mbit/s (mean of the peers' 1 s "
                   f"peaks), utilization {r['utilization']}, final val {r['final_val']}, {r['merged_rounds']} merged "
-                  f"rounds, islands {r['island_sizes']}, {r['wall_seconds']} s, exit {r['exit_codes']}", flush=True)
+                  f"rounds, islands {r['island_sizes']}, the others' all-reduce {r['sync_seconds']} s and round "
+                  f"{r['round_seconds']} s (medians), {r['wall_seconds']} s, exit {r['exit_codes']}", flush=True)
     base = results.get("P1")
     for name, r in results.items():
         if base is not None and r is not base:
@@ -153,7 +169,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(settings=settings, results=results), indent=1))
     plot(results, args.plot, f"{args.peers} peers, {args.rate_mbit:g} Mbit/s, {args.delay_ms:g} ms, {args.model}, "
-         f"H {args.H}, {args.compression}, {args.rounds} rounds of each fragment")
+         f"H {args.H}, {args.compression}, {args.rounds} rounds of each fragment"
+         + (f", the last peer at {args.slow_peer:g} Mbit/s" if args.slow_peer else ""))
 
 
 if __name__ == "__main__":
