@@ -287,8 +287,17 @@ def test_fragment_0_keeps_the_runs_id_so_a_peer_of_another_p_meets_it_and_is_ref
     assert fragment_config(run, 0, 1) is run
     with pytest.raises(ValueError):
         fragment_config(run, 3, 3)
-    whole = dict(model="tiny", parameters="100")
-    fragmented = dict(whole, fragments="8:rows-greedy-v1")  # what parts.workload publishes with --fragments 8
+    import dataclasses
+    from p2pdiloco.config import PeerConfig
+    from p2pdiloco.parts.workload import Workload
+    from p2pdiloco.training.model import resolve_config
+    shapes = SimpleNamespace(n_params=100, model_config=resolve_config("tiny", 257), segments=[],
+                             data=SimpleNamespace(tokenizer_fingerprint="t" * 16, fingerprint="f" * 16))
+
+    def published(fragments):  # the settings a peer publishes and checks at join (parts.workload)
+        return Workload.settings(shapes, dataclasses.replace(PeerConfig(), swarm=SwarmConfig(fragments=fragments)))
+    whole, fragmented = published(1), published(8)
+    assert "fragments" not in whole and fragmented["fragments"].startswith("8:")
     seen = [PeerRecord("x", "x", 1, "d", settings=fragmented)]
     assert "fragments" in mismatch(whole, seen) and mismatch(fragmented, seen) is None
     assert "fragments" in mismatch(fragmented, [PeerRecord("y", "y", 1, "d", settings=whole)])
