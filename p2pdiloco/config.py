@@ -195,6 +195,11 @@ class OuterConfig:
     max_norm_ratio: float = option(
         2.0, "A member whose claimed pseudo-gradient norm is above this multiple of its island's median has its "
         "merge weight cut to match (0: no cut). Every peer of a swarm must use the same.")
+    min_norm_ratio: float = option(
+        2.0, "A member whose claimed pseudo-gradient norm is below its island's median over this has its merge "
+        "weight cut to match (0: no cut): a near-zero update that claims full tokens takes no weight from the "
+        "others, and reducers hold every member's codes to at least the norm it claimed. Every peer of a swarm "
+        "must use the same.")
     max_influence_ratio: float = option(
         1.5, "No member's weight times its pseudo-gradient's norm (what it adds to the merge) above this multiple "
         "of its island's median: the weight and norm bounds each cap one factor, so together they let a member add "
@@ -220,7 +225,7 @@ class OuterConfig:
             raise ConfigError(f"outer momentum must be in [0, 1), got {self.momentum}")
         if not (isinstance(self.stale_factor, (int, float)) and 0.0 < self.stale_factor <= 1.0):
             raise ConfigError(f"stale factor must be in (0, 1], got {self.stale_factor!r}")
-        for name in ("max_weight_ratio", "max_scale_ratio", "max_norm_ratio", "max_influence_ratio"):
+        for name in ("max_weight_ratio", "max_scale_ratio", "max_norm_ratio", "min_norm_ratio", "max_influence_ratio"):
             value = getattr(self, name)
             if not (math.isfinite(value) and (value == 0 or value >= 1)):
                 raise ConfigError(f"{name.replace('_', ' ')} must be 0 (off) or a ratio >= 1, got {value}")
@@ -464,6 +469,7 @@ def merge_rule(swarm: SwarmConfig, outer: OuterConfig) -> dict[str, str]:
                 weighting=outer.weighting, rda=on[outer.rda], outer_lr=f"{outer.lr:g}",
                 outer_momentum=f"{outer.momentum:g}", max_weight_ratio=f"{outer.max_weight_ratio:g}",
                 max_scale_ratio=f"{outer.max_scale_ratio:g}", max_norm_ratio=f"{outer.max_norm_ratio:g}",
+                min_norm_ratio=f"{outer.min_norm_ratio:g}",
                 stale_factor=f"{outer.stale_factor:g}", max_influence_ratio=f"{outer.max_influence_ratio:g}",
                 robust_merge=on[swarm.robust_merge])
 

@@ -8,7 +8,14 @@ member sends must stay within what it claimed, in code units:
   codes are round(w·Δ / scale) of values at most its maximum, and rounding is monotone, so this bound is exact;
   where the maximum was clipped (or the statistic is not a maximum), only the codec's ±L applies;
 - the norm of the codes over any run of blocks is within ‖w·norm / scale‖ of those blocks plus what rounding can
-  add: 1/2 per nonzero code.
+  add: 1/2 per nonzero code;
+- and, on dense formats that agree their scales from maxima, at least ‖f·w·norm / scale‖ over the blocks, less
+  what rounding can take (1/2 per value), where f is the block's backing: 1, or where its maximum m was clipped to
+  c, c / m. An honest member's values v = w·Δ / scale are at most L / f in a clipped block (the scale holds w·c
+  within L), and clamping a value at most L / f to ±L keeps at least f of it; unclipped, they are never clamped. So
+  its codes meet the floor; a member that claims a typical norm and sends a near-zero Δ, to take weight for free
+  (p2pdiloco.protocol.island.cut_below_median_norm), does not, and one that claims huge maxima to lower its floor
+  lowers the norm the island's weights count it by as much (island.backed_norms).
 So a liar that claims honest statistics and sends a scaled or random Δ breaks one of the two, and one that claims
 huge statistics is bounded by the island: its maxima clipped, its weight cut. Neither needs any other member's
 part, so a reducer decides each sender alone, and a member whose Δ differs from the others' many-fold (a veteran
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -49,6 +57,7 @@ class Claims:
 
     max_code: torch.Tensor  # int64: the largest |code| it may send in each block
     norm: torch.Tensor  # float64: the norm its codes in each block may reach, before rounding's share
+    least: Optional[torch.Tensor] = None  # float64: the norm its codes in each block must reach (0: no floor)
 
     def norm_over(self, blocks: slice) -> float:
         return float(self.norm[blocks].square().sum().sqrt()) * (1 + NORM_SLACK)
@@ -69,6 +78,22 @@ class Claims:
         norm = _norm(codes)
         if norm > bound:
             return f"its codes' norm {norm:.4g} is beyond the {bound:.4g} its claimed norms allow"
+        return self._short_of_floor(codes, blocks)
+
+    def _short_of_floor(self, codes: torch.Tensor, blocks: slice) -> str:
+        if self.least is None:
+            return ""
+        floored = self.least[blocks] > 0
+        if not bool(floored.any()):
+            return ""
+        squares = _block_squares(codes)
+        values = torch.full((floored.numel(),), BLOCK, dtype=torch.float64)
+        values[-1] = codes.numel() - BLOCK * (floored.numel() - 1)  # a last short block
+        least = float(self.least[blocks][floored].square().sum().sqrt()) * (1 - NORM_SLACK)
+        floor = least - 0.5 * float(values[floored].sum()) ** 0.5
+        norm = float(squares[floored].sum().sqrt())
+        if norm < floor:
+            return f"its codes' norm {norm:.4g} is short of the {floor:.4g} its claimed norms ask"
         return ""
 
 
@@ -107,6 +132,14 @@ def _block_maxima(values: torch.Tensor) -> torch.Tensor:
     return torch.cat([top, tail])
 
 
+def _block_squares(values: torch.Tensor) -> torch.Tensor:
+    """The sum of squares of each block of integer values, in float64 (the last block may be short)."""
+    x = values.double().square()
+    whole = x.numel() // BLOCK * BLOCK
+    out = x[:whole].view(-1, BLOCK).sum(dim=1)
+    return out if whole == x.numel() else torch.cat([out, x[whole:].sum().reshape(1)])
+
+
 def _norm(values: torch.Tensor) -> float:
     """The L2 norm of integer values, in float64 (their squares exceed what int32 and float32 hold exactly)."""
     x = values.double()
@@ -114,15 +147,20 @@ def _norm(values: torch.Tensor) -> float:
 
 
 def claims_in_codes(maxabs: torch.Tensor, clipped: torch.Tensor, norms: torch.Tensor, weight: float,
-                    scales: torch.Tensor, limit: int, maxima: bool = True) -> Claims:
+                    scales: torch.Tensor, limit: int, maxima: bool = True,
+                    backing: Optional[torch.Tensor] = None) -> Claims:
     """A sender's claims as code bounds, on the group's scales. `maxabs`: its block maxima as the island
     clipped them; `clipped`: which were; `norms`: its claimed block norms; `maxima`: whether the block statistic
     is the maximum (int2 agrees its scale from the mean |value|, which honest codes exceed). The arithmetic
     follows the quantizer's (p2pdiloco.core.exact.quantize: w·x first, then / scale, in float64), so an honest
-    member's codes meet the bound exactly."""
+    member's codes meet the bound exactly. `backing` (per block, the island's IslandPlan.backing): hold the codes
+    to at least that share of the claimed norm too (dense formats whose statistic is the maximum only: top-k sends
+    a fraction of each block, and int2's codes of values past its scale are clamped by no known share)."""
     scales = scales.double()
     top = torch.full_like(scales, limit, dtype=torch.int64)
+    norm = (norms.double() * weight).div_(scales)
     if maxima:
         own = (maxabs.double() * weight).div_(scales).round_().clamp_(0, limit).to(torch.int64)
         top = torch.where(clipped, top, own)
-    return Claims(top, (norms.double() * weight).div_(scales))
+    least = norm * backing.double() if backing is not None and maxima else None
+    return Claims(top, norm, least)

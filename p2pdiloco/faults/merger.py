@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from p2pdiloco.faults.lies import CONSISTENT_LIES, Liar
 from p2pdiloco.faults.plan import FaultPlan
 from p2pdiloco.protocol.outcomes import Contribution
 from p2pdiloco.protocol.remote import MAX_VERSION
@@ -13,12 +14,14 @@ from p2pdiloco.swarm.rounds import SwarmMerger
 
 
 class FaultyMerger(SwarmMerger):
-    """`hostile_scaled`, `hostile_claimed`, `hostile_random`, `hostile_nan` and `partition_until`
-    (p2pdiloco.faults.plan)."""
+    """`hostile_scaled`, `hostile_random`, `hostile_nan`, the liars whose claims are true of their lie
+    (`hostile_claimed` and the others of p2pdiloco.faults.lies) and `partition_until` (p2pdiloco.faults.plan)."""
 
     def __init__(self, plan: FaultPlan, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.plan = plan
+        lies = [(plan.version_of(a), a) for a in CONSISTENT_LIES if plan.version_of(a) is not None]
+        self.liar = (min(lies)[0], Liar(min(lies)[1])) if lies else None  # (from which version, who)
 
     def _group_bits(self, version: int) -> str:
         until = self.plan.version_of("partition_until")
@@ -31,11 +34,11 @@ class FaultyMerger(SwarmMerger):
 
     def _load_buffer(self, c: Contribution, island) -> dict:
         """The lie goes on the wire; the record keeps the statistics of the honest Δ (so they look plausible),
-        except for `hostile_claimed`, whose record is measured on its lie."""
-        at = self.plan.version_of("hostile_claimed")
-        if at is not None and c.version >= at:
-            lie = Contribution.of(c.delta * 100, tokens=min(c.tokens * 1000, MAX_VERSION), steps=c.steps,
-                                  version=c.version, peer=c.peer, name=c.name, digest=c.digest, seconds=c.seconds)
+        except for the liars of p2pdiloco.faults.lies, whose records are measured on their lie."""
+        if self.liar is not None and c.version >= self.liar[0]:
+            sent, tokens = self.liar[1].lie(c.delta, c.tokens)
+            lie = Contribution.of(sent, tokens=tokens, steps=c.steps, version=c.version, peer=c.peer, name=c.name,
+                                  digest=c.digest, seconds=c.seconds)
             return super()._load_buffer(lie, island)
         record = super()._load_buffer(c, island)
         with self.averager.buffer() as buffer:

@@ -19,6 +19,9 @@ the requests of those peers only:
 - `hostile_claimed@0`: the scaled liar whose claims are true of its lie: 100× its Δ and 1000× its tokens, its
   block maxima and norms measured on what it sends (no check of claims against codes can catch it; only the
   merge's bounds limit it);
+- `hostile_flipped@0`, `hostile_noise@0`, `hostile_replay@0`, `hostile_tiny@0`: more liars whose claims are true
+  of their lie, each with 1000× its tokens (p2pdiloco.faults.lies): −Δ; noise of Δ's norm; its first lying
+  round's Δ replayed; Δ × 10⁻³ (to take weight for free);
 - `hostile_ahead@1`: once this peer holds version 1, after every round it replaces its global state with one of
   its own (its Θ plus noise of Θ's spread), 5 versions ahead of the one it held, and publishes and serves
   it as its state: a member that claims a newer version than it holds (p2pdiloco.core.reach).
@@ -29,7 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ACTIONS = ("die_in_allreduce", "die_while_sharing", "partition_until", "slow_sharing", "hostile_scaled",
-           "hostile_random", "hostile_nan", "hostile_ahead", "hostile_claimed")
+           "hostile_random", "hostile_nan", "hostile_ahead", "hostile_claimed", "hostile_flipped", "hostile_noise",
+           "hostile_replay", "hostile_tiny")
 
 
 class FaultPlanError(ValueError):

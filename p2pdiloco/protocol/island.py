@@ -61,12 +61,13 @@ class Bounds:
     norm_ratio: float = 2.0
     stale_factor: float = 1.0  # what a member's weight keeps per version it is behind the newest member (1: all)
     influence_ratio: float = 0.0  # weight × Δ norm at most this multiple of the island's median (0: no bound)
+    floor_ratio: float = 0.0  # weight cut where Δ's norm is below the island's upper median over this (0: no cut)
 
     @classmethod
     def of(cls, outer) -> "Bounds":
         """A swarm's bounds from its outer configuration (config.OuterConfig): the peer's and the simulator's."""
         return cls(outer.max_weight_ratio, outer.max_scale_ratio, outer.max_norm_ratio, outer.stale_factor,
-                   outer.max_influence_ratio)
+                   outer.max_influence_ratio, outer.min_norm_ratio)
 
 
 @dataclass
@@ -111,6 +112,8 @@ class IslandPlan:
     maxabs: list = field(default_factory=list)  # per member: its block statistics, clipped (zeros if excluded)
     clipped: list = field(default_factory=list)  # per member: which of its block statistics were clipped
     norms: list = field(default_factory=list)  # per member: its claimed block norms (zeros if excluded)
+    backing: list = field(default_factory=list)  # per member, per block: its clipped statistic over its claimed
+    # one (1 where not clipped): how much of its claimed norm its codes must carry (p2pdiloco.core.claims)
     bounded: dict = field(default_factory=dict)  # member index → what was capped, for the logs
     left_out: dict = field(default_factory=dict)  # member index → why (blamed by most others)
     relieved: dict = field(default_factory=dict)  # member index → why it reduces no part (blamed by one other)
@@ -178,16 +181,17 @@ def _plan(island: Island, weighting: str, cap: float, n_params: int, bounds: Bou
     if not accepted:
         return IslandPlan(None, deadline, "no member's record was well-formed, or every member was blamed",
                           left_out=left_out)
-    try:
-        capped, weight_notes = member_weights([m.tokens for m in accepted], [m.steps for m in accepted],
-                                              [m.delta_norm or 0.0 for m in accepted], [m.version for m in accepted],
-                                              weighting, bounds)
-    except ValueError as e:  # no tokens at all
-        return IslandPlan(None, deadline, str(e), left_out=left_out)
-    index = [i for i, m in enumerate(island.members) if m is not None]
     norms = [_fp32(m.block_norms) for m in accepted]
     stats = [_fp32(m.maxabs) for m in accepted]
     clipped, over = clip_to_block_median(stats, bounds.scale_ratio)
+    backing = [torch.where(o, c / s.clamp_min(1e-30), 1.0) for c, s, o in zip(clipped, stats, over)]
+    try:
+        capped, weight_notes = member_weights([m.tokens for m in accepted], [m.steps for m in accepted],
+                                              [m.delta_norm or 0.0 for m in accepted], [m.version for m in accepted],
+                                              weighting, bounds, backed_norms(norms, backing))
+    except ValueError as e:  # no tokens at all
+        return IslandPlan(None, deadline, str(e), left_out=left_out)
+    index = [i for i, m in enumerate(island.members) if m is not None]
     notes: dict[int, str] = {}
     for k, why in [*weight_notes,
                    *((k, f"{int(o.sum())} block maxima clipped") for k, o in enumerate(over) if o.any())]:
@@ -196,21 +200,31 @@ def _plan(island: Island, weighting: str, cap: float, n_params: int, bounds: Bou
     return IslandPlan(_spread(capped, index, len(island.members), 0.0), deadline,
                       maxabs=_spread(clipped, index, len(island.members), nothing),
                       clipped=_spread(over, index, len(island.members), nothing.bool()),
-                      norms=_spread(norms, index, len(island.members), nothing), bounded=notes, left_out=left_out,
+                      norms=_spread(norms, index, len(island.members), nothing),
+                      backing=_spread(backing, index, len(island.members), nothing), bounded=notes, left_out=left_out,
                       relieved=relieved)
 
 
 def member_weights(tokens: list[int], steps: list[int], norms: list[float], versions: list[int], weighting: str,
-                   bounds: Bounds) -> tuple[list[float], list[tuple[int, str]]]:
+                   bounds: Bounds, backed: Optional[list[float]] = None) -> tuple[list[float], list[tuple[int, str]]]:
     """The merge weights of an island's accepted members from what they claim, and (member, what was bounded)
-    notes: token weighting, capped at the median, cut where a norm stands out, discounted where stale. Raises
-    ValueError where no member trained a token."""
+    notes: token weighting, capped at the median, cut where a norm stands out or falls short (`backed`: the norms
+    their codes must carry, where their block maxima were clipped; their claimed norms by default), discounted
+    where stale. Raises ValueError where no member trained a token."""
     weights = merge_weights(tokens, steps, weighting)
     weights, capped = cap_to_median(weights, bounds.weight_ratio)
     weights, cut = cut_to_median_norm(weights, norms, bounds.norm_ratio)
+    weights, floored = cut_below_median_norm(weights, norms if backed is None else backed, bounds.floor_ratio)
     weights, bounded = cap_influence(weights, norms, bounds.influence_ratio)
     weights, discounted = discount_stale(weights, versions, bounds.stale_factor)
-    return weights, [*capped.items(), *cut.items(), *bounded.items(), *discounted.items()]
+    return weights, [*capped.items(), *cut.items(), *floored.items(), *bounded.items(), *discounted.items()]
+
+
+def backed_norms(norms: list[torch.Tensor], backing: list[torch.Tensor]) -> list[float]:
+    """Each member's claimed norm as far as its codes must carry it: its block norms times its backing (a clipped
+    block's codes may be clamped, so only that share of its norm is held to; p2pdiloco.core.claims). A liar that
+    claims maxima far above the island's, to escape the floor's check, backs its norm that much less."""
+    return [float((n.double() * b.double()).square().sum().sqrt()) for n, b in zip(norms, backing)]
 
 
 def _fp32(blob: bytes) -> torch.Tensor:
@@ -308,6 +322,27 @@ def cut_to_median_norm(weights: list[float], norms: list[float], ratio: float) -
     An honest member with a large Δ (it trained longer, or from an older version) counts less, but is merged."""
     return _cut_to_median(weights, norms, ratio, lambda f: f"weight cut to {f:.2g}× (its Δ's norm is {1 / f:.2g}× "
                           f"the bound of {ratio:g}× the island's median)")
+
+
+def cut_below_median_norm(weights: list[float], norms: list[float], ratio: float) -> tuple[list[float],
+                                                                                       dict[int, str]]:
+    """Normalised weights, each member's multiplied by min(1, its norm × `ratio` / the island's upper median
+    norm), renormalised: a member that claims full tokens for a near-zero Δ (dilution: it would take weight from
+    the others and shorten the merge for free) counts as little as its Δ is long. The upper median, so that a
+    minority of tiny claims cannot lower the floor (the lower median bounds the large ones). An honest member
+    with a short window counts less, as its tokens already say. Reducers hold the codes to at least the claimed
+    norm (p2pdiloco.core.claims), so a liar cannot claim a typical norm and send nothing."""
+    positive = [x for x in norms if x > 0]
+    if ratio <= 0 or len(positive) < 2:
+        return weights, {}
+    floor = sorted(positive)[len(positive) // 2] / ratio
+    factors = [min(1.0, max(x, 0.0) / floor) for x in norms]
+    cut = [w * f for w, f in zip(weights, factors)]
+    total = sum(cut)
+    if all(f == 1.0 for f in factors) or total <= 0:
+        return weights, {}
+    return [w / total for w in cut], {k: f"weight cut to {f:.2g}× (its Δ's norm is {f:.2g}× the floor of the "
+                                         f"island's median over {ratio:g})" for k, f in enumerate(factors) if f < 1}
 
 
 def discount_stale(weights: list[float], versions: list[int], factor: float) -> tuple[list[float], dict[int, str]]:

@@ -104,7 +104,8 @@ class IslandRounds:
         peers = [group_info.peer_ids[i] for i in included]
         reducers = [group_info.peer_ids[i] for i in plan.reducers]
         levels = codec.levels(self.bits)  # int2 agrees its scales from the mean |value|: no maximum to hold to
-        claims = claims_for(plan, included, group_info.peer_ids, scales, levels, maxima=levels > 1)
+        claims = claims_for(plan, included, group_info.peer_ids, scales, levels, maxima=levels > 1,
+                            floor=not self.topk)
         weights = {str(group_info.peer_ids[i]): plan.weights[i] for i in included}
         ours = Codes(self.n_elements, self._paged_after(functools.partial(
             encode_piece, vector, plan.weights[my_index], scales, self.bits, fmt)))
@@ -292,7 +293,9 @@ def codes_exchange(n_elements: int, robust: bool) -> CodesExchange:
 
 
 def claims_for(plan, senders: Sequence[int], peer_ids: Sequence, scales: torch.Tensor, limit: int,
-               maxima: bool = True) -> dict[str, Claims]:
-    """Sender peer id → its claims in code units, for the plan's included `senders` (group indices)."""
+               maxima: bool = True, floor: bool = False) -> dict[str, Claims]:
+    """Sender peer id → its claims in code units, for the plan's included `senders` (group indices); `floor`:
+    their codes held to the norm their claims back from below too (dense formats)."""
     return {str(peer_ids[i]): claims_in_codes(plan.maxabs[i], plan.clipped[i], plan.norms[i], plan.weights[i],
-                                              scales, limit, maxima) for i in senders}
+                                              scales, limit, maxima, plan.backing[i] if floor else None)
+            for i in senders}

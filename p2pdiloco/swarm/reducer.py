@@ -80,7 +80,8 @@ class SwarmMergeRule:
         return cls(island_prefix(run_id, s), n, n_norms, codec.BITS[s["compression"]],
                    None if s["topk"] == "off" else float(s["topk"]), s["weighting"],
                    Bounds(float(s["max_weight_ratio"]), float(s["max_scale_ratio"]), float(s["max_norm_ratio"]),
-                          float(s["stale_factor"]), float(s["max_influence_ratio"])), s["robust_merge"] == "on")
+                          float(s["stale_factor"]), float(s["max_influence_ratio"]), float(s["min_norm_ratio"])),
+                   s["robust_merge"] == "on")
 
 
 def swarm_rule(run_id: str, records: list[PeerRecord]) -> Optional[SwarmMergeRule]:
@@ -141,7 +142,7 @@ class ReducerAverager(IslandRounds, DecentralizedAverager):
         ids, included = group_info.peer_ids, plan.included
         scales = group_scales(plan, self.bits)
         levels = codec.levels(self.bits)
-        claims = claims_for(plan, included, ids, scales, levels, maxima=levels > 1)
+        claims = claims_for(plan, included, ids, scales, levels, maxima=levels > 1, floor=not self.topk)
         try:
             dropped = await self._codes.reduce_only(
                 group_info.group_id, [ids[i] for i in included], [ids[i] for i in plan.reducers], self.peer_id,

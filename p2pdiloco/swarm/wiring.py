@@ -43,7 +43,7 @@ def island_prefix(run_id: str, settings: dict[str, str]) -> str:
     s = settings
     sparsity = f"top{s['topk']}" if s["topk"] != "off" else "dense"
     rule = (f"{s['weighting']}_{'rda' if s['rda'] == 'on' else 'mean'}_{s['compression']}_{sparsity}"
-            f"_w{s['max_weight_ratio']}_s{s['max_scale_ratio']}_n{s['max_norm_ratio']}_a{s['stale_factor']}"
+            f"_w{s['max_weight_ratio']}_s{s['max_scale_ratio']}_n{s['max_norm_ratio']}_f{s['min_norm_ratio']}_a{s['stale_factor']}"
             f"_i{s['max_influence_ratio']}{'_robust' if s['robust_merge'] == 'on' else ''}"
             f"_o{s['outer_lr']}m{s['outer_momentum']}").replace(".", "p")  # hivemind: no '.' in a prefix
     return f"{run_id}_v{WIRE_VERSION}_{rule}"

@@ -8,6 +8,9 @@ seed. In a clean run d is honest too; otherwise a test fault plan makes d hostil
 Δ and 1000× its tokens (scaled-plain), noise of its Δ's spread and 1000× its tokens (random-plain), NaN in its Δ
 (nan), all with no option set; and the random liar under --robust-merge (random), the option for swarms that
 expect attackers. `ahead`: from v2 on, d claims versions it never made and serves a state of its own.
+`flipped`, `noise`, `replay`, `tiny`: more liars whose claims are true of their lie (−Δ, noise of Δ's norm, its
+first Δ replayed, Δ × 10⁻³, each with 1000× its tokens; `--variants lies` runs them with clean and claimed;
+`-robust` runs them under --robust-merge).
 `claimed`: the scaled liar whose claims are measured on its lie (×100 Δ, its block maxima and norms as sent,
 1000× its tokens): no claims check catches it; `clean-influence<r>` and `claimed-influence<r>` run with
 --max-influence-ratio r (1.5, 1): the bound's price and its effect.
@@ -69,7 +72,12 @@ VARIANTS = {
     "claimed-influence1": Variant("hostile_claimed@0", ("--max-influence-ratio", "1")),
     # from v2 on, d holds, publishes and serves a state of its own 5 versions ahead (p2pdiloco.core.reach)
     "ahead": Variant("hostile_ahead@2"),
+    # more liars whose claims are true of their lie (p2pdiloco.faults.lies), each with 1000× its tokens: −Δ, noise
+    # of Δ's norm, its first round's Δ replayed, Δ × 10⁻³; at the defaults, and under --robust-merge
+    **{lie: Variant(f"hostile_{lie}@0") for lie in ("flipped", "noise", "replay", "tiny")},
+    **{f"{lie}-robust": Variant(f"hostile_{lie}@0", ("--robust-merge",)) for lie in ("flipped", "noise", "claimed")},
 }
+LIES = ("clean", "claimed", "flipped", "noise", "replay", "tiny")  # issue 51's table at the defaults
 DEFAULT_VARIANTS = ("clean", "scaled-plain", "random-plain", "nan", "random")
 
 
@@ -140,7 +148,7 @@ def main() -> int:
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the run's peers (finally) when stopped
     seeds = [int(s) for s in args.seeds.split(",")]
-    variants = args.variants.split(",")
+    variants = list(LIES) if args.variants == "lies" else args.variants.split(",")
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")

@@ -52,7 +52,7 @@ def parse_row(row: str) -> tuple[str, int, str, dict]:
     match = ROW.match(row)
     if not match:
         raise SystemExit(f"unknown row {row!r}: dp, H<steps>-<fp32|int8|int4|int2|topk2>, solo-H<steps>-<wire> or "
-                         "dec-H<steps>-<wire>, each with optional -stale<f>, -olr<f>, -om<f>, -ilr<f> (dec: -slow<f>, -sync<f>, -tau<n>; "
+                         "dec-H<steps>-<wire>, each with optional -ilr<f> (the only one dp takes), -stale<f>, -olr<f>, -om<f>, -ilr<f> (dec: -slow<f>, -sync<f>, -tau<n>; "
                          "synchronous: -frag<P>, -ov<n>, -inflight<n>)")
     kind, h, wire, mods = match.groups()
     modifiers = {name: float(value) for name, value in re.findall(r"-(stale|olr|om|ilr|sync|slow|tau|frag|ov|inflight)([0-9.]+)", mods or "")}
@@ -62,6 +62,8 @@ def parse_row(row: str) -> tuple[str, int, str, dict]:
         raise SystemExit(f"row {row!r}: -frag<P> (P at least 1), -ov and -inflight are for synchronous rows, "
                          "-ov and -inflight with -frag")
     if kind == "dp":
+        if set(modifiers) - {"ilr"}:
+            raise SystemExit(f"row {row!r}: a dp row takes only -ilr<f> (its inner lr)")
         return "dp", 0, "", modifiers
     return kind, int(h), wire, modifiers
 

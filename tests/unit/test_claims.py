@@ -1,9 +1,12 @@
 """Every sender's codes are checked against what it claimed (p2pdiloco.core.claims): exact for honest members,
 whatever their Δs look like beside the others', and broken by a liar that claims honest statistics."""
 
+import dataclasses
+
 import pytest
 import torch
 
+from p2pdiloco.config import OuterConfig
 from p2pdiloco.core import codec, exact
 from p2pdiloco.core.claims import block_norms, claims_in_codes, sum_why_not
 from p2pdiloco.protocol.island import Bounds, plan_island
@@ -27,15 +30,17 @@ def deltas(scales, seed=0):
     return [s * (common + 0.7 * torch.randn(N, generator=g)) for s in scales]
 
 
-def island_codes(records, sent, bits: int, fmt=None):
-    """Each member's codes as it would send them (`sent`: what it actually encodes), and its claims."""
-    plan = plan_island(parse_island(records, Expect(N)), "tokens2", 60.0, N)
+def island_codes(records, sent, bits: int, fmt=None, bounds=Bounds()):
+    """Each member's codes as it would send them (`sent`: what it actually encodes), and its claims (held to the
+    claimed norm from below too on dense formats, as a peer's reducers hold them)."""
+    plan = plan_island(parse_island(records, Expect(N)), "tokens2", 60.0, N, bounds)
     included = plan.included
     scales = codec.agreed_scales([plan.maxabs[i].double() * plan.weights[i] for i in included], bits)
     limit, maxima = codec.levels(bits), codec.levels(bits) > 1
     codes = [codec.encode(sent[i], plan.weights[i], scales, bits, fmt, with_sent=False).codes for i in included]
-    claims = [claims_in_codes(plan.maxabs[i], plan.clipped[i], plan.norms[i], plan.weights[i], scales, limit, maxima)
-              for i in included]
+    floor = fmt is None
+    claims = [claims_in_codes(plan.maxabs[i], plan.clipped[i], plan.norms[i], plan.weights[i], scales, limit, maxima,
+                              plan.backing[i] if floor else None) for i in included]
     return plan, codes, claims
 
 
@@ -82,6 +87,27 @@ def test_a_liar_claiming_honest_statistics_is_caught_scaled_or_sign_saturated(bi
         _, codes, claims = island_codes(records, xs[:3] + [lie], bits)
         found = problems(codes, claims)
         assert found[:9] == [""] * 9 and all(found[9:]), found[9:]
+
+
+@pytest.mark.parametrize("bits", [NONE, 8, 4])
+def test_a_near_zero_update_that_claims_a_typical_norm_is_caught_and_one_that_claims_its_own_counts_for_little(bits):
+    """Dilution: 1000× its tokens for a Δ a thousandth of the others'. Claiming an honest member's statistics, its
+    codes fall short of the norm it claimed, in every part; claiming its own (the claims true of the lie), it is
+    merged, but its weight is cut by how short its Δ is (cut_below_median_norm), so it takes no weight from the
+    honest members. Without that cut the weight cap alone lets it hold 40 % of the merge."""
+    xs = deltas((1, 1, 1, 1), seed=6)
+    tiny = xs[3] * 1e-3
+    honest = [record(f"h{i}", x) for i, x in enumerate(xs[:3])]
+    _, codes, claims = island_codes(honest + [record("evil", xs[3], tokens=4096 * 1000)], xs[:3] + [tiny], bits)
+    found = problems(codes, claims)
+    assert found[:9] == [""] * 9 and all("short of" in why for why in found[9:]), found[9:]
+    consistent = honest + [record("evil", tiny, tokens=4096 * 1000)]
+    plan, codes, claims = island_codes(consistent, xs[:3] + [tiny], bits, bounds=Bounds.of(OuterConfig()))
+    assert problems(codes, claims) == [""] * 12
+    assert plan.weights[3] < 0.01 and "floor" in plan.bounded[3]
+    unfloored = plan_island(parse_island(consistent, Expect(N)), "tokens2", 60.0, N,
+                            dataclasses.replace(Bounds.of(OuterConfig()), floor_ratio=0))
+    assert unfloored.weights[3] == pytest.approx(0.4)
 
 
 def test_a_liar_whose_maxima_were_clipped_is_held_by_the_norm_it_claimed():
@@ -212,3 +238,34 @@ def test_a_sum_is_checked_alone_and_against_every_senders_share_of_rounding():
     assert "a sum of norm 6.083, beyond the 6" in sum_why_not(total, 0, [c, c])
     wide = _claims([2.0, 2.0], [1.0, 1000.0])  # a claimed norm elsewhere does not widen this block's bound
     assert "beyond the" in sum_why_not(total, 0, [wide, wide])
+
+
+@pytest.mark.parametrize("bits", [NONE, 4])
+def test_a_near_zero_update_behind_huge_claimed_maxima_is_still_held_and_counts_for_what_its_claims_back(bits):
+    """It claims maxima 50× the island's, so every block of it is clipped and its codes may be clamped, and a
+    typical norm, and sends a thousandth of its Δ. Its codes must still carry the share of the norm the clip leaves
+    (the backing, about a fifth here): on 20-bit codes they do not, in every part; on int4 that share is within what
+    rounding can take, and they pass. Either way the island weighs it by the norm its claims back, not the norm
+    it claims: it holds 16 % of the merge's weight, not the 40 % the weight cap alone allows."""
+    xs = deltas((1, 1, 1, 1), seed=9)
+    claimed = xs[3].clone()
+    claimed[:: codec.BLOCK // 4] *= 50.0  # a few values per block: maxima 50×, norms about the same
+    honest = [record(f"h{i}", x) for i, x in enumerate(xs[:3])]
+    records = honest + [record("evil", xs[3], tokens=4096 * 1000, claimed=claimed)]
+    plan, codes, claims = island_codes(records, xs[:3] + [xs[3] * 1e-3], bits, bounds=Bounds.of(OuterConfig()))
+    assert bool(plan.clipped[3].all())
+    found = problems(codes, claims)
+    assert found[:9] == [""] * 9 and all(("short of" in why) == (bits == NONE) for why in found[9:]), found[9:]
+    assert plan.weights[3] < 0.2 and "floor" in plan.bounded[3]
+
+
+def test_an_honest_member_whose_maxima_are_clipped_still_meets_its_floor_at_the_edge():
+    """The floor's worst honest case: a block whose values all sit at its maximum, clipped to a tenth, so every
+    code is clamped to ±L and keeps exactly the backing's share."""
+    x = torch.full((codec.BLOCK,), 3.0)
+    x[1::2] *= -1
+    claims = claims_in_codes(torch.tensor([0.3]), torch.tensor([True]), block_norms(x), 1.0, torch.tensor([0.3 / 7]),
+                             7, backing=torch.tensor([0.1]))
+    codes = codec.encode(x, 1.0, torch.tensor([0.3 / 7]).double(), 4, None, with_sent=False).codes
+    assert int(codes.abs().max()) == 7 and claims.why_not(codes, 0) == ""
+    assert "short of" in claims.why_not(codes // 2, 0)

@@ -80,8 +80,8 @@ def test_the_simulated_learners_merge_within_a_peers_bounds():
     """One source: the learners' bounds are those the peer's wiring builds its averager with (Bounds.of)."""
     from p2pdiloco.config import OuterConfig
     outer = OuterConfig(max_weight_ratio=3.0, max_scale_ratio=2.5, max_norm_ratio=1.5, stale_factor=0.25,
-                        max_influence_ratio=1.25)
-    assert Bounds.of(outer) == Bounds(3.0, 2.5, 1.5, 0.25, 1.25)
+                        max_influence_ratio=1.25, min_norm_ratio=3.0)
+    assert Bounds.of(outer) == Bounds(3.0, 2.5, 1.5, 0.25, 1.25, 3.0)
     assert Wire().bounds == Bounds.of(OuterConfig())
 
 
@@ -100,6 +100,9 @@ def test_bench_parity_checks_every_row_name_before_training():
     for wrong in ("dec-H100-int4-frag8", "H100-int4-ov5", "H100-int4-frag0"):
         with pytest.raises(SystemExit, match="for synchronous rows"):
             parse_row(wrong)
+    assert parse_row("dp-ilr0.002") == ("dp", 0, "", {"ilr": 0.002})
+    with pytest.raises(SystemExit, match="a dp row takes only -ilr"):
+        parse_row("dp-om0.6")
 
 
 @pytest.mark.slow
