@@ -9,8 +9,9 @@ seed. In a clean run d is honest too; otherwise a test fault plan makes d hostil
 (nan), all with no option set; and the random liar under --robust-merge (random), the option for swarms that
 expect attackers. `ahead`: from v2 on, d claims versions it never made and serves a state of its own.
 `flipped`, `noise`, `replay`, `tiny`: more liars whose claims are true of their lie (−Δ, noise of Δ's norm, its
-first Δ replayed, Δ × 10⁻³, each with 1000× its tokens; `--variants lies` runs them with clean and claimed;
-`-robust` runs them under --robust-merge).
+first Δ replayed, Δ × 10⁻³, each with 1000× its tokens). `--variants lies` runs them with clean and claimed at the
+defaults (since 2026-11-29 the robust merge and --max-influence-ratio 1), `--variants lies-before` at the defaults
+before (`-before`: no robust merge, ratio 1.5), and `<lie>-robust` under the robust merge at ratio 1.5.
 `claimed`: the scaled liar whose claims are measured on its lie (×100 Δ, its block maxima and norms as sent,
 1000× its tokens): no claims check catches it; `clean-influence<r>` and `claimed-influence<r>` run with
 --max-influence-ratio r (1.5, 1): the bound's price and its effect.
@@ -38,6 +39,9 @@ from p2pdiloco.ops.launcher import join_command, start_bootstrap, start_process,
 from p2pdiloco.runtime.schema import Round, Start, Summary, of_kind, read_records
 
 HONEST = ("a", "b", "c")
+LIES = ("clean", "claimed", "flipped", "noise", "replay", "tiny")  # issue 51's table (--variants lies)
+I15 = ("--max-influence-ratio", "1.5")
+BEFORE = ("--no-robust-merge", *I15)  # the defaults until 2026-11-29
 
 
 class Variant(NamedTuple):
@@ -56,8 +60,8 @@ VARIANTS = {
     "clean-robust": Variant("", ("--robust-merge",)),
     "clean-fp32": Variant("", ("--compression", "none")),
     # the liars without --robust-merge: int4, and the default wire format (20-bit codes)
-    "scaled-plain": Variant("hostile_scaled@0"),
-    "random-plain": Variant("hostile_random@0"),
+    "scaled-plain": Variant("hostile_scaled@0", ("--no-robust-merge",)),
+    "random-plain": Variant("hostile_random@0", ("--no-robust-merge",)),
     "scaled-fp32": Variant("hostile_scaled@0", ("--compression", "none")),
     "nan-fp32": Variant("hostile_nan@0", ("--compression", "none")),
     # the scaled liar in client mode: it reduces no part, so every part of its Δ goes through an honest reducer
@@ -73,11 +77,13 @@ VARIANTS = {
     # from v2 on, d holds, publishes and serves a state of its own 5 versions ahead (p2pdiloco.core.reach)
     "ahead": Variant("hostile_ahead@2"),
     # more liars whose claims are true of their lie (p2pdiloco.faults.lies), each with 1000× its tokens: −Δ, noise
-    # of Δ's norm, its first round's Δ replayed, Δ × 10⁻³; at the defaults, and under --robust-merge
+    # of Δ's norm, its first round's Δ replayed, Δ × 10⁻³: at the defaults (the robust merge and an influence
+    # ratio of 1 since 2026-11-29), at the defaults before (`-before`), and under --robust-merge alone (`-robust`)
     **{lie: Variant(f"hostile_{lie}@0") for lie in ("flipped", "noise", "replay", "tiny")},
-    **{f"{lie}-robust": Variant(f"hostile_{lie}@0", ("--robust-merge",)) for lie in ("flipped", "noise", "claimed")},
+    **{f"{lie}-before": Variant(f"hostile_{lie}@0" if lie != "clean" else "", BEFORE) for lie in LIES},
+    **{f"{lie}-robust": Variant(f"hostile_{lie}@0" if lie != "clean" else "", ("--robust-merge", *I15))
+       for lie in LIES},
 }
-LIES = ("clean", "claimed", "flipped", "noise", "replay", "tiny")  # issue 51's table at the defaults
 DEFAULT_VARIANTS = ("clean", "scaled-plain", "random-plain", "nan", "random")
 
 
@@ -148,7 +154,8 @@ def main() -> int:
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the run's peers (finally) when stopped
     seeds = [int(s) for s in args.seeds.split(",")]
-    variants = list(LIES) if args.variants == "lies" else args.variants.split(",")
+    named = {"lies": list(LIES), "lies-before": [f"{v}-before" for v in LIES]}
+    variants = named.get(args.variants) or args.variants.split(",")
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
@@ -188,7 +195,7 @@ def paired(results: dict) -> None:
     """Each variant against each reference, seed by seed (same seed, same data order): the mean relative
     difference and its standard error. Runs of one seed still differ by timing, so this is what a difference must
     exceed to mean something."""
-    references = [r for r in ("clean", "clean-robust", "clean-fp32", "three") if r in results]
+    references = [r for r in ("clean", "clean-before", "clean-robust", "clean-fp32", "three") if r in results]
     print("\n| variant | " + " | ".join(f"vs {r}, paired by seed" for r in references) + " |")
     print("|---|" + "---|" * len(references))
     for variant, runs in results.items():

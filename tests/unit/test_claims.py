@@ -107,7 +107,7 @@ def test_a_near_zero_update_that_claims_a_typical_norm_is_caught_and_one_that_cl
     assert plan.weights[3] < 0.01 and "floor" in plan.bounded[3]
     unfloored = plan_island(parse_island(consistent, Expect(N)), "tokens2", 60.0, N,
                             dataclasses.replace(Bounds.of(OuterConfig()), floor_ratio=0))
-    assert unfloored.weights[3] == pytest.approx(0.4)
+    assert unfloored.weights[3] == pytest.approx(0.4, abs=0.005)
 
 
 def test_a_liar_whose_maxima_were_clipped_is_held_by_the_norm_it_claimed():

@@ -186,9 +186,7 @@ def test_blame_expires():
 def test_the_bounds_and_the_robust_merge_are_checked_at_configuration():
     from p2pdiloco.config import ConfigError, OuterConfig, SwarmConfig
 
-    with pytest.raises(ConfigError, match="needs --compression"):
-        SwarmConfig(robust_merge=True)
-    assert SwarmConfig(robust_merge=True, compression="int4").robust_merge
+    assert SwarmConfig().robust_merge and not SwarmConfig(robust_merge=False).robust_merge  # on by default
     for bad in (0.5, -1.0, float("inf")):
         with pytest.raises(ConfigError, match="max weight ratio"):
             OuterConfig(max_weight_ratio=bad)

@@ -66,7 +66,7 @@ def test_at_the_default_bounds_no_liar_adds_more_than_a_typical_member_nor_takes
     typical_weight, upper_median_norm = lower_median(weights[:honest]), norms[len(norms) // 2]
     for k in lying:
         backed = min(1.0, DEFAULTS.floor_ratio * float(sent[k].norm()) / upper_median_norm)
-        assert weights[k] <= DEFAULTS.weight_ratio * typical_weight * backed * (1 + 1e-4), (k, weights)
+        assert weights[k] <= DEFAULTS.weight_ratio * typical_weight * backed * 1.01, (k, weights)  # (renormalised after)
 
 
 def test_each_guard_is_what_holds_its_liar():
@@ -76,7 +76,7 @@ def test_each_guard_is_what_holds_its_liar():
     products = [w * float(x.norm()) for w, x in zip(weights, sent)]
     assert products[3] > 3 * lower_median(products)
     weights, _, _ = island("hostile_tiny", 3, 1, 0, dataclasses.replace(DEFAULTS, floor_ratio=0))
-    assert weights[3] == pytest.approx(0.4)
+    assert weights[3] == pytest.approx(0.4, abs=0.005)
 
 
 @pytest.mark.parametrize("bits", [codec.BITS["none"], 4])
