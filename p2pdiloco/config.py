@@ -196,7 +196,7 @@ class OuterConfig:
         2.0, "A member whose claimed pseudo-gradient norm is above this multiple of its island's median has its "
         "merge weight cut to match (0: no cut). Every peer of a swarm must use the same.")
     min_norm_ratio: float = option(
-        2.0, "A member whose claimed pseudo-gradient norm is below its island's median over this has its merge "
+        2.0, "A member whose claimed pseudo-gradient norm is below its island's upper median over this has its merge "
         "weight cut to match (0: no cut): a near-zero update that claims full tokens takes no weight from the "
         "others, and reducers hold every member's codes to at least the norm it claimed. Every peer of a swarm "
         "must use the same.")
@@ -303,9 +303,9 @@ class SwarmConfig:
         "e.g. int2; error feedback carries the rest).")
     robust_merge: bool = option(
         True, "Each reducer also leaves out parts that point away from the others' (a cosine with their sum at or "
-        "below 0, or under a quarter of the median). Measured with 4 peers and one liar whose claims are true of "
-        "its lie: a sign-flipped Δ cost the honest peers 7.7 % without it and 1.5 % with it, at +0.1 % on clean "
-        "runs (docs/hostile.md).")
+        "below 0, or under a quarter of the median). Measured with 4 peers (int4) and one liar whose claims are true "
+        "of its lie: a sign-flipped Δ cost the honest peers 7.7 % without it and 0.5 % with it (at influence ratio "
+        "1.5; 1.4 % at the defaults), at +0.2 % on clean runs (docs/hostile.md).")
     fault_plan: str = option("", "Test-only fault plan (p2pdiloco.faults).", hidden=True,
                              envvar="P2PDILOCO_FAULT_PLAN")
 
