@@ -28,6 +28,7 @@ import torch
 
 from p2pdiloco.config import OuterConfig
 from p2pdiloco.core import codec
+from p2pdiloco.core.outer import Segment, rda_directions
 from p2pdiloco.core.state import GlobalState
 from p2pdiloco.protocol.island import Bounds, plan_island
 from p2pdiloco.protocol.merge import BodyStatistics, merged_in_one_place, wire_format
@@ -50,6 +51,7 @@ class Wire:
     feedback_decay: float = 1.0  # error feedback carries its residual times this (SparseLoCo's β)
     weighting: str = "tokens2"
     bounds: Bounds = field(default_factory=lambda: Bounds.of(OuterConfig()))  # a peer's, by default
+    rda_segments: tuple[Segment, ...] = ()  # a peer's --rda: these tensors merged as directions and norms
 
     def feedback(self) -> Optional[codec.ErrorFeedback]:
         """A learner's own error feedback, where this wire has it."""
@@ -190,14 +192,20 @@ class Sender:
     def __init__(self, name: str, wire: Wire, feedback: Optional[codec.ErrorFeedback]):
         self.name, self.wire, self.feedback = name, wire, feedback
 
+    def sent(self, c: Contribution) -> tuple[torch.Tensor, list[float]]:
+        """What goes on the wire before error feedback: Δ, or under RDA its directions, and their norms."""
+        if self.wire.rda_segments:
+            return rda_directions(c.delta, self.wire.rda_segments)
+        return c.delta.clone(), []
+
     def entry(self, c: Contribution, budget: float) -> Entry:
-        body = c.delta.clone()
+        body, norms = self.sent(c)
         if self.feedback is not None:
             self.feedback.compensate_(body)
         statistics = BodyStatistics.of(body, wire_format(self.wire.bits, self.wire.topk, 1))
         member = Member(peer=self.name, name=self.name, version=c.version, digest=c.digest, tokens=c.tokens,
                         steps=c.steps, budget=budget, maxabs=statistics.statistic.numpy().tobytes(),
-                        block_norms=statistics.norms.numpy().tobytes())
+                        block_norms=statistics.norms.numpy().tobytes(), norms=tuple(norms))
         return Entry(member, body)
 
     def received(self, c: Contribution, result: IslandReduced | NoIsland):
@@ -207,13 +215,13 @@ class Sender:
         weight = next((w for m, w in zip(result.members, result.weights) if m.peer == self.name), 0.0)
         if self.feedback is not None and weight > 0:
             fmt = wire_format(self.wire.bits, self.wire.topk, sum(w > 0 for w in result.weights))
-            self.feedback.record_encoded(c.delta, weight, result.codec_scales, self.wire.bits, fmt)
+            self.feedback.record_encoded(self.sent(c)[0], weight, result.codec_scales, self.wire.bits, fmt)
         return dataclasses.replace(result, merged=result.merged.clone())  # each member's own, as over a wire
 
     def alone(self, c: Contribution, outcome: RoundOutcome) -> RoundOutcome:
         if not isinstance(outcome, Solo):
             return outcome
-        if self.feedback is None:
+        if self.feedback is None or self.wire.rda_segments:  # alone, a peer under RDA merges Δ itself
             return dataclasses.replace(outcome, merged=c.delta.clone())
         merged = self.feedback.alone(c.delta, self.wire.bits, wire_format(self.wire.bits, self.wire.topk, 1))
         return dataclasses.replace(outcome, merged=merged)

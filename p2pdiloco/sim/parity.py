@@ -13,6 +13,7 @@ data, with the same inner hyper-parameters, and is measured on the same validati
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -44,6 +45,8 @@ class Setup:
     seq_len: int = 128
     inner_lr: float = 1e-3
     warmup_steps: int = 20
+    lr_schedule: str = "constant"  # or cosine / wsd, decaying over the row's budget (steps × M × batch tokens)
+    min_lr_ratio: float = InnerConfig().min_lr_ratio
     outer_lr: float = OuterConfig().lr  # a peer's defaults
     outer_momentum: float = OuterConfig().momentum
     learners: int = 4
@@ -55,8 +58,15 @@ class Setup:
     device: str = "cpu"  # the inner steps' (cuda: bf16 autocast, as a GPU peer); Θ stays in host memory
 
     def inner(self, batch_size: Optional[int] = None) -> InnerConfig:
+        budget = None if self.lr_schedule == "constant" else self.total_tokens
         return InnerConfig(batch_size=batch_size or self.batch_size, seq_len=self.seq_len, lr=self.inner_lr,
-                           warmup_steps=self.warmup_steps)
+                           warmup_steps=self.warmup_steps, lr_schedule=self.lr_schedule, total_tokens=budget,
+                           min_lr_ratio=self.min_lr_ratio)
+
+    @property
+    def total_tokens(self) -> int:
+        """The row's budget, all learners' tokens together: the swarm's --total-tokens."""
+        return self.steps * self.learners * self.batch_size * self.seq_len
 
 
 @dataclass(frozen=True)
@@ -141,10 +151,10 @@ class Learner:
     diloco: DiLoCo
 
 
-def sync_rules(h: int) -> RoundRules:
+def sync_rules(h: int, wire: Optional[Wire] = None) -> RoundRules:
     """Synchronous rounds: everyone waits for everyone at the same version, then one island merges them all."""
     return RoundRules(mode="sync", sync_wait=600.0, overlap_steps=h, grace=GracePolicy(floor=30.0, cap=60.0),
-                      poll=0.05)
+                      poll=0.05, rda_segments=wire.rda_segments if wire else ())
 
 
 def learners(bench: Bench, board: Board, rules: RoundRules, m: int) -> list[Learner]:
@@ -160,20 +170,32 @@ def learners(bench: Bench, board: Board, rules: RoundRules, m: int) -> list[Lear
     return made
 
 
-def diloco(bench: Bench, h: int, wire: Wire, m: Optional[int] = None) -> Curve:
-    """M learners (default: the setup's), H inner steps each between synchronous rounds."""
+def round_lengths(steps: int, h: int, first: Optional[int] = None) -> list[int]:
+    """Inner steps of each round: H each; with `first`, the first H steps merged in rounds of `first` steps."""
+    lengths = [h] * (steps // h)
+    if first and lengths:
+        lengths[:1] = [first] * (h // first)
+    return lengths
+
+
+def diloco(bench: Bench, h: int, wire: Wire, m: Optional[int] = None, first: Optional[int] = None) -> Curve:
+    """M learners (default: the setup's), H inner steps each between synchronous rounds (`first`:
+    `round_lengths`)."""
+    m = m or bench.setup.learners
+    if m != bench.setup.learners:  # a learner alone: its budget (the schedule's) is its own tokens
+        bench = dataclasses.replace(bench, setup=dataclasses.replace(bench.setup, learners=m))
     s = bench.setup
-    m = m or s.learners
     torch.manual_seed(s.seed)
     board = Board(wire, bench.n_params())
-    group = learners(bench, board, sync_rules(h), m)
-    first = group[0].diloco
-    curve, rounds, forks = Curve(), s.steps // h, 0
-    curve.add(0, bench.bpb(first.trainer.model, first.state.params))
+    group = learners(bench, board, sync_rules(h, wire), m)
+    lead = group[0].diloco
+    lengths, forks, done = round_lengths(s.steps, h, first), 0, 0
+    curve, rounds = Curve(), len(lengths)
+    curve.add(0, bench.bpb(lead.trainer.model, lead.state.params))
     try:
-        for r in range(1, rounds + 1):
+        for r, length in enumerate(lengths, start=1):
             for learner in group:
-                for _ in range(h):
+                for _ in range(length):
                     learner.diloco.inner_step()
                 learner.diloco.contribute()
             for learner in group:
@@ -182,8 +204,9 @@ def diloco(bench: Bench, h: int, wire: Wire, m: Optional[int] = None) -> Curve:
                     raise RuntimeError(f"{learner.name}'s round {r} was not merged: {settled.outcome.reason}")
                 board.publish(learner.name, learner.diloco.state)
             forks += len({x.diloco.state.digest for x in group}) - 1
-            if (r * h) % s.eval_every == 0 or r == rounds:
-                curve.add(r * h * m * s.batch_size * s.seq_len, bench.bpb(first.trainer.model, first.state.params))
+            done += length
+            if done % s.eval_every == 0 or r == rounds:
+                curve.add(done * m * s.batch_size * s.seq_len, bench.bpb(lead.trainer.model, lead.state.params))
     finally:
         for learner in group:
             learner.diloco.close()
@@ -208,7 +231,7 @@ def streaming(bench: Bench, h: int, wire: Wire, fragments: int, overlap: int = 0
         if boards is None:
             sizes = [f.size for f in model_fragments(trainer.model, fragments)]
             boards = [Board(wire, size) for size in sizes]
-        merger_for = _island_merger(boards, name, sync_rules(h))
+        merger_for = _island_merger(boards, name, sync_rules(h))  # RDA: the whole model's segments, not a fragment's
         streams = Streams(trainer, state, merger_for, Stagger(fragments, h, in_flight), name, name)
         for board, part in zip(boards, streams.parts):
             board.publish(name, part.state)
@@ -297,7 +320,8 @@ def decoupled(bench: Bench, h: int, wire: Wire, speeds: tuple[float, ...] = (1.0
         diloco = DiLoCo(trainer, state, merger, name, name, eager=eager)
         runners.append(Runner(name, diloco, merger, Sender(name, wire, wire.feedback()), speed))
         board.publish(name, state)
-    timeline = Timeline(board, decoupled_rules(h, max(speeds), overlap_steps), runners, h, sync_seconds)
+    rules = dataclasses.replace(decoupled_rules(h, max(speeds), overlap_steps), rda_segments=wire.rda_segments)
+    timeline = Timeline(board, rules, runners, h, sync_seconds)
     tokens = len(speeds) * s.batch_size * s.seq_len
     watch = Watch(bench, board, runners[0].diloco.trainer.model, count, s.steps * tokens, s.eval_every * tokens)
     try:

@@ -40,10 +40,11 @@ import torch
 
 from p2pdiloco.config import OuterConfig
 from p2pdiloco.sim.learners import Wire
+from p2pdiloco.training.model import rda_segments
 from p2pdiloco.protocol.island import Bounds
 from p2pdiloco.sim.parity import Bench, Curve, Setup, data_parallel, decoupled, diloco, streaming
 
-ROW = re.compile(r"^(?:dp|(solo-|dec-)?H(\d+)-(fp32|int8|int4|int2|topk2))((?:-(?:stale|olr|om|ilr|sync|slow|tau|frag|ov|inflight)[0-9.]+)*)$")
+ROW = re.compile(r"^(?:dp|(solo-|dec-)?H(\d+)-(fp32|int8|int4|int2|topk2))((?:-(?:stale|olr|om|ilr|sync|slow|tau|frag|ov|inflight|first)[0-9.]+|-rda)*)$")
 SETUP_MODIFIERS = {"olr": "outer_lr", "om": "outer_momentum", "ilr": "inner_lr"}
 
 
@@ -53,11 +54,15 @@ def parse_row(row: str) -> tuple[str, int, str, dict]:
     if not match:
         raise SystemExit(f"unknown row {row!r}: dp, H<steps>-<fp32|int8|int4|int2|topk2>, solo-H<steps>-<wire> or "
                          "dec-H<steps>-<wire>, each with optional -ilr<f> (the only one dp takes), -stale<f>, -olr<f>, -om<f>, -ilr<f> (dec: -slow<f>, -sync<f>, -tau<n>; "
-                         "synchronous: -frag<P>, -ov<n>, -inflight<n>)")
+                         "synchronous: -first<n>, or -frag<P>, -ov<n>, -inflight<n>; -rda: a peer's --rda)")
     kind, h, wire, mods = match.groups()
-    modifiers = {name: float(value) for name, value in re.findall(r"-(stale|olr|om|ilr|sync|slow|tau|frag|ov|inflight)([0-9.]+)", mods or "")}
+    modifiers = {name: float(value) for name, value in re.findall(r"-(stale|olr|om|ilr|sync|slow|tau|frag|ov|inflight|first)([0-9.]+)", mods or "")}
+    if re.search(r"-rda(?:-|$)", mods or ""):
+        modifiers["rda"] = 1.0
     kind = "dp" if row.startswith("dp") else (kind or "sync-").rstrip("-")
     streamed = {"frag", "ov", "inflight"} & set(modifiers)
+    if streamed and "rda" in modifiers:
+        raise SystemExit(f"row {row!r}: -rda is for whole-model rounds, not with -frag")
     if streamed and (kind != "sync" or "frag" not in modifiers or modifiers["frag"] < 1):
         raise SystemExit(f"row {row!r}: -frag<P> (P at least 1), -ov and -inflight are for synchronous rows, "
                          "-ov and -inflight with -frag")
@@ -84,6 +89,8 @@ def run_row(row: str, bench: Bench, count: str = "merged") -> Curve:
     if "stale" in modifiers:
         bounds = dataclasses.replace(bounds, stale_factor=modifiers["stale"])
     wire = Wire.named(wire_name, bounds=bounds)
+    if "rda" in modifiers:  # a peer's --rda: every tensor but the embeddings and the head
+        wire = dataclasses.replace(wire, rda_segments=tuple(rda_segments(bench.model(bench.setup.seed))))
     if kind == "dec":
         speeds = (1.0,) * (bench.setup.learners - 1) + (modifiers.get("slow", 3.0),)
         tau = modifiers.get("tau")
@@ -92,7 +99,8 @@ def run_row(row: str, bench: Bench, count: str = "merged") -> Curve:
     if "frag" in modifiers:
         return streaming(bench, h, wire, int(modifiers["frag"]), overlap=int(modifiers.get("ov", 0)),
                          in_flight=int(modifiers.get("inflight", 2)))
-    return diloco(bench, h, wire, m=1 if kind == "solo" else None)
+    first = int(modifiers["first"]) if "first" in modifiers else None
+    return diloco(bench, h, wire, m=1 if kind == "solo" else None, first=first)
 
 
 def summarize(curves: dict[str, dict[int, Curve]]) -> dict:
@@ -155,6 +163,9 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--inner-lr", type=float, default=1e-3)
+    p.add_argument("--lr-schedule", default="constant", choices=("constant", "cosine", "wsd"),
+                   help="the inner lr after warm-up, decaying over the row's token budget as a swarm's --total-tokens")
+    p.add_argument("--min-lr-ratio", type=float, default=Setup.min_lr_ratio)
     p.add_argument("--outer-lr", type=float, default=Setup.outer_lr, help="default: a peer's")
     p.add_argument("--outer-momentum", type=float, default=Setup.outer_momentum, help="default: a peer's")
     p.add_argument("--eval-every", type=int, default=50)
@@ -175,7 +186,8 @@ def main() -> None:
         return
     torch.set_num_threads(a.threads)
     base = Setup(data=tuple(x for x in a.data.split(",") if x), model=a.model, batch_size=a.batch_size,
-                 seq_len=a.seq_len, inner_lr=a.inner_lr, outer_lr=a.outer_lr, outer_momentum=a.outer_momentum,
+                 seq_len=a.seq_len, inner_lr=a.inner_lr, lr_schedule=a.lr_schedule,
+                 min_lr_ratio=a.min_lr_ratio, outer_lr=a.outer_lr, outer_momentum=a.outer_momentum,
                  learners=a.learners, steps=a.steps, eval_every=a.eval_every, eval_batches=a.eval_batches,
                  device=a.device)
     rows, seeds = a.rows.split(","), [int(s) for s in a.seeds.split(",")]

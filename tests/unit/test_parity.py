@@ -101,6 +101,9 @@ def test_bench_parity_checks_every_row_name_before_training():
         with pytest.raises(SystemExit, match="for synchronous rows"):
             parse_row(wrong)
     assert parse_row("dp-ilr0.002") == ("dp", 0, "", {"ilr": 0.002})
+    assert parse_row("H100-int4-first25-rda") == ("sync", 100, "int4", {"first": 25.0, "rda": 1.0})
+    with pytest.raises(SystemExit, match="-rda is for whole-model rounds"):
+        parse_row("H100-int4-frag8-rda")
     with pytest.raises(SystemExit, match="a dp row takes only -ilr"):
         parse_row("dp-om0.6")
 
@@ -133,3 +136,65 @@ def test_fragments_merge_with_members_bitwise_equal_and_one_fragment_is_the_sync
     assert three.tokens == sync.tokens and three.final != sync.final
     # a round a step, each fragment's every 3 steps; at the end the two with steps left merge them
     assert three.notes["versions"] == [3, 3, 2] and three.notes["merges"] == 8
+
+
+def test_rda_on_the_simulated_wire_merges_as_a_peers_rda_does():
+    """Under --rda the in-process learners send unit directions and their norms, and the round recombines
+    them (protocol.round), as a peer's: the merge is the mean norm along the summed direction, not the plain
+    mean's, which shrinks by about 1/√M when the members' Δs are near orthogonal."""
+    import threading
+    from p2pdiloco.core import codec
+    from p2pdiloco.core.outer import rda_reference, segment_norm
+    from p2pdiloco.core.state import GlobalState
+    from p2pdiloco.protocol.outcomes import Contribution
+    from p2pdiloco.protocol.round import RoundRules
+    from p2pdiloco.protocol.timing import GracePolicy, RoundClock
+    from p2pdiloco.sim.learners import Board, IslandMerger
+
+    n = 2 * codec.BLOCK + 77
+    segments = ((0, codec.BLOCK), (codec.BLOCK, 2 * codec.BLOCK))  # the last 77 elements: the plain mean
+    theta = GlobalState(torch.zeros(n), 0.7, 0.6)
+    g = torch.Generator().manual_seed(3)
+    deltas = [torch.randn(n, generator=g) for _ in range(3)]
+    deltas = [d * (0.5 / d.norm()) for d in deltas]  # equal norms: the influence bound weighs them alike
+    peers = ["a", "b", "c"]
+
+    def merged(wire):
+        board = Board(wire, n)
+        rules = RoundRules(mode="decoupled", quorum=3, overlap_steps=10, grace=GracePolicy(floor=5.0, cap=30.0),
+                           poll=0.01, rda_segments=wire.rda_segments)
+        mergers = [IslandMerger(board, p, rules, None, RoundClock()) for p in peers]
+        for p in peers:
+            board.publish(p, theta)
+        outcomes = [None] * 3
+
+        def run(i):
+            outcomes[i] = mergers[i].merge(Contribution.of(deltas[i], tokens=1000, steps=10, version=0,
+                                                           peer=peers[i], name=peers[i], digest=theta.digest))
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert all(o.committed for o in outcomes), outcomes
+        assert all(torch.equal(o.merged, outcomes[0].merged) for o in outcomes)
+        return outcomes[0].merged
+
+    plain = merged(Wire.named("fp32"))
+    rda = merged(dataclasses.replace(Wire.named("fp32"), rda_segments=segments))
+    expected = rda_reference(deltas, [1 / 3] * 3, list(segments))
+    assert (rda - expected).abs().max() < 1e-5 * expected.abs().max()  # 20-bit codes
+    assert (plain - sum(deltas) / 3).abs().max() < 1e-5 * plain.abs().max()
+    mean_norm = sum(segment_norm(d[: codec.BLOCK]) for d in deltas) / 3
+    assert segment_norm(rda[: codec.BLOCK]) == pytest.approx(mean_norm, rel=1e-4)
+    assert segment_norm(plain[: codec.BLOCK]) < 0.7 * mean_norm  # near orthogonal: the plain mean shrinks
+    tail = slice(2 * codec.BLOCK, n)  # outside the segments, the plain mean (on codes of their own scale)
+    assert (rda[tail] - plain[tail]).abs().max() < 1e-4 * plain[tail].abs().max()
+
+
+def test_a_rows_schedule_decays_over_its_own_budget_and_its_first_rounds_may_be_shorter():
+    from p2pdiloco.sim.parity import round_lengths
+    cosine = dataclasses.replace(SETUP, lr_schedule="cosine")
+    assert cosine.inner().total_tokens == 6 * 3 * 2 * 32 and SETUP.inner().lr_schedule == "constant"
+    assert round_lengths(400, 100) == [100] * 4
+    assert round_lengths(400, 100, first=25) == [25] * 4 + [100] * 3
