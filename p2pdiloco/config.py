@@ -122,7 +122,11 @@ class InnerConfig:
     min_lr_ratio: float = option(0.1, "Where cosine and wsd end, as a fraction of --inner-lr.")
     decay_fraction: float = option(0.2, "wsd: the part of --total-tokens the decay takes.")
     weight_decay: float = 0.1
-    batch_size: int = option(16, "Sequences per inner step.")
+    batch_size: int = option(16, "Sequences per micro-batch (an inner step takes --accumulate of them).")
+    accumulate: int = option(
+        1, "Micro-batches of --batch-size whose gradients one inner step sums (gradient accumulation): a step "
+        "of accumulate × batch-size sequences in the activations' memory of one micro-batch. Larger steps per "
+        "peer bring the swarm nearer data-parallel at equal tokens (docs/parity.md).")
     seq_len: int = option(128, "Tokens per sequence.")
     grad_clip: float = option(1.0, "Clip the inner gradients' global norm to this (0: no clipping).")
     step_in_backward: bool = option(
@@ -151,7 +155,10 @@ class InnerConfig:
         "state per parameter instead of 8).", flag="inner-optimizer", choices=INNER_OPTIMIZERS)
 
     def __post_init__(self):
-        _positive(self, "steps", "batch_size", "seq_len")
+        _positive(self, "steps", "batch_size", "seq_len", "accumulate")
+        if self.step_in_backward and self.accumulate > 1:
+            raise ConfigError(f"--step-in-backward steps inside the backward pass, so it cannot sum {self.accumulate} "
+                              "micro-batches' gradients first: leave out one of --step-in-backward and --accumulate")
         if self.optimizer not in INNER_OPTIMIZERS:
             raise ConfigError(f"inner optimizer must be one of {', '.join(INNER_OPTIMIZERS)}, got {self.optimizer!r}")
         if self.round_seconds is not None:

@@ -259,15 +259,10 @@ class InnerTrainer:
             lr = self.lr_at(self.total_steps * self.tokens_per_step if progress is None else progress)
         if self.lockstep is not None:
             self.lockstep.lead(self, lr)  # before the batch is drawn: the others draw theirs at our position
-        batch = next(self.batches)
-        if self.on_gpu:
-            batch = tuple(t.pin_memory() for t in batch)
-        inputs, targets = (t.to(self.device, non_blocking=True) for t in batch)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        with torch.autocast("cuda", dtype=torch.bfloat16) if self.on_gpu else nullcontext():
-            loss = self.forward(inputs, targets)
-        loss.backward()  # with step_in_backward, this also steps every parameter (_step_one)
+        losses = [self._micro_step(last=i == self.cfg.accumulate - 1) for i in range(self.cfg.accumulate)]
+        loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
         if not self.cfg.step_in_backward:
             if self.cfg.grad_clip > 0:
                 nn.utils.clip_grad_norm_(self.trained.parameters(), self.cfg.grad_clip)
@@ -277,6 +272,21 @@ class InnerTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.total_steps += 1
         self._behind = self.sharded
+        return loss
+
+    def _micro_step(self, last: bool) -> torch.Tensor:
+        """One micro-batch's forward and backward: its gradient, over `accumulate`, is added to the step's. DDP
+        ranks average theirs at the last micro-batch only (no_sync before it); the loss, detached."""
+        batch = next(self.batches)
+        if self.on_gpu:
+            batch = tuple(t.pin_memory() for t in batch)
+        inputs, targets = (t.to(self.device, non_blocking=True) for t in batch)
+        no_sync = getattr(self.forward, "no_sync", None)
+        with nullcontext() if last or no_sync is None else no_sync():
+            with torch.autocast("cuda", dtype=torch.bfloat16) if self.on_gpu else nullcontext():
+                loss = self.forward(inputs, targets)
+            # with step_in_backward (one micro-batch), this also steps every parameter (_step_one)
+            (loss / self.cfg.accumulate if self.cfg.accumulate > 1 else loss).backward()
         return loss.detach()
 
     def timed_step(self, progress: int | None = None) -> tuple[torch.Tensor, float]:
@@ -292,8 +302,9 @@ class InnerTrainer:
 
     @property
     def tokens_per_step(self) -> int:
-        """The member's: every rank's batch."""
-        return self.cfg.batch_size * self.cfg.seq_len * (self.ranks.world if self.ranks is not None else 1)
+        """The member's: every rank's micro-batches."""
+        ranks = self.ranks.world if self.ranks is not None else 1
+        return self.cfg.batch_size * self.cfg.accumulate * self.cfg.seq_len * ranks
 
 
 @torch.no_grad()

@@ -2,6 +2,7 @@
 writes of θ between steps (a round's rebase) reach rank 1, every rank ends with the same θ, and a write rank 0 did
 not announce is caught rather than trained on."""
 
+import dataclasses
 import multiprocessing
 import os
 
@@ -21,11 +22,11 @@ CFG = InnerConfig(steps=3, batch_size=4, seq_len=16, warmup_steps=5)
 SEED = 7
 
 
-def trainer(rank: int, world: int) -> InnerTrainer:
+def trainer(rank: int, world: int, cfg: InnerConfig = CFG) -> InnerTrainer:
     ranks = Ranks(rank, world) if world > 1 else None
-    stream = BatchStream(TEXT, CFG.batch_size, CFG.seq_len, seed=SEED if rank == 0 else 0)  # rank 1 learns it
+    stream = BatchStream(TEXT, cfg.batch_size, cfg.seq_len, seed=SEED if rank == 0 else 0)  # rank 1 learns it
     batches = Strided(stream, ranks) if ranks else stream
-    return InnerTrainer(build_model("tiny", seed=rank), batches, CFG, torch.device("cpu"), ranks=ranks)
+    return InnerTrainer(build_model("tiny", seed=rank), batches, cfg, torch.device("cpu"), ranks=ranks)
 
 
 def nudge(model) -> None:
@@ -35,11 +36,11 @@ def nudge(model) -> None:
             p.add_(0.01)
 
 
-def rank_main(rank: int, folder: str, announce: bool) -> None:
+def rank_main(rank: int, folder: str, announce: bool, accumulate: int) -> None:
     os.environ["WORLD_SIZE"] = "2"
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
     torch.set_num_threads(1)
-    t = trainer(rank, 2)
+    t = trainer(rank, 2, dataclasses.replace(CFG, accumulate=accumulate))
     try:
         if rank == 0:
             for _ in range(3):
@@ -58,9 +59,9 @@ def rank_main(rank: int, folder: str, announce: bool) -> None:
     torch.save(dict(theta=flat_params(t.model), steps=t.total_steps, tokens=t.tokens_per_step), f"{folder}/{rank}.pt")
 
 
-def run_ranks(folder, announce: bool) -> None:
+def run_ranks(folder, announce: bool, accumulate: int = 1) -> None:
     context = multiprocessing.get_context("fork")  # no group in this process: the children make their own
-    procs = [context.Process(target=rank_main, args=(r, str(folder), announce)) for r in range(2)]
+    procs = [context.Process(target=rank_main, args=(r, str(folder), announce, accumulate)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
@@ -68,23 +69,26 @@ def run_ranks(folder, announce: bool) -> None:
         assert p.exitcode == 0
 
 
-def test_two_ranks_train_as_one_member_with_twice_the_batch_and_take_rank_0s_writes_of_theta(tmp_path):
-    run_ranks(tmp_path, announce=True)
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_two_ranks_train_as_one_member_with_twice_the_batch_and_take_rank_0s_writes_of_theta(tmp_path, accumulate):
+    """With --accumulate 2 as well, each rank sums two micro-batches (DDP averages only the last's gradients,
+    no_sync before): the member's step is over four batches."""
+    run_ranks(tmp_path, announce=True, accumulate=accumulate)
     zero, one = (torch.load(tmp_path / f"{r}.pt") for r in range(2))
     assert torch.equal(zero["theta"], one["theta"])  # rank 1 began from another init: it took rank 0's θ
-    assert zero["steps"] == one["steps"] == 5 and zero["tokens"] == 2 * CFG.batch_size * CFG.seq_len
+    member = 2 * accumulate * CFG.batch_size * CFG.seq_len  # the schedule runs on the member's tokens per step
+    assert zero["steps"] == one["steps"] == 5 and zero["tokens"] == member
 
-    # the same five steps in one process over both ranks' batches (rank r's step s: batch 2s + r)
+    # the same five steps in one process over both ranks' batches (rank r's micro-batch s: batch 2s + r)
     alone = trainer(0, 1)
     stream = BatchStream(TEXT, CFG.batch_size, CFG.seq_len, seed=SEED)
-    alone.batches = iter([tuple(torch.cat(parts) for parts in zip(*(next(stream) for _ in range(2))))
+    alone.batches = iter([tuple(torch.cat(parts) for parts in zip(*(next(stream) for _ in range(2 * accumulate))))
                           for _ in range(5)])
     for step in range(5):
         if step == 3:
             nudge(alone.model)
-        member = 2 * CFG.batch_size * CFG.seq_len  # the schedule runs on the member's tokens per step
         alone.train_step(lr=inner_lr(CFG, step * member, member))
-    assert torch.allclose(zero["theta"], flat_params(alone.model), atol=1e-6)
+    assert torch.allclose(zero["theta"], flat_params(alone.model), atol=1e-6 if accumulate == 1 else 2e-5)
 
 
 def test_a_write_of_theta_that_rank_0_did_not_announce_stops_the_member(tmp_path):
