@@ -46,6 +46,8 @@ from p2pdiloco.runtime.paging import LetGo, hold
 log = logging.getLogger(__name__)
 
 
+MAX_SWARM_RATE = 4096.0  # the schedule's clock runs at most this many times our own tokens
+
 class Progress(Enum):
     """What of θ's local progress a rebase onto a new Θ keeps."""
 
@@ -127,11 +129,13 @@ class DiLoCo:
         # the data stream's position then): an island may have merged it after we stopped (`adopt` decides)
         self.unsettled: Optional[dict] = None
         self.settled_step = -1  # the inner step at which the latest contribution whose outcome we applied left
+        self.swarm_rate = 1.0  # tokens merged into Θ per token of ours, between our last two merges
+        self._merge_base: Optional[int] = state.tokens  # Θ's tokens after our last merge (None: a state came since)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="round")
 
     # ---- inner steps --------------------------------------------------------------------------------------
     def inner_step(self) -> tuple[float, float]:
-        loss, seconds = self.trainer.timed_step(self.swarm_tokens)
+        loss, seconds = self.trainer.timed_step(self.schedule_tokens)
         self.count_step(seconds)
         return loss, seconds
 
@@ -149,6 +153,21 @@ class DiLoCo:
         """The swarm's progress as this peer sees it: the tokens merged into Θ, and ours not merged yet (the
         learning-rate schedule's clock)."""
         return self.state.tokens + self.unmerged_tokens
+
+    @property
+    def schedule_tokens(self) -> int:
+        """The learning-rate schedule's clock: the tokens merged into Θ, and ours not merged yet times the rate at
+        which the swarm merged tokens per token of ours between our last two merges (while we train, the others
+        do). In a swarm of M equal peers the clock then runs as data-parallel's does over M× the batch, not M
+        times slower between merges; alone, or before our first merge, it is `swarm_tokens`."""
+        return self.state.tokens + round(self.unmerged_tokens * self.swarm_rate)
+
+    def _note_swarm_rate(self, ours: int) -> None:
+        """After a merge that holds our `ours` tokens: the swarm's tokens merged since our last merge, per token
+        of ours (1 at least; unknown, and left as it was, where a state was downloaded in between)."""
+        if self._merge_base is not None and ours > 0:
+            self.swarm_rate = min(MAX_SWARM_RATE, max(1.0, (self.state.tokens - self._merge_base) / ours))
+        self._merge_base = self.state.tokens
 
     def local_params(self) -> torch.Tensor:
         return flat_params(self.trainer.model)
@@ -251,6 +270,8 @@ class DiLoCo:
                     self.merged_seconds += c.seconds
                     # stale and no download: our Δ lives in the group's state, not in ours; we catch up later
                     held = not (outcome.stale and outcome.state is None)
+                    if held:
+                        self._note_swarm_rate(c.tokens)
                     self._forget_last_merge()
                     if held:
                         self.last_merge = LastMerge(self.state.key, flight.kept, c.tokens, c.steps, c.seconds)
@@ -286,6 +307,7 @@ class DiLoCo:
                 self.recovered_tokens += self.last_merge.tokens
             self._forget_last_merge()
         self.state.load(metadata, tensors)
+        self._merge_base = None  # Θ's tokens now count others' merges from before our last one too
         return restored
 
     def _forget_last_merge(self) -> None:

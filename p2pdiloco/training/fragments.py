@@ -119,11 +119,16 @@ class Streams:
     # ---- inner steps --------------------------------------------------------------------------------------
     @property
     def swarm_tokens(self) -> int:
-        """The schedule's clock: the fragments' own clocks (merged and unmerged tokens), averaged."""
+        """The fragments' own progress (merged and unmerged tokens), averaged: what a checkpoint records."""
         return sum(part.swarm_tokens for part in self.parts) // len(self.parts)
 
+    @property
+    def schedule_tokens(self) -> int:
+        """The lr schedule's clock (`DiLoCo.schedule_tokens`), the fragments' averaged."""
+        return sum(part.schedule_tokens for part in self.parts) // len(self.parts)
+
     def inner_step(self) -> tuple[torch.Tensor, float]:
-        loss, seconds = self.trainer.timed_step(self.swarm_tokens)
+        loss, seconds = self.trainer.timed_step(self.schedule_tokens)
         for part in self.parts:
             part.count_step(seconds, share=1.0 / len(self.parts))
         return loss, seconds

@@ -1,8 +1,10 @@
 """The inner learning rate of the whole swarm: a function of the swarm's progress, never of one peer's steps.
 
 Progress is counted in tokens merged into the global model (`GlobalState.tokens`, carried with Θ to every
-peer that takes it) plus this peer's own tokens not merged yet, so a peer that joins late trains at the
-swarm's learning rate, not at the start of a warm-up of its own.
+peer that takes it), so a peer that joins late trains at the swarm's learning rate, not at the start of a
+warm-up of its own; plus this peer's own tokens not merged yet, times the tokens the swarm merged per token of
+ours between our last two merges (`DiLoCo.schedule_tokens`): between merges the others train too, and the clock
+runs as data-parallel's would over the whole swarm's batch.
 """
 
 from __future__ import annotations

@@ -198,3 +198,33 @@ def test_a_rows_schedule_decays_over_its_own_budget_and_its_first_rounds_may_be_
     assert cosine.inner().total_tokens == 6 * 3 * 2 * 32 and SETUP.inner().lr_schedule == "constant"
     assert round_lengths(400, 100) == [100] * 4
     assert round_lengths(400, 100, first=25) == [25] * 4 + [100] * 3
+
+
+def test_the_schedules_clock_runs_at_the_swarms_rate_between_merges(bench):
+    """After one merge of three equal learners, each counts its unmerged tokens three times on the lr schedule's
+    clock: at every step of its second round it trains at the lr of the swarm's tokens, as data-parallel over 3×
+    the batch would, not at the lr of a third of them (which a cosine decay would leave high to the end)."""
+    from p2pdiloco.sim.learners import Board
+    from p2pdiloco.sim.parity import learners, sync_rules
+    from p2pdiloco.training.schedule import inner_lr
+    cosine = dataclasses.replace(bench, setup=dataclasses.replace(SETUP, lr_schedule="cosine", steps=30))
+    board = Board(Wire.named("fp32"), cosine.n_params())
+    group = learners(cosine, board, sync_rules(3), 3)
+    cfg, per_step = group[0].diloco.trainer.cfg, group[0].diloco.trainer.tokens_per_step
+    try:
+        for r in range(2):
+            for learner in group:
+                for k in range(3):
+                    learner.diloco.inner_step()
+                    lr = learner.diloco.trainer.optimizer.param_groups[0]["lr"]
+                    # the swarm's tokens before its step 3r + k; before any merge, the learner knows only its own
+                    swarm = 3 * (3 * r + k) * per_step if r else k * per_step
+                    assert lr == pytest.approx(inner_lr(cfg, swarm, per_step))
+                learner.diloco.contribute()
+            for learner in group:
+                assert learner.diloco.wait(timeout=60).outcome.committed
+                board.publish(learner.name, learner.diloco.state)
+        assert [x.diloco.swarm_rate for x in group] == [3.0] * 3
+    finally:
+        for learner in group:
+            learner.diloco.close()
