@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import math
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -465,7 +466,8 @@ class DiLoCo:
         return dict(version=self.state.version, digest=self.state.digest, history=self.state.history,
                     last_members=self.state.last_members, tokens=self.state.tokens,
                     unmerged_tokens=self.unmerged_tokens, unmerged_steps=self.unmerged_steps,
-                    unmerged_seconds=self.unmerged_seconds, unsettled=unsettled, settled_step=self.settled_step)
+                    unmerged_seconds=self.unmerged_seconds, unsettled=unsettled, settled_step=self.settled_step,
+                    swarm_rate=self.swarm_rate, merge_base=self._merge_base)
 
     def restore_checkpoint_state(self, meta: dict, tensors: dict[str, torch.Tensor],
                                  contributed: Optional[dict] = None) -> Optional[str]:
@@ -485,8 +487,18 @@ class DiLoCo:
         left = meta.get("unsettled")  # left with a round in flight
         self.unsettled = left if isinstance(left, dict) and isinstance(left.get("version"), int) else None
         self.settled_step = int(meta.get("settled_step", -1))
+        self.swarm_rate, self._merge_base = _schedule_rate(meta)
         if contributed is not None and contributed["inner_step"] > self.settled_step:  # left after we saved
             self.unsettled = dict(version=contributed["version"], stream_position=contributed.get("stream_position"))
+
+
+def _schedule_rate(meta: dict) -> tuple[float, Optional[int]]:
+    """The schedule clock's rate and base from a checkpoint (1 and unknown where it has none or they are not
+    numbers: the clock is then a peer's own until its next merges, as after a join)."""
+    rate, base = meta.get("swarm_rate", 1.0), meta.get("merge_base")
+    if not isinstance(rate, (int, float)) or not math.isfinite(rate):
+        rate = 1.0
+    return min(MAX_SWARM_RATE, max(1.0, float(rate))), base if isinstance(base, int) and base >= 0 else None
 
 
 def trainer_checkpoint(trainer: InnerTrainer) -> tuple[dict, dict[str, Entry]]:
