@@ -49,6 +49,31 @@ log = logging.getLogger(__name__)
 
 MAX_SWARM_RATE = 4096.0  # the schedule's clock runs at most this many times our own tokens
 
+
+@dataclass
+class SwarmRate:
+    """The tokens merged into Θ per token of ours, between our last two merges: the lr schedule's clock counts
+    our unmerged tokens at this rate (`DiLoCo.schedule_tokens`). `base`: Θ's tokens just after our last merge
+    (None where a downloaded state came since: the rate then stays as it was until the next merge but one)."""
+
+    rate: float = 1.0
+    base: Optional[int] = None
+
+    def merged(self, tokens: int, ours: int) -> None:
+        """A merge holding `ours` of our tokens left Θ at `tokens`."""
+        if self.base is not None and ours > 0:
+            self.rate = min(MAX_SWARM_RATE, max(1.0, (tokens - self.base) / ours))
+        self.base = tokens
+
+    @classmethod
+    def of(cls, meta: dict) -> "SwarmRate":
+        """From a checkpoint's metadata (a rate of 1 and no base where it has none, or they are not numbers: the
+        clock is a peer's own until its next merges, as after a join)."""
+        rate, base = meta.get("swarm_rate", 1.0), meta.get("merge_base")
+        if not isinstance(rate, (int, float)) or not math.isfinite(rate):
+            rate = 1.0
+        return cls(min(MAX_SWARM_RATE, max(1.0, float(rate))), base if isinstance(base, int) and base >= 0 else None)
+
 class Progress(Enum):
     """What of θ's local progress a rebase onto a new Θ keeps."""
 
@@ -130,8 +155,7 @@ class DiLoCo:
         # the data stream's position then): an island may have merged it after we stopped (`adopt` decides)
         self.unsettled: Optional[dict] = None
         self.settled_step = -1  # the inner step at which the latest contribution whose outcome we applied left
-        self.swarm_rate = 1.0  # tokens merged into Θ per token of ours, between our last two merges
-        self._merge_base: Optional[int] = state.tokens  # Θ's tokens after our last merge (None: a state came since)
+        self.swarm_rate = SwarmRate(base=state.tokens)  # the schedule's clock between merges
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="round")
 
     # ---- inner steps --------------------------------------------------------------------------------------
@@ -161,14 +185,7 @@ class DiLoCo:
         which the swarm merged tokens per token of ours between our last two merges (while we train, the others
         do). In a swarm of M equal peers the clock then runs as data-parallel's does over M× the batch, not M
         times slower between merges; alone, or before our first merge, it is `swarm_tokens`."""
-        return self.state.tokens + round(self.unmerged_tokens * self.swarm_rate)
-
-    def _note_swarm_rate(self, ours: int) -> None:
-        """After a merge that holds our `ours` tokens: the swarm's tokens merged since our last merge, per token
-        of ours (1 at least; unknown, and left as it was, where a state was downloaded in between)."""
-        if self._merge_base is not None and ours > 0:
-            self.swarm_rate = min(MAX_SWARM_RATE, max(1.0, (self.state.tokens - self._merge_base) / ours))
-        self._merge_base = self.state.tokens
+        return self.state.tokens + round(self.unmerged_tokens * self.swarm_rate.rate)
 
     def local_params(self) -> torch.Tensor:
         return flat_params(self.trainer.model)
@@ -272,7 +289,7 @@ class DiLoCo:
                     # stale and no download: our Δ lives in the group's state, not in ours; we catch up later
                     held = not (outcome.stale and outcome.state is None)
                     if held:
-                        self._note_swarm_rate(c.tokens)
+                        self.swarm_rate.merged(self.state.tokens, c.tokens)
                     self._forget_last_merge()
                     if held:
                         self.last_merge = LastMerge(self.state.key, flight.kept, c.tokens, c.steps, c.seconds)
@@ -308,7 +325,7 @@ class DiLoCo:
                 self.recovered_tokens += self.last_merge.tokens
             self._forget_last_merge()
         self.state.load(metadata, tensors)
-        self._merge_base = None  # Θ's tokens now count others' merges from before our last one too
+        self.swarm_rate.base = None  # Θ's tokens now count others' merges from before our last one too
         return restored
 
     def _forget_last_merge(self) -> None:
@@ -467,7 +484,7 @@ class DiLoCo:
                     last_members=self.state.last_members, tokens=self.state.tokens,
                     unmerged_tokens=self.unmerged_tokens, unmerged_steps=self.unmerged_steps,
                     unmerged_seconds=self.unmerged_seconds, unsettled=unsettled, settled_step=self.settled_step,
-                    swarm_rate=self.swarm_rate, merge_base=self._merge_base)
+                    swarm_rate=self.swarm_rate.rate, merge_base=self.swarm_rate.base)
 
     def restore_checkpoint_state(self, meta: dict, tensors: dict[str, torch.Tensor],
                                  contributed: Optional[dict] = None) -> Optional[str]:
@@ -487,18 +504,9 @@ class DiLoCo:
         left = meta.get("unsettled")  # left with a round in flight
         self.unsettled = left if isinstance(left, dict) and isinstance(left.get("version"), int) else None
         self.settled_step = int(meta.get("settled_step", -1))
-        self.swarm_rate, self._merge_base = _schedule_rate(meta)
+        self.swarm_rate = SwarmRate.of(meta)
         if contributed is not None and contributed["inner_step"] > self.settled_step:  # left after we saved
             self.unsettled = dict(version=contributed["version"], stream_position=contributed.get("stream_position"))
-
-
-def _schedule_rate(meta: dict) -> tuple[float, Optional[int]]:
-    """The schedule clock's rate and base from a checkpoint (1 and unknown where it has none or they are not
-    numbers: the clock is then a peer's own until its next merges, as after a join)."""
-    rate, base = meta.get("swarm_rate", 1.0), meta.get("merge_base")
-    if not isinstance(rate, (int, float)) or not math.isfinite(rate):
-        rate = 1.0
-    return min(MAX_SWARM_RATE, max(1.0, float(rate))), base if isinstance(base, int) and base >= 0 else None
 
 
 def trainer_checkpoint(trainer: InnerTrainer) -> tuple[dict, dict[str, Entry]]:
