@@ -172,6 +172,8 @@ def learners(bench: Bench, board: Board, rules: RoundRules, m: int) -> list[Lear
 
 def round_lengths(steps: int, h: int, first: Optional[int] = None) -> list[int]:
     """Inner steps of each round: H each; with `first`, the first H steps merged in rounds of `first` steps."""
+    if first and h % first:
+        raise ValueError(f"the first rounds' length ({first}) must divide H ({h}): a row trains the setup's steps")
     lengths = [h] * (steps // h)
     if first and lengths:
         lengths[:1] = [first] * (h // first)
@@ -231,7 +233,8 @@ def streaming(bench: Bench, h: int, wire: Wire, fragments: int, overlap: int = 0
         if boards is None:
             sizes = [f.size for f in model_fragments(trainer.model, fragments)]
             boards = [Board(wire, size) for size in sizes]
-        merger_for = _island_merger(boards, name, sync_rules(h))  # RDA: the whole model's segments, not a fragment's
+        # no RDA here (bench_parity refuses -rda with -frag): a peer's RDA segments are the whole model's tensors
+        merger_for = _island_merger(boards, name, sync_rules(h))
         streams = Streams(trainer, state, merger_for, Stagger(fragments, h, in_flight), name, name)
         for board, part in zip(boards, streams.parts):
             board.publish(name, part.state)
@@ -288,10 +291,13 @@ def _island_merger(boards: list[Board], name: str, rules: RoundRules):
     return merger_for
 
 
-def decoupled_rules(h: int, step_seconds: float, overlap_steps: Optional[int] = None) -> RoundRules:
+def decoupled_rules(h: int, step_seconds: float, overlap_steps: Optional[int] = None,
+                    wire: Optional[Wire] = None) -> RoundRules:
     """A peer's default rules (SwarmConfig's), in simulated seconds: no matchmaking floor, the grace window capped
-    at a round of the slowest learner's steps; τ of Eq. 3 (`overlap_steps`) is H unless given, as a peer's."""
-    return swarm_rules(SwarmConfig(), overlap_steps or h, grace_floor=0.0, grace_cap=h * step_seconds, poll=1.0)
+    at a round of the slowest learner's steps; τ of Eq. 3 (`overlap_steps`) is H unless given, as a peer's; the
+    wire's RDA segments, if any."""
+    rules = swarm_rules(SwarmConfig(), overlap_steps or h, grace_floor=0.0, grace_cap=h * step_seconds, poll=1.0)
+    return dataclasses.replace(rules, rda_segments=wire.rda_segments) if wire else rules
 
 
 def decoupled(bench: Bench, h: int, wire: Wire, speeds: tuple[float, ...] = (1.0, 1.0, 1.0, 3.0),
@@ -320,8 +326,7 @@ def decoupled(bench: Bench, h: int, wire: Wire, speeds: tuple[float, ...] = (1.0
         diloco = DiLoCo(trainer, state, merger, name, name, eager=eager)
         runners.append(Runner(name, diloco, merger, Sender(name, wire, wire.feedback()), speed))
         board.publish(name, state)
-    rules = dataclasses.replace(decoupled_rules(h, max(speeds), overlap_steps), rda_segments=wire.rda_segments)
-    timeline = Timeline(board, rules, runners, h, sync_seconds)
+    timeline = Timeline(board, decoupled_rules(h, max(speeds), overlap_steps, wire), runners, h, sync_seconds)
     tokens = len(speeds) * s.batch_size * s.seq_len
     watch = Watch(bench, board, runners[0].diloco.trainer.model, count, s.steps * tokens, s.eval_every * tokens)
     try:

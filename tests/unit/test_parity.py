@@ -198,6 +198,17 @@ def test_a_rows_schedule_decays_over_its_own_budget_and_its_first_rounds_may_be_
     assert cosine.inner().total_tokens == 6 * 3 * 2 * 32 and SETUP.inner().lr_schedule == "constant"
     assert round_lengths(400, 100) == [100] * 4
     assert round_lengths(400, 100, first=25) == [25] * 4 + [100] * 3
+    with pytest.raises(ValueError, match="must divide H"):
+        round_lengths(400, 100, first=30)
+
+
+def test_a_wires_rda_reaches_the_rows_round_rules():
+    """Learners that send RDA directions need rules that recombine them: the synchronous and decoupled rows'
+    rules carry the wire's segments (without, the merge would be a sum of unit vectors)."""
+    from p2pdiloco.sim.parity import decoupled_rules, sync_rules
+    wire = dataclasses.replace(Wire.named("int4"), rda_segments=((0, 10), (10, 30)))
+    assert sync_rules(5, wire).rda_segments == wire.rda_segments and sync_rules(5).rda_segments == ()
+    assert decoupled_rules(5, 1.0, wire=wire).rda_segments == wire.rda_segments
 
 
 def test_the_schedules_clock_runs_at_the_swarms_rate_between_merges(bench):

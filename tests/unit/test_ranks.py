@@ -36,11 +36,11 @@ def nudge(model) -> None:
             p.add_(0.01)
 
 
-def rank_main(rank: int, folder: str, announce: bool, accumulate: int) -> None:
+def rank_main(rank: int, folder: str, announce: bool, accumulate: int, fsdp: bool = False) -> None:
     os.environ["WORLD_SIZE"] = "2"
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
     torch.set_num_threads(1)
-    t = trainer(rank, 2, dataclasses.replace(CFG, accumulate=accumulate))
+    t = trainer(rank, 2, dataclasses.replace(CFG, accumulate=accumulate, fsdp=fsdp))
     try:
         if rank == 0:
             for _ in range(3):
@@ -50,18 +50,22 @@ def rank_main(rank: int, folder: str, announce: bool, accumulate: int) -> None:
                 t.theta_written()
             for _ in range(2):
                 t.train_step()
+            theta = flat_params(t.model)  # sharded, rank 0 gathers θ whole: while the group is still there
             t.release_ranks()
         else:
             follow(t)  # leaves the group when rank 0 does
+            if fsdp:  # a sharded member's θ is read whole on rank 0 only
+                return
+            theta = flat_params(t.model)
     except RanksDiverged:
         open(f"{folder}/diverged{rank}", "w").close()
         return
-    torch.save(dict(theta=flat_params(t.model), steps=t.total_steps, tokens=t.tokens_per_step), f"{folder}/{rank}.pt")
+    torch.save(dict(theta=theta, steps=t.total_steps, tokens=t.tokens_per_step), f"{folder}/{rank}.pt")
 
 
-def run_ranks(folder, announce: bool, accumulate: int = 1) -> None:
+def run_ranks(folder, announce: bool, accumulate: int = 1, fsdp: bool = False) -> None:
     context = multiprocessing.get_context("fork")  # no group in this process: the children make their own
-    procs = [context.Process(target=rank_main, args=(r, str(folder), announce, accumulate)) for r in range(2)]
+    procs = [context.Process(target=rank_main, args=(r, str(folder), announce, accumulate, fsdp)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
@@ -89,6 +93,23 @@ def test_two_ranks_train_as_one_member_with_twice_the_batch_and_take_rank_0s_wri
             nudge(alone.model)
         alone.train_step(lr=inner_lr(CFG, step * member, member))
     assert torch.allclose(zero["theta"], flat_params(alone.model), atol=1e-6 if accumulate == 1 else 2e-5)
+
+
+def test_a_sharded_member_accumulates_micro_batches_as_one_process_over_all_of_them(tmp_path):
+    """--fsdp with --accumulate 2: each micro-batch's gradients are reduce-scattered and summed in the shards."""
+    run_ranks(tmp_path, announce=True, accumulate=2, fsdp=True)
+    zero = torch.load(tmp_path / "0.pt")
+    alone = trainer(0, 1)
+    stream = BatchStream(TEXT, CFG.batch_size, CFG.seq_len, seed=SEED)
+    alone.batches = iter([tuple(torch.cat(parts) for parts in zip(*(next(stream) for _ in range(4))))
+                          for _ in range(5)])
+    member = 4 * CFG.batch_size * CFG.seq_len
+    for step in range(5):
+        if step == 3:
+            nudge(alone.model)
+        alone.train_step(lr=inner_lr(CFG, step * member, member))
+    assert zero["steps"] == 5 and zero["tokens"] == member
+    assert torch.allclose(zero["theta"], flat_params(alone.model), atol=2e-5)
 
 
 def test_a_write_of_theta_that_rank_0_did_not_announce_stops_the_member(tmp_path):
