@@ -111,7 +111,8 @@ class RoundLog:
                                 f"consensus distance {distance:.3g}")
         self.round_losses = []
         self.bytes_sent += o.bytes_sent or 0
-        self.heartbeat.note(rounds=self.rounds, island=len(o.members), bytes_sent=self.bytes_sent)
+        # a round that formed no island (rolled back before one closed) counts as alone, as the record says
+        self.heartbeat.note(rounds=self.rounds, island=max(1, len(o.members)), bytes_sent=self.bytes_sent)
         self.progress.start_round(self.rounds, state.version)
 
     def summary(self, initial_val: Optional[float], final_val: float, device: torch.device,
