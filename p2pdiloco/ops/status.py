@@ -152,8 +152,9 @@ def run_status(cfg, as_json: bool, watch: bool, interval: float, echo=print, max
     from p2pdiloco.swarm.fragments import fragment_config
     from p2pdiloco.swarm.node import start_dht
     from p2pdiloco.swarm.records import fetch_records_seen, fetch_reducers
+    from p2pdiloco.swarm.signing import Identity
 
-    dht = start_dht(cfg, client_mode=True)
+    dht = start_dht(cfg, Identity.fresh(), client_mode=True)  # an onlooker of its own, whatever --identity says
     try:
         views: list[SwarmView] = []
 

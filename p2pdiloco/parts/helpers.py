@@ -24,6 +24,7 @@ class Helpers:
     dht: object  # hivemind.DHT
     averager: ExactAverager
     settings: MergeSettings
+    identity: object  # p2pdiloco.swarm.signing.Identity: our peer id's key, which signs our records
 
     @property
     def peer_id(self) -> str:
@@ -40,7 +41,8 @@ def start_helpers(cfg: PeerConfig, workload: Workload, share_state: Callable,
     # holds one (the tiny peer's peak: 1.14 GB against 1.25, one run each)
     gc.collect()
     gc.freeze()
-    dht = node.start_dht(cfg.swarm, leaving=leaving)
+    identity = node.identity_of(cfg.swarm)
+    dht = node.start_dht(cfg.swarm, identity, leaving=leaving)
     try:
         overlap = cfg.swarm.overlap_steps or cfg.inner.steps  # the next contribution is due H steps later
         settings = merge_settings(cfg.swarm, cfg.outer, workload.n_params, workload.segments, overlap,
@@ -49,7 +51,7 @@ def start_helpers(cfg: PeerConfig, workload: Workload, share_state: Callable,
     except BaseException:
         node.shutdown(dht)
         raise
-    return Helpers(lifeline, dht, averager, settings)
+    return Helpers(lifeline, dht, averager, settings, identity)
 
 
 def announce(cfg: PeerConfig, helpers: Helpers, name: str) -> None:

@@ -78,7 +78,7 @@ def _merger(cfg: PeerConfig, workload: Workload, helpers: Helpers, state, name: 
     record = PeerRecord(peer=helpers.peer_id, name=name, version=state.version, digest=state.digest,
                         client_mode=cfg.swarm.client_mode, devices=devices, settings=workload.settings(cfg))
     # a peer that sees no other asks its initial peers again: after a restart of the only public one, say
-    heartbeat = Heartbeat(helpers.dht, cfg.swarm.run_id, record,
+    heartbeat = Heartbeat(helpers.dht, cfg.swarm.run_id, record, helpers.identity,
                           functools.partial(node.rejoin, helpers.dht, cfg.swarm.initial_peers)
                           if cfg.swarm.initial_peers else None)
     return build_merger(helpers.settings, helpers.dht, helpers.averager, heartbeat, state.why_not_adopt, stop,

@@ -69,6 +69,7 @@ class FragmentHelpers:
     dht: object  # hivemind.DHT
     averagers: tuple[ExactAverager, ...]
     settings: tuple[MergeSettings, ...]
+    identity: object  # p2pdiloco.swarm.signing.Identity: our peer id's key, which signs our records
 
     @property
     def peer_id(self) -> str:
@@ -81,7 +82,8 @@ def start_fragment_helpers(cfg: PeerConfig, workload: Workload, fragments: tuple
     lifeline = start_lifeline()
     gc.collect()  # as parts.helpers: what exists now leaves the collector's generations before the forks
     gc.freeze()
-    dht = node.start_dht(cfg.swarm, leaving=leaving)
+    identity = node.identity_of(cfg.swarm)
+    dht = node.start_dht(cfg.swarm, identity, leaving=leaving)
     averagers = []
     try:
         # τ of the grace window (Eq. 3): a fragment's round should end before the τ in flight hold the next ones
@@ -97,7 +99,7 @@ def start_fragment_helpers(cfg: PeerConfig, workload: Workload, fragments: tuple
             averager.shutdown()
         node.shutdown(dht)
         raise
-    return FragmentHelpers(lifeline, dht, tuple(averagers), settings)
+    return FragmentHelpers(lifeline, dht, tuple(averagers), settings, identity)
 
 
 @dataclass(frozen=True)
@@ -175,7 +177,7 @@ def _merger(cfg: PeerConfig, workload: Workload, helpers: FragmentHelpers, name:
     record = PeerRecord(peer=helpers.peer_id, name=name, version=state.version, digest=state.digest,
                         settings=workload.settings(cfg))
     rejoin = functools.partial(node.rejoin, helpers.dht, cfg.swarm.initial_peers) if cfg.swarm.initial_peers else None
-    heartbeat = Heartbeat(helpers.dht, settings.cfg.run_id, record, rejoin)
+    heartbeat = Heartbeat(helpers.dht, settings.cfg.run_id, record, helpers.identity, rejoin)
     merger = build_merger(settings, helpers.dht, helpers.averagers[i], heartbeat, state.why_not_adopt, stop, clock,
                           None, make)
     made.append(merger)

@@ -30,8 +30,9 @@ MAX_BLAME = 64  # peers one member may blame at once
 # (its fields may mean other things), only counted, so a joiner can say which versions it met
 # (p2pdiloco.protocol.compat.wire_mismatch), and islands of two versions never form (the averager's prefix).
 # Version 0: peers from before versions were published. 2: peer records say how many devices (ranks) the member
-# trains on.
-WIRE_VERSION = 2
+# trains on. 3: records are signed by the peer's libp2p key (p2pdiloco.swarm.signing), which an older peer cannot
+# read.
+WIRE_VERSION = 3
 
 
 @dataclass

@@ -25,7 +25,8 @@ def run_bootstrap(cfg: SwarmConfig, log_dir: Path, name: str, reduce: bool = Fal
     stop = threading.Event()
     on_stop_signals(lambda *_: stop.set())
     start_lifeline()  # first, and left running: once we exit it kills whatever of the DHT did not stop in time
-    dht = node.start_dht(cfg)
+    identity = node.identity_of(cfg)
+    dht = node.start_dht(cfg, identity)
     try:
         path = log_dir / f"{name}.addrs"
         node.write_addresses(dht, path)
@@ -34,7 +35,7 @@ def run_bootstrap(cfg: SwarmConfig, log_dir: Path, name: str, reduce: bool = Fal
         if reduce:
             from p2pdiloco.swarm.reducer import serve_islands
 
-            serve_islands(dht, cfg, name, stop)
+            serve_islands(dht, identity, cfg, name, stop)
         stop.wait()
     finally:
         node.shutdown(dht)

@@ -15,6 +15,7 @@ from hivemind import DHT
 
 from p2pdiloco.config import SwarmConfig
 from p2pdiloco.swarm.auth import ENV as SWARM_KEY_ENV, SwarmKeyAuthorizer, SwarmKeyError, load_swarm_key
+from p2pdiloco.swarm.signing import Identity, IdentityError
 
 
 STOP_WAIT = 2.0  # seconds the DHT and averager processes get to stop before they are terminated: a leave
@@ -36,18 +37,34 @@ def dht_kwargs(cfg: SwarmConfig) -> dict:
     )
     if cfg.announce:
         kwargs["announce_maddrs"] = list(cfg.announce)
-    if cfg.identity is not None:
-        kwargs["identity_path"] = str(cfg.identity)
     return kwargs
 
 
-def start_dht(cfg: SwarmConfig, client_mode: bool = False, leaving: Callable[[], bool] = lambda: False) -> DHT:
+def identity_of(cfg: SwarmConfig) -> Identity:
+    """The identity `--identity` names (made there if missing), or a fresh one."""
+    try:
+        return Identity.at(cfg.identity)
+    except IdentityError as e:
+        raise SwarmConnectError(str(e)) from None
+
+
+def start_dht(cfg: SwarmConfig, identity: Identity, client_mode: bool = False,
+              leaving: Callable[[], bool] = lambda: False) -> DHT:
     """Start (and bootstrap) a DHT node in a background process, bounded by `cfg.connect_timeout`, and by
     `leaving()`: a peer asked to stop while it connects leaves at once (its lifeline takes down what the start
-    spawned). A client (`client_mode`) asks others and serves nothing: onlookers such as `p2pdiloco status`, and
-    peers that nobody can dial (`cfg.client_mode`)."""
+    spawned). Its peer id is `identity`'s, which signs its records and checks everyone's. A client
+    (`client_mode`) asks others and serves nothing: onlookers such as `p2pdiloco status`, and peers that nobody
+    can dial (`cfg.client_mode`)."""
     check_addresses(cfg)
-    kwargs = dict(dht_kwargs(cfg), client_mode=client_mode or cfg.client_mode)
+    with identity.file() as identity_path:
+        return _start(cfg, dict(dht_kwargs(cfg), client_mode=client_mode or cfg.client_mode,
+                                identity_path=identity_path, record_validators=[identity.validator()],
+                                # hivemind asks the swarm whether a kept identity is in use already; a fresh one
+                                # cannot be (the ask starts a daemon of its own: seconds off every start)
+                                check_if_identity_free=identity.path is not None), leaving)
+
+
+def _start(cfg: SwarmConfig, kwargs: dict, leaving: Callable[[], bool]) -> DHT:
     try:
         key = load_swarm_key(cfg.swarm_key_file)
     except SwarmKeyError as e:

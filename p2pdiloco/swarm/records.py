@@ -12,6 +12,7 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from p2pdiloco.protocol.remote import WIRE_VERSION, PeerRecord, parse_peer_record, record_wire
+from p2pdiloco.swarm.signing import Identity, owner_peer, signed_by
 
 HEARTBEAT = 2.0  # seconds between re-publications
 TTL = 3 * HEARTBEAT  # a peer silent for this long is considered gone
@@ -28,25 +29,28 @@ def reducers_key(run_id: str) -> str:
     return f"{run_id}.reducers"
 
 
-def announce_reducer(dht: DHT, run_id: str, peer: str, name: str) -> None:
+def announce_reducer(dht: DHT, run_id: str, identity: Identity, name: str) -> None:
     """A reducer node says it is up (it publishes no peer record: trainers would count it as a peer that is never
     ready)."""
-    bounded(dht.store(reducers_key(run_id), subkey=peer, value=dict(peer=peer, name=name),
+    bounded(dht.store(reducers_key(run_id), subkey=identity.subkey, value=dict(peer=identity.peer_id, name=name),
                       expiration_time=get_dht_time() + TTL, return_future=True), DHT_CALL_TIMEOUT)
 
 
-def live_values(dht: DHT, key: str, timeout: float = DHT_CALL_TIMEOUT) -> list:
-    """The values stored under `key`'s subkeys that have not expired (anything: the caller validates them)."""
+def signed_values(dht: DHT, key: str, timeout: float = DHT_CALL_TIMEOUT) -> list[tuple[str, object]]:
+    """(peer, value) for the values stored under `key` that have not expired, by the peers that signed them
+    (p2pdiloco.swarm.signing): anything else under `key` is not anyone's. The caller validates the values."""
     found = bounded(dht.get(key, latest=True, return_future=True), timeout)
     if found is None or not isinstance(found.value, dict):
         return []
-    return [getattr(item, "value", None) for item in found.value.values()]
+    owned = ((owner_peer(subkey), item) for subkey, item in found.value.items())
+    return [(peer, getattr(item, "value", None)) for peer, item in owned if peer is not None]
 
 
 def fetch_reducers(dht: DHT, run_id: str, timeout: float = DHT_CALL_TIMEOUT) -> list[dict]:
-    """The live reducer nodes' announcements ({peer, name}), the malformed ones skipped."""
-    out = [dict(peer=v["peer"], name=v["name"]) for v in live_values(dht, reducers_key(run_id), timeout)
-           if isinstance(v, dict) and all(isinstance(v.get(k), str) and len(v[k]) <= 128 for k in ("peer", "name"))]
+    """The live reducer nodes' announcements ({peer, name}), the malformed ones and any in another's name skipped."""
+    out = [dict(peer=v["peer"], name=v["name"]) for owner, v in signed_values(dht, reducers_key(run_id), timeout)
+           if isinstance(v, dict) and all(isinstance(v.get(k), str) and len(v[k]) <= 128 for k in ("peer", "name"))
+           and v["peer"] == owner]
     return sorted(out, key=lambda r: (r["name"], r["peer"]))
 
 
@@ -66,22 +70,24 @@ def fetch_records(dht: DHT, run_id: str, timeout: float = DHT_CALL_TIMEOUT) -> l
 
 def fetch_records_seen(dht: DHT, run_id: str,
                        timeout: float = DHT_CALL_TIMEOUT) -> list[tuple[PeerRecord, Optional[float]]]:
-    """Every live, well-formed peer record with the seconds since its peer last published it (None: unknown)."""
+    """Every live, well-formed peer record, signed by the peer it names, with the seconds since its peer last
+    published it (None: unknown)."""
     found = bounded(dht.get(records_key(run_id), latest=True, return_future=True), timeout)
     if found is None or not isinstance(found.value, dict):
         return []
     now, seen = get_dht_time(), []
-    for item in found.value.values():
+    for subkey, item in found.value.items():
         record = parse_peer_record(getattr(item, "value", None))
         expiration = getattr(item, "expiration_time", None)
-        if record is not None:
+        if record is not None and signed_by(subkey, record.peer):
             age = max(0.0, now - (expiration - TTL)) if isinstance(expiration, (int, float)) else None
             seen.append((record, age))
     return seen
 
 
 def other_wires(dht: DHT, run_id: str, timeout: float = DHT_CALL_TIMEOUT) -> Counter:
-    """Wire version → live peers announcing it, for the versions other than ours (their records are not parsed)."""
+    """Wire version → live peers announcing it, for the versions other than ours (their records are not parsed,
+    nor need they be signed: peers before version 3 did not sign theirs)."""
     found = bounded(dht.get(records_key(run_id), latest=True, return_future=True), timeout)
     if found is None or not isinstance(found.value, dict):
         return Counter()
@@ -94,8 +100,11 @@ class Heartbeat:
     on), so the training thread never waits on the DHT: `update` returns at once and the thread publishes right
     away."""
 
-    def __init__(self, dht: DHT, run_id: str, record: PeerRecord, rejoin: Optional[Callable[[], object]] = None):
-        self.dht, self.run_id, self.record = dht, run_id, record
+    def __init__(self, dht: DHT, run_id: str, record: PeerRecord, identity: Identity,
+                 rejoin: Optional[Callable[[], object]] = None):
+        if record.peer != identity.peer_id:
+            raise ValueError(f"a record of {record.peer} cannot be signed by {identity.peer_id}")
+        self.dht, self.run_id, self.record, self.identity = dht, run_id, record, identity
         self.rejoin = rejoin  # called while no other peer's record is seen: asks our initial peers again
         self._rejoined = float("-inf")
         self._lock = threading.Lock()
@@ -125,7 +134,7 @@ class Heartbeat:
     def publish(self) -> None:
         with self._lock:
             value = dataclasses.asdict(self.record)
-        bounded(self.dht.store(records_key(self.run_id), subkey=value["peer"], value=value,
+        bounded(self.dht.store(records_key(self.run_id), subkey=self.identity.subkey, value=value,
                                expiration_time=get_dht_time() + TTL, return_future=True), DHT_CALL_TIMEOUT)
 
     def _loop(self) -> None:
@@ -151,7 +160,7 @@ class Heartbeat:
         self._changed.set()
         # withdraw our record so others stop waiting for us at once
         try:
-            bounded(self.dht.store(records_key(self.run_id), subkey=self.record.peer, value=None,
+            bounded(self.dht.store(records_key(self.run_id), subkey=self.identity.subkey, value=None,
                                    expiration_time=get_dht_time() + TTL, return_future=True), WITHDRAW_TIMEOUT)
         except Exception:  # the DHT is gone (e.g. its daemon took the Ctrl-C too): our record expires by itself
             pass

@@ -44,6 +44,7 @@ from p2pdiloco.swarm.codes import CodesError
 from p2pdiloco.swarm.island_rounds import REFUSE_SECONDS, IslandRounds, claims_for, codes_exchange
 from p2pdiloco.swarm.node import STOP_WAIT
 from p2pdiloco.swarm.records import HEARTBEAT, announce_reducer, fetch_records
+from p2pdiloco.swarm.signing import Identity
 from p2pdiloco.swarm.staterelay import HeldState, serializer
 from p2pdiloco.swarm.wiring import island_prefix
 
@@ -182,7 +183,7 @@ def start_reducer(dht: DHT, cfg: SwarmConfig, rule: SwarmMergeRule) -> ReducerAv
     return averager
 
 
-def serve_islands(dht: DHT, cfg: SwarmConfig, name: str, stop: threading.Event) -> None:
+def serve_islands(dht: DHT, identity: Identity, cfg: SwarmConfig, name: str, stop: threading.Event) -> None:
     """Reduce parts for the swarm's islands until `stop`: once a trainer has published the swarm's merge rule,
     lead a group whenever two trainers are looking for an island, open WINDOW seconds from then to any other that
     comes (for up to twice the largest island a peer seeks: hivemind would have a power of two), and say what
@@ -201,7 +202,7 @@ def serve_islands(dht: DHT, cfg: SwarmConfig, name: str, stop: threading.Event) 
     # whom it blames lives in its averager's process, which turns them away from the groups it leads
     record = dict(peer=peer, name=name, budget=float(averager.allreduce_cap),
                   **({"pass": averager._passes.of(peer)} if averager._passes else {}))
-    threading.Thread(target=_announce, args=(dht, cfg.run_id, peer, name, stop), daemon=True,
+    threading.Thread(target=_announce, args=(dht, cfg.run_id, identity, name, stop), daemon=True,
                      name="reducer-announce").start()
     try:
         while not stop.is_set():
@@ -223,11 +224,11 @@ def _looking(dht: DHT, run_id: str) -> int:
         return 0
 
 
-def _announce(dht: DHT, run_id: str, peer: str, name: str, stop: threading.Event) -> None:
+def _announce(dht: DHT, run_id: str, identity: Identity, name: str, stop: threading.Event) -> None:
     """Say we are up, every beat, until `stop` (for `status`, and for trainers deciding whether to warn)."""
     while not stop.is_set():
         try:
-            announce_reducer(dht, run_id, peer, name)
+            announce_reducer(dht, run_id, identity, name)
         except Exception:  # the DHT may be shutting down; the next beat retries
             pass
         stop.wait(HEARTBEAT)

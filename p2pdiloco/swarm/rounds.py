@@ -323,7 +323,7 @@ class SwarmMerger:
             # each node for RELAY_PER_NODE seconds in turn: one that died or never gets the state is not the end
             key = max(keys)
             node = nodes[int((time.monotonic() - started) // RELAY_PER_NODE) % len(nodes)]["peer"]
-            want_state(self.dht, self.cfg.run_id, self.peer, key, node)
+            want_state(self.dht, self.cfg.run_id, self.heartbeat.identity, key, node)
             loaded, _ = self._from_donors((key, [node]), until)
             if loaded is not None:
                 return loaded, [r.peer for r in live if r.key == key]

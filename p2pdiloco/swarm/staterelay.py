@@ -38,7 +38,8 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from p2pdiloco.protocol.remote import PeerRecord
-from p2pdiloco.swarm.records import DHT_CALL_TIMEOUT, TTL, bounded, live_values
+from p2pdiloco.swarm.records import DHT_CALL_TIMEOUT, TTL, bounded, signed_values
+from p2pdiloco.swarm.signing import Identity
 from p2pdiloco.swarm.statefetch import parse_part_request, span
 from p2pdiloco.swarm.transfer import MAX_PART
 
@@ -52,9 +53,9 @@ def wanted_key(run_id: str) -> str:
     return f"{run_id}.wanted"
 
 
-def want_state(dht, run_id: str, peer: str, key: Key, node: str) -> None:
+def want_state(dht, run_id: str, identity: Identity, key: Key, node: str) -> None:
     """Say, for a record's lifetime, that we will fetch state `key` from reducer node `node`."""
-    bounded(dht.store(wanted_key(run_id), subkey=peer, value=dict(version=key[0], digest=key[1], node=node),
+    bounded(dht.store(wanted_key(run_id), subkey=identity.subkey, value=dict(version=key[0], digest=key[1], node=node),
                       expiration_time=get_dht_time() + TTL, return_future=True), DHT_CALL_TIMEOUT)
 
 
@@ -67,7 +68,7 @@ class Want:
 def fetch_wants(dht, run_id: str) -> list[Want]:
     """The live wants, the malformed ones skipped."""
     wants = []
-    for v in live_values(dht, wanted_key(run_id)):
+    for _, v in signed_values(dht, wanted_key(run_id)):
         if isinstance(v, dict) and isinstance(v.get("version"), int) and isinstance(v.get("digest"), str) \
                 and isinstance(v.get("node"), str) and len(v["digest"]) <= 64 and len(v["node"]) <= 128:
             wants.append(Want((v["version"], v["digest"]), v["node"]))

@@ -38,7 +38,8 @@ class FragmentPeer:
 
     def __init__(self, index: int, initial: tuple = ()):
         cfg = dataclasses.replace(BASE, initial_peers=initial)
-        self.dht = node.start_dht(cfg)
+        identity = node.identity_of(cfg)
+        self.dht = node.start_dht(cfg, identity)
         self.peer = node.peer_id(self.dht)
         model = build_model("tiny", seed=0)
         sizes = [f.size for f in model_fragments(model, P)]
@@ -48,7 +49,7 @@ class FragmentPeer:
             fcfg = fragment_config(cfg, i, P)
             settings = merge_settings(fcfg, OuterConfig(), size, [], H, self.peer)
             averager = start_averager(settings, self.dht, self._share(i), None)
-            heartbeat = Heartbeat(self.dht, fcfg.run_id, PeerRecord(self.peer, f"p{index}", 0, "")).start()
+            heartbeat = Heartbeat(self.dht, fcfg.run_id, PeerRecord(self.peer, f"p{index}", 0, ""), identity).start()
             self.parts.append((settings, averager, heartbeat))
         trainer = InnerTrainer(model, random_batches(index), InnerConfig(batch_size=4, seq_len=16, warmup_steps=0),
                                torch.device("cpu"))

@@ -63,11 +63,12 @@ def real_round(theta: GlobalState):
         for i in range(3):
             initial = tuple(node.visible_addresses(dhts[0])) if dhts else ()
             cfg = dataclasses.replace(base, initial_peers=initial)
-            dht = node.start_dht(cfg)
+            identity = node.identity_of(cfg)
+            dht = node.start_dht(cfg, identity)
             dhts.append(dht)
             settings = merge_settings(cfg, OuterConfig(), N, [], 10, node.peer_id(dht))
             averager = start_averager(settings, dht, theta.snapshot, None)
-            heartbeat = Heartbeat(dht, cfg.run_id, PeerRecord(settings.peer, f"p{i}", 0, theta.digest)).start()
+            heartbeat = Heartbeat(dht, cfg.run_id, PeerRecord(settings.peer, f"p{i}", 0, theta.digest), identity).start()
             merger = build_merger(settings, dht, averager, heartbeat, lambda *a: None, threading.Event(),
                                   RoundClock(), None)
             parts.append((heartbeat, merger))

@@ -70,9 +70,12 @@ def test_the_swarm_driver_counts_the_other_wire_versions_it_finds_on_the_dht():
 
     from p2pdiloco.protocol.remote import WIRE_VERSION
     from p2pdiloco.swarm.records import fetch_records, other_wires
+    from p2pdiloco.swarm.signing import Identity
 
-    mine = dataclasses.asdict(live(SWARM, "a"))
-    table = {"a": mine, "b": dict(mine, peer="b", wire=WIRE_VERSION + 1), "c": dict(mine, peer="c", wire=7),
+    a = Identity.fresh()
+    mine = dataclasses.asdict(live(SWARM, a.peer_id))
+    # b, c and d speak other versions (before 3, records were not signed: they are counted all the same)
+    table = {a.subkey: mine, "b": dict(mine, peer="b", wire=WIRE_VERSION + 1), "c": dict(mine, peer="c", wire=7),
              "d": dict(mine, peer="d", wire=WIRE_VERSION + 1), "e": "not a record"}
 
     class TableDHT:
@@ -82,7 +85,7 @@ def test_the_swarm_driver_counts_the_other_wire_versions_it_finds_on_the_dht():
             return future
 
     assert other_wires(TableDHT(), "run") == {WIRE_VERSION + 1: 2, 7: 1}
-    assert [r.peer for r in fetch_records(TableDHT(), "run")] == ["a"]
+    assert [r.peer for r in fetch_records(TableDHT(), "run")] == [a.peer_id]
 
 
 def test_a_setting_only_one_side_has_is_named_as_not_set():

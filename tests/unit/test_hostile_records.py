@@ -9,8 +9,10 @@ import pytest
 from p2pdiloco.core.consensus import SKETCH_DIM, consensus_distance
 from p2pdiloco.protocol.remote import WIRE_VERSION, parse_peer_record as parse_record
 from p2pdiloco.protocol.timing import agreed_deadline
+from p2pdiloco.swarm.signing import Identity
 
-GOOD = dict(peer="12D3Koo", name="a", version=3, digest="abcdef0123456789", ready=-1, sketch=[0.5] * SKETCH_DIM,
+ME = Identity.fresh()
+GOOD = dict(peer=ME.peer_id, name="a", version=3, digest="abcdef0123456789", ready=-1, sketch=[0.5] * SKETCH_DIM,
             wire=WIRE_VERSION)
 
 
@@ -62,7 +64,7 @@ def test_heartbeat_never_makes_the_caller_wait_on_the_dht_and_keeps_a_view_of_pe
                 return done(SimpleNamespace(value=dict(self.table)))
 
     dht = SlowDHT()
-    beat = Heartbeat(dht, "run", PeerRecord(**GOOD)).start()
+    beat = Heartbeat(dht, "run", PeerRecord(**GOOD), ME).start()
     try:
         started = time.monotonic()
         beat.update(version=9)
@@ -98,7 +100,7 @@ def test_a_dead_dht_never_holds_a_leaving_peer():
         def get(self, *args, return_future, **kwargs):
             return concurrent.futures.Future()
 
-    beat = records.Heartbeat(DeadDHT(), "run", records.PeerRecord(**GOOD))
+    beat = records.Heartbeat(DeadDHT(), "run", records.PeerRecord(**GOOD), ME)
     started = time.monotonic()
     beat.stop()
     assert time.monotonic() - started < records.WITHDRAW_TIMEOUT + 1.0
@@ -114,7 +116,7 @@ def test_a_peer_that_sees_no_other_asks_its_initial_peers_again_every_few_second
     asked, now = [], [100.0]
     monkeypatch.setattr(records.time, "monotonic", lambda: now[0])
     me = records.PeerRecord(**GOOD)
-    beat = records.Heartbeat(None, "run", me, rejoin=lambda: asked.append(now[0]))
+    beat = records.Heartbeat(None, "run", me, ME, rejoin=lambda: asked.append(now[0]))
     beat._records = [me]  # only ourselves: the node we knew may have restarted
     beat._rejoin_if_alone()
     beat._rejoin_if_alone()  # not again within REJOIN_EVERY

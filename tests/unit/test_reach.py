@@ -138,6 +138,7 @@ def driver(monkeypatch, ours: GlobalState, states: dict, extra=()):
     merger = fake_merger(N, fetcher=SimpleNamespace(fetch=fetch), why_not_adopt=ours.why_not_adopt, run_id="r")
     merger.load_state = lambda timeout: pytest.fail("hivemind's one-donor download would pick the liar again")
     merger.fetched = fetched
+    merger.heartbeat = SimpleNamespace(identity="our key")  # what signs our wants of state (want_state is faked)
     return merger
 
 
