@@ -113,7 +113,7 @@ def check_addresses(cfg: SwarmConfig) -> None:
                 raise SwarmConnectError(f"{flag} {address}: not a valid multiaddr ({e})") from None
             if flag == "--initial-peers" and "p2p" not in protocols:
                 raise SwarmConnectError(f"{flag} {address}: no /p2p/PEER_ID part; give the whole address a live "
-                                        f"peer printed, e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...")
+                                        f"peer printed, e.g. /ip4/1.2.3.4/tcp/31337/p2p/Qm...")
 
 
 def _without_sigint(make, *args, **kwargs):

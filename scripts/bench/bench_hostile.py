@@ -17,6 +17,7 @@ before (`-before`: no robust merge, ratio 1.5), and `<lie>-robust` under the rob
 --max-influence-ratio r (1.5, 1): the bound's price and its effect.
 More variants (--variants): controls three (the honest peers without d), clean-robust and clean-fp32; the scaled
 liar on fp32 (scaled-fp32; nan-fp32 beside it), with --robust-merge (scaled) and in client mode (scaled-client).
+`--variants pairs`: 6 peers, a colluding pair d and f (one lie, one noise seed) beside a, b, c and e, and clean6.
 Saved runs (--out) can be reported together again without running anything: --load A.json B.json.
 Reported per variant: the honest peers' final validation loss (the mean of a, b, c; by seed, then the mean over
 seeds), its difference to the clean runs' mean, the honest rounds not merged, the rounds that merged d's
@@ -48,6 +49,15 @@ class Variant(NamedTuple):
     fault: Optional[str]  # peer d's fault plan ("": honest); None: d does not run
     flags: tuple = ()  # for every peer, after the common ones (int4 unless they say otherwise)
     d_flags: tuple = ()  # for d alone
+    pair: bool = False  # 6 peers: honest a, b, c, e and a colluding pair d, f (the same fault plan, so the same lie)
+
+    @property
+    def honest(self) -> tuple:
+        return HONEST + ("e",) if self.pair else HONEST
+
+    @property
+    def hostile(self) -> tuple:
+        return () if self.fault is None else ("d", "f") if self.pair else ("d",)
 
 
 VARIANTS = {
@@ -83,12 +93,18 @@ VARIANTS = {
     **{f"{lie}-before": Variant(f"hostile_{lie}@0" if lie != "clean" else "", BEFORE) for lie in LIES},
     **{f"{lie}-robust": Variant(f"hostile_{lie}@0" if lie != "clean" else "", ("--robust-merge", *I15))
        for lie in LIES},
+    # colluding pairs, 2 of 6 peers (issue 51's goal: within 3 % of the clean 6-peer runs). Both liars draw their
+    # noise from one seed, so `noise-pair` sends one direction twice: each liar finds the other in the sum it is
+    # held against, which is what the direction check must withstand
+    "clean6": Variant("", pair=True),
+    **{f"{lie}-pair": Variant(f"hostile_{lie}@0", pair=True) for lie in ("claimed", "flipped", "noise")},
 }
 DEFAULT_VARIANTS = ("clean", "scaled-plain", "random-plain", "nan", "random")
 
 
 def run_once(variant: str, seed: int, args, root: Path) -> dict:
-    fault, extra, d_extra = VARIANTS[variant]
+    v = VARIANTS[variant]
+    fault, extra, d_extra = v.fault, v.flags, v.d_flags
     log_dir = root / f"{variant}-{seed}"
     run_id = f"h{variant}{seed}".replace(".", "p")  # a run id has no '.' (it prefixes hivemind's keys)
     common = ["--model", "tiny", "--batch-size", "8", "--seq-len", "64", "--threads", "1", "-H", str(args.inner_steps),
@@ -97,37 +113,38 @@ def run_once(variant: str, seed: int, args, root: Path) -> dict:
     procs = {}
     try:
         procs["bootstrap"], address = start_bootstrap(log_dir, ["--run-id", run_id])
-        for name in HONEST + (("d",) if fault is not None else ()):
-            env = {"P2PDILOCO_FAULT_PLAN": fault} if name == "d" and fault else None
-            own = d_extra if name == "d" else ()
+        for name in v.honest + v.hostile:
+            env = {"P2PDILOCO_FAULT_PLAN": fault} if name in v.hostile and fault else None
+            own = d_extra if name in v.hostile else ()
             procs[name] = start_process(join_command(address, name, log_dir, *common, *own,
                                                      run_id=run_id),
                                         log_dir / f"{name}.log", env=env)
         deadline = time.monotonic() + args.timeout
-        for name in HONEST:
+        for name in v.honest:
             left = max(1.0, deadline - time.monotonic())
             if procs[name].wait(left) != 0:
                 raise RuntimeError(f"{variant} seed {seed}: peer {name} failed; see {log_dir / (name + '.log')}")
     finally:
         for proc in procs.values():
             stop_tree(proc)
-    return measure(log_dir)
+    return measure(log_dir, v.honest, v.hostile or ("d",))
 
 
-def measure(log_dir: Path) -> dict:
-    """A round merged d's contribution when d is among its members and no reducer left d's parts out (`excluded`
-    names it by peer id then)."""
-    d_log = log_dir / "d.jsonl"
-    d = of_kind(read_records(d_log), Start)[0].peer_id if d_log.exists() else None
+def measure(log_dir: Path, honest: tuple = HONEST, hostile: tuple = ("d",)) -> dict:
+    """A round merged a hostile peer's contribution when it is among its members and no reducer left its parts out
+    (`excluded` names it by peer id then); with a pair, a round that merged either."""
+    ids = {name: of_kind(read_records(log_dir / f"{name}.jsonl"), Start)[0].peer_id for name in hostile
+           if (log_dir / f"{name}.jsonl").exists()}
     finals, lost, merged_d, left_out_d = [], 0, set(), set()
-    for name in HONEST:
+    for name in honest:
         records = read_records(log_dir / f"{name}.jsonl")
         finals.append(of_kind(records, Summary)[-1].final_val)
         rounds = of_kind(records, Round)
         lost += sum(not r.applied for r in rounds)
-        merged_d |= {r.version for r in rounds if r.applied and "d" in r.members and d not in r.excluded}
-        left_out_d |= {r.version for r in rounds if r.applied and d in r.excluded}
-    return dict(val=statistics.fmean(finals), honest_not_merged=lost / len(HONEST), rounds_merging_d=len(merged_d),
+        merged_d |= {r.version for r in rounds for h, peer in ids.items()
+                     if r.applied and h in r.members and peer not in r.excluded}
+        left_out_d |= {r.version for r in rounds for peer in ids.values() if r.applied and peer in r.excluded}
+    return dict(val=statistics.fmean(finals), honest_not_merged=lost / len(honest), rounds_merging_d=len(merged_d),
                 rounds_leaving_d_out=len(left_out_d))
 
 
@@ -154,7 +171,8 @@ def main() -> int:
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the run's peers (finally) when stopped
     seeds = [int(s) for s in args.seeds.split(",")]
-    named = {"lies": list(LIES), "lies-before": [f"{v}-before" for v in LIES]}
+    named = {"lies": list(LIES), "lies-before": [f"{v}-before" for v in LIES],
+             "pairs": ["clean6", "claimed-pair", "flipped-pair", "noise-pair"]}
     variants = named.get(args.variants) or args.variants.split(",")
     unknown = set(variants) - set(VARIANTS)
     if unknown:
@@ -173,8 +191,8 @@ def main() -> int:
 
 def report(results: dict, args) -> None:
     clean = statistics.fmean(r["val"] for r in results["clean"].values()) if "clean" in results else None
-    print(f"\n{args.rounds} rounds of H = {args.inner_steps}, 4 peers (d hostile unless clean), tiny, int4 unless the "
-          "variant says\n")
+    print(f"\n{args.rounds} rounds of H = {args.inner_steps}, 4 peers (d hostile unless clean; 6 with d and f "
+          "hostile in the pairs), tiny, int4 unless the variant says\n")
     print("| variant | honest val loss by seed | mean | vs clean mean | honest rounds not merged (mean of a, b, c) "
           "| rounds that merged d's contribution | rounds that left d's parts out |")
     print("|---|---|---|---|---|---|---|")
@@ -195,7 +213,7 @@ def paired(results: dict) -> None:
     """Each variant against each reference, seed by seed (same seed, same data order): the mean relative
     difference and its standard error. Runs of one seed still differ by timing, so this is what a difference must
     exceed to mean something."""
-    references = [r for r in ("clean", "clean-before", "clean-robust", "clean-fp32", "three") if r in results]
+    references = [r for r in ("clean", "clean-before", "clean-robust", "clean-fp32", "three", "clean6") if r in results]
     print("\n| variant | " + " | ".join(f"vs {r}, paired by seed" for r in references) + " |")
     print("|---|" + "---|" * len(references))
     for variant, runs in results.items():
