@@ -212,10 +212,11 @@ def member_weights(tokens: list[int], steps: list[int], norms: list[float], vers
     their codes must carry, where their block maxima were clipped; their claimed norms by default), discounted
     where stale. Raises ValueError where no member trained a token."""
     weights = merge_weights(tokens, steps, weighting)
-    weights, capped = cap_to_median(weights, bounds.weight_ratio)
-    weights, cut = cut_to_median_norm(weights, norms, bounds.norm_ratio)
+    capped_weights, capped = cap_to_median(weights, bounds.weight_ratio)
+    weights, cut = cut_to_median_norm(capped_weights, norms, bounds.norm_ratio)
     weights, floored = cut_below_median_norm(weights, norms if backed is None else backed, bounds.floor_ratio)
     weights, bounded = cap_influence(weights, norms, bounds.influence_ratio)
+    weights = share_of_the_shortened(capped_weights, weights, norms, {*cut, *bounded})
     weights, discounted = discount_stale(weights, versions, bounds.stale_factor)
     return weights, [*capped.items(), *cut.items(), *floored.items(), *bounded.items(), *discounted.items()]
 
@@ -266,21 +267,43 @@ def blamed_by_a_few(island: Island) -> dict[int, str]:
 
 
 def cap_influence(weights: list[float], norms: list[float], ratio: float) -> tuple[list[float], dict[int, str]]:
-    """Normalised weights, each member's cut so that what it adds to the merge, its weight times its Δ's norm,
-    is at most `ratio` × the island's lower median of that product; renormalised. The weight cap and the norm
-    cut bound each factor alone, so together they let a member add their product (4× a typical member's at
-    2 and 2); this bounds the product. Members with a zero norm add nothing and count in no median. One pass
-    is enough: renormalising scales every product alike, and the median member (ratio >= 1) is never cut."""
+    """Weights, each member's cut so that what it adds to the merge, its weight times its Δ's norm, is at most
+    `ratio` × the island's lower median of that product; not renormalised (`share_of_the_shortened` does). The
+    weight cap and the norm cut bound each factor alone, so together they let a member add their product (4× a
+    typical member's at 2 and 2); this bounds the product. Members with a zero norm add nothing and count in no
+    median. The bound is relative to a median, so dividing every weight alike afterwards keeps it."""
     products = [w * n for w, n in zip(weights, norms)]
     return _cut_to_median(weights, products, ratio, lambda f: f"weight cut to {f:.2g}× (weight × Δ norm "
                           f"{1 / f:.2g}× the bound of {ratio:g}× the island's median)")
 
 
+def share_of_the_shortened(before: list[float], weights: list[float], norms: list[float],
+                           shortened: set) -> list[float]:
+    """`weights` (`before`, normalised, after the cuts for a Δ's length) divided by what they would sum to had each
+    member cut for too long a Δ (`shortened`) weighed its weight `before`, up to a typical member's (the lower median
+    weight of those with a positive norm): what such a member lost goes to nobody, while what a member floored for
+    too short a Δ lost goes to the others (a near-zero Δ claiming full weight must not shorten the merge).
+    Renormalising to 1 instead gave a ×100 liar's cut share to the honest members: the honest part of the merge
+    kept its whole length and the liar's bounded vector came on top, 4/3 of a clean step with one such liar in 4
+    and 3/2 with a pair in 6 (docs/hostile.md). Every weight is divided alike, so the bounds, relative to the
+    island's medians, still hold."""
+    if not shortened:
+        return _normalised(weights)
+    typical = lower_median([w for w, n in zip(before, norms) if n > 0] or [0.0])
+    total = sum(min(b, typical) if k in shortened else w for k, (b, w) in enumerate(zip(before, weights)))
+    return [w / total for w in weights] if total > 0 else _normalised(weights)
+
+
+def _normalised(weights: list[float]) -> list[float]:
+    total = sum(weights)
+    return [w / total for w in weights] if total > 0 else weights
+
+
 def _cut_to_median(weights: list[float], values: list[float], ratio: float,
                    why: Callable[[float], str]) -> tuple[list[float], dict[int, str]]:
-    """Normalised weights, each member's times min(1, `ratio` × the lower median of the positive `values` / its
-    value), renormalised; (member, `why(factor)`) for those cut. Nothing is cut with fewer than two positive
-    values: a bound from one member's own value never binds it."""
+    """Weights, each member's times min(1, `ratio` × the lower median of the positive `values` / its value), not
+    renormalised; (member, `why(factor)`) for those cut. Nothing is cut with fewer than two positive values: a
+    bound from one member's own value never binds it."""
     positive = [x for x in values if x > 0]
     if ratio <= 0 or len(positive) < 2:
         return weights, {}
@@ -288,9 +311,7 @@ def _cut_to_median(weights: list[float], values: list[float], ratio: float,
     factors = [min(1.0, bound / x) if x > 0 else 1.0 for x in values]
     if all(f == 1.0 for f in factors):
         return weights, {}
-    cut = [w * f for w, f in zip(weights, factors)]
-    total = sum(cut)
-    return [w / total for w in cut], {k: why(f) for k, f in enumerate(factors) if f < 1.0}
+    return [w * f for w, f in zip(weights, factors)], {k: why(f) for k, f in enumerate(factors) if f < 1.0}
 
 
 def lower_median(values: list[float]) -> float:
@@ -317,8 +338,8 @@ def cap_to_median(weights: list[float], ratio: float) -> tuple[list[float], dict
 
 
 def cut_to_median_norm(weights: list[float], norms: list[float], ratio: float) -> tuple[list[float], dict[int, str]]:
-    """Normalised weights, each member's multiplied by min(1, `ratio` × lower median norm / its norm): what it
-    adds to the merge is at most `ratio` times a typical member's Δ at its weight, however large the Δ it claims.
+    """Weights, each member's multiplied by min(1, `ratio` × lower median norm / its norm), not renormalised: what
+    it adds to the merge is at most `ratio` times a typical member's Δ at its weight, however large the Δ it claims.
     An honest member with a large Δ (it trained longer, or from an older version) counts less, but is merged."""
     return _cut_to_median(weights, norms, ratio, lambda f: f"weight cut to {f:.2g}× (its Δ's norm is {1 / f:.2g}× "
                           f"the bound of {ratio:g}× the island's median)")
@@ -326,8 +347,8 @@ def cut_to_median_norm(weights: list[float], norms: list[float], ratio: float) -
 
 def cut_below_median_norm(weights: list[float], norms: list[float], ratio: float) -> tuple[list[float],
                                                                                        dict[int, str]]:
-    """Normalised weights, each member's multiplied by min(1, its norm × `ratio` / the island's upper median
-    norm), renormalised: a member that claims full tokens for a near-zero Δ (dilution: it would take weight from
+    """Weights, each member's multiplied by min(1, its norm × `ratio` / the island's upper median norm), not
+    renormalised (`share_of_the_shortened` gives what it lost to the others): a member that claims full tokens for a near-zero Δ (dilution: it would take weight from
     the others and shorten the merge for free) counts as little as its Δ is long. The upper median, so that a
     minority of tiny claims cannot lower the floor (the lower median bounds the large ones). An honest member
     with a short window counts less, as its tokens already say. Reducers hold the codes to at least the claimed
@@ -338,10 +359,9 @@ def cut_below_median_norm(weights: list[float], norms: list[float], ratio: float
     floor = sorted(positive)[len(positive) // 2] / ratio
     factors = [min(1.0, max(x, 0.0) / floor) for x in norms]
     cut = [w * f for w, f in zip(weights, factors)]
-    total = sum(cut)
-    if all(f == 1.0 for f in factors) or total <= 0:
+    if all(f == 1.0 for f in factors) or sum(cut) <= 0:
         return weights, {}
-    return [w / total for w in cut], {k: f"weight cut to {f:.2g}× (its Δ's norm is {f:.2g}× the floor of the "
+    return cut, {k: f"weight cut to {f:.2g}× (its Δ's norm is {f:.2g}× the floor of the "
                                          f"island's median over {ratio:g})" for k, f in enumerate(factors) if f < 1}
 
 

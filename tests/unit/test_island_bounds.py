@@ -248,15 +248,22 @@ def test_a_liar_blaming_everyone_relieves_nobody_and_never_all_dialable_members_
     assert plan.included == [0, 1, 2] and plan.reducers == [0, 1]
 
 
-def test_a_norm_cut_is_renormalised_so_the_island_still_takes_a_whole_step():
-    """Norms [1, 1, 10] with the bound at 2× the median: the outlier keeps 0.2 of its weight, and the weights are
-    renormalised. Left at 1/3, 1/3, 1/15, the island would merge 0.73 of a step, a silent slow-down of every round
-    such a member joins."""
+def test_a_norm_cut_bounds_the_long_member_and_gives_its_share_to_nobody():
+    """Norms [1, 1, 10] with the bound at 2× the median: the outlier keeps 0.2 of its weight, so it adds twice a
+    typical member's Δ, and the others keep their 1/3 each: the merge is the mean of the members' Δs, the long one
+    clipped to the bound. Renormalised (5/11, 5/11, 1/11, as until 2026-11-29), the others' share grew with every
+    member cut, and a pair of ×100 liars made each merge 3/2 of a clean one (docs/hostile.md)."""
     weights, notes = cut_to_median_norm([1 / 3] * 3, [1.0, 1.0, 10.0], 2.0)
-    assert weights == pytest.approx([5 / 11, 5 / 11, 1 / 11], rel=1e-12) and sum(weights) == pytest.approx(1.0)
+    assert weights == pytest.approx([1 / 3, 1 / 3, 1 / 15], rel=1e-12)
     assert set(notes) == {2} and "0.2×" in notes[2]
-    merged, bounded = member_weights([4096] * 3, [32] * 3, [1.0, 1.0, 10.0], [3, 3, 3], "tokens2", Bounds())
-    assert sum(merged) == pytest.approx(1.0) and merged[2] < merged[0] and [k for k, _ in bounded] == [2]
+    merged, bounded = member_weights([4096] * 3, [32] * 3, [1.0, 1.0, 10.0], [3, 3, 3], "tokens2",
+                                     Bounds(influence_ratio=0))
+    assert merged == pytest.approx([1 / 3, 1 / 3, 1 / 15]) and [k for k, _ in bounded] == [2]
+    # one that also claimed 1000× its tokens (its weight capped at 2× the median): its claimed weight beyond a
+    # typical member's goes to nobody either, so the others keep 1/3 (with no influence bound it adds 2 × 2)
+    merged, _ = member_weights([4096, 4096, 4096 * 1000], [32] * 3, [1.0, 1.0, 10.0], [3, 3, 3], "tokens2",
+                               Bounds(influence_ratio=0))
+    assert merged[:2] == pytest.approx([1 / 3, 1 / 3]) and merged[2] * 10.0 == pytest.approx(2 * merged[0] * 2)
 
 
 def test_an_island_with_nothing_to_merge_keeps_its_deadline_and_who_was_left_out():
@@ -301,9 +308,9 @@ def test_members_with_a_zero_delta_do_not_count_in_the_median_norm():
 
 @pytest.mark.parametrize("norms, ratio, cut", [
     ([0.0, 0.0], 2.0, None),  # nothing trained: nothing to cut by
-    ([1e-3, 1e-3, 1e-2], 2.0, [5 / 11, 5 / 11, 1 / 11]),  # small norms: the same rule
-    ([1.0, 1.0, 2.0], 1.0, [2 / 5, 2 / 5, 1 / 5]),  # a ratio of 1 cuts anything above the median
-    ([0.0, 1.0, 1.0, 4.0], 2.0, [1 / 3.5, 1 / 3.5, 1 / 3.5, 0.5 / 3.5]),  # a zero norm is no member of the median
+    ([1e-3, 1e-3, 1e-2], 2.0, [1 / 3, 1 / 3, 1 / 15]),  # small norms: the same rule
+    ([1.0, 1.0, 2.0], 1.0, [1 / 3, 1 / 3, 1 / 6]),  # a ratio of 1 cuts anything above the median
+    ([0.0, 1.0, 1.0, 4.0], 2.0, [1 / 4, 1 / 4, 1 / 4, 1 / 8]),  # a zero norm is no member of the median
 ])
 def test_a_norm_cut_by_the_rule_at_its_edges(norms, ratio, cut):
     weights = [1 / len(norms)] * len(norms)
@@ -421,7 +428,8 @@ def test_top_k_keeps_one_value_of_a_block_too_small_for_its_fraction():
 def test_the_influence_bound_caps_weight_times_norm_where_the_two_caps_alone_allow_their_product():
     """A liar whose claims match its lie: ×4 its Δ (its block norms claimed as they are) and 1000× its tokens.
     The weight cap (2×) and the norm cut (2×) each hold, and it still adds 4× a typical member's vector; with
-    --max-influence-ratio 1.5 it adds 1.5×, and the honest members keep their ratios to one another."""
+    --max-influence-ratio 1.5 it adds 1.5×, the honest members keep their ratios to one another, and the weight it
+    lost goes to nobody: each honest member weighs what it would in a clean island of four (1/4), not 1/3."""
     torch.manual_seed(0)
     deltas = [torch.randn(N) for _ in range(3)] + [4 * torch.randn(N)]
     records = [member(f"h{i}", d) for i, d in enumerate(deltas[:3])] + [member("evil", deltas[3], tokens=4096 * 1000)]
@@ -435,7 +443,7 @@ def test_the_influence_bound_caps_weight_times_norm_where_the_two_caps_alone_all
     assert two_caps[3] / sorted(two_caps)[1] == pytest.approx(4.0, rel=0.05)  # 2 × 2, as the caps compose
     bounded, weights = added(Bounds(influence_ratio=1.5))
     assert bounded[3] / sorted(bounded)[1] == pytest.approx(1.5, rel=1e-6)
-    assert weights[0] / weights[1] == pytest.approx(1.0) and sum(weights) == pytest.approx(1.0)
+    assert weights[:3] == pytest.approx([0.25] * 3)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -450,7 +458,7 @@ def test_no_member_adds_more_than_the_influence_ratio_times_the_median(seed):
     capped, notes = cap_influence(weights, norms, 1.5)
     products = [w * n for w, n in zip(capped, norms)]
     assert max(products) <= 1.5 * lower_median(products) * (1 + 1e-9)
-    assert sum(capped) == pytest.approx(1.0)
     before = [w * n for w, n in zip(weights, norms)]
     assert set(notes) == {i for i, x in enumerate(before) if x > 1.5 * lower_median(before) * (1 + 1e-12)}
+    assert all(capped[i] == weights[i] for i in range(k) if i not in notes)  # the others are left as they were
     assert cap_influence(weights, norms, 0.0) == (weights, {})  # 0: no bound

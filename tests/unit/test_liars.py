@@ -106,3 +106,18 @@ def test_the_direction_check_leaves_out_the_flipped_and_the_noise_liar_and_never
         left_out = robust_filter(parts, own=xs[0])
         assert not any(peer.startswith("h") for peer in left_out), (action, left_out)
         assert ("liar" in left_out) == (action in ("hostile_flipped", "hostile_noise")), (action, left_out)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("honest, liars", [(3, 1), (4, 2)], ids=["one-of-4", "colluding-2-of-6"])
+def test_a_scaled_liars_cut_weight_goes_to_nobody_so_the_merge_is_as_long_as_a_clean_one(honest, liars, seed):
+    """The ×100 liar (or a pair) bounded to a typical member's weight × norm: the merge it joins is as long as the
+    same island's with the liars honest. Giving the cut weight to the honest members instead made it 4/3 (one of
+    4) and 3/2 (a pair of 6) as long, and the pair of real peers 4 % worse (docs/hostile.md)."""
+    weights, sent, _ = island("hostile_claimed", honest, liars, seed, DEFAULTS)
+    *xs, _ = honest_deltas(honest + liars + 1, seed)
+    clean = plan_island(parse_island([record(f"p{i}", x) for i, x in enumerate(xs)], Expect(N)), "tokens2", 60.0, N,
+                        DEFAULTS).weights
+    merged = sum(w * x for w, x in zip(weights, sent))
+    merged_clean = sum(w * x for w, x in zip(clean, xs))
+    assert float(merged.norm() / merged_clean.norm()) == pytest.approx(1.0, abs=0.05)
