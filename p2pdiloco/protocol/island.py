@@ -10,7 +10,10 @@ Nothing a member claims is taken at face value (volunteers are strangers):
   codes beyond it: whatever a member sends, it moves each value by at most its capped weight's share of the
   clipped scale;
 - its weight is cut further where the norm of its pseudo-gradient (the sum of its claimed block norms) stands
-  above `norm_ratio` × the island's median, so the vector it adds is bounded too, not only each value.
+  above `norm_ratio` × the island's median, so the vector it adds is bounded too, not only each value, and where
+  its weight times that norm stands above `influence_ratio` × the island's median product. What a member cut for
+  too long a Δ loses goes to nobody: the merge is the mean of the members' Δs with the long ones clipped
+  (`share_of_the_shortened`), not a mean that gives the others more say for every member cut.
 
 A member whose Δ was taken from an older global state than the one the merge is applied to (the newest member's)
 keeps `stale_factor` of its weight per version it is behind, and the weights are not renormalised: the merge is
@@ -348,8 +351,9 @@ def cut_to_median_norm(weights: list[float], norms: list[float], ratio: float) -
 def cut_below_median_norm(weights: list[float], norms: list[float], ratio: float) -> tuple[list[float],
                                                                                        dict[int, str]]:
     """Weights, each member's multiplied by min(1, its norm × `ratio` / the island's upper median norm), not
-    renormalised (`share_of_the_shortened` gives what it lost to the others): a member that claims full tokens for a near-zero Δ (dilution: it would take weight from
-    the others and shorten the merge for free) counts as little as its Δ is long. The upper median, so that a
+    renormalised (`share_of_the_shortened` gives what it lost to the others): a member that claims full tokens for
+    a near-zero Δ (dilution: it would take weight from the others and shorten the merge for free) counts as little
+    as its Δ is long. The upper median, so that a
     minority of tiny claims cannot lower the floor (the lower median bounds the large ones). An honest member
     with a short window counts less, as its tokens already say. Reducers hold the codes to at least the claimed
     norm (p2pdiloco.core.claims), so a liar cannot claim a typical norm and send nothing."""
