@@ -86,12 +86,12 @@ def fetch_records_seen(dht: DHT, run_id: str,
 
 
 def other_wires(dht: DHT, run_id: str, timeout: float = DHT_CALL_TIMEOUT) -> Counter:
-    """Wire version → live peers announcing it, for the versions other than ours (their records are not parsed,
-    nor need they be signed: peers before version 3 did not sign theirs)."""
-    found = bounded(dht.get(records_key(run_id), latest=True, return_future=True), timeout)
-    if found is None or not isinstance(found.value, dict):
-        return Counter()
-    versions = (record_wire(getattr(item, "value", None)) for item in found.value.values())
+    """Wire version → live peers announcing it, for the versions other than ours (their records are not parsed),
+    counted only where signed by the peer they name (the `peer` field, which every version keeps): an unsigned
+    record is anyone's, and a flood of them claiming another version would stop every peer that joins. Peers before
+    version 3 signed nothing, so they are not counted (nor can they read our records: docs/hostile.md)."""
+    versions = (record_wire(v) for owner, v in signed_values(dht, records_key(run_id), timeout)
+                if isinstance(v, dict) and v.get("peer") == owner)
     return Counter(v for v in versions if v != WIRE_VERSION)
 
 

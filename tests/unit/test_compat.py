@@ -72,11 +72,15 @@ def test_the_swarm_driver_counts_the_other_wire_versions_it_finds_on_the_dht():
     from p2pdiloco.swarm.records import fetch_records, other_wires
     from p2pdiloco.swarm.signing import Identity
 
-    a = Identity.fresh()
+    a, b, c, d, x = (Identity.fresh() for _ in range(5))
     mine = dataclasses.asdict(live(SWARM, a.peer_id))
-    # b, c and d speak other versions (before 3, records were not signed: they are counted all the same)
-    table = {a.subkey: mine, "b": dict(mine, peer="b", wire=WIRE_VERSION + 1), "c": dict(mine, peer="c", wire=7),
-             "d": dict(mine, peer="d", wire=WIRE_VERSION + 1), "e": "not a record"}
+    table = {a.subkey: mine, b.subkey: dict(mine, peer=b.peer_id, wire=WIRE_VERSION + 1),
+             c.subkey: dict(mine, peer=c.peer_id, wire=7), d.subkey: dict(mine, peer=d.peer_id, wire=WIRE_VERSION + 1),
+             "e": "not a record",
+             # a flood of unsigned records, or records in another's name, claiming another version: not counted, or
+             # anyone could stop every peer that joins ("most live peers speak another version")
+             **{f"forged{i}": dict(mine, peer=f"forged{i}", wire=WIRE_VERSION + 1) for i in range(9)},
+             x.subkey: dict(mine, peer=b.peer_id, wire=WIRE_VERSION + 1)}
 
     class TableDHT:
         def get(self, key, latest=True, return_future=False):
