@@ -88,8 +88,8 @@ class Identity:
             raise IdentityError(f"--identity {path}: not a libp2p private key file ({type(e).__name__})") from None
         if not isinstance(key, rsa.RSAPrivateKey):
             kind = crypto_pb2.KeyType.Name(pb.key_type) if pb.key_type in crypto_pb2.KeyType.values() else "unknown"
-            raise IdentityError(f"--identity {path}: a {kind} key; peers sign their records with RSA identities "
-                                f"(move the file away and one is made)")
+            raise IdentityError(f"--identity {path}: a key of type {kind}; peers sign their records with RSA "
+                                f"identities (move the file away and one is made)")
         return cls(IdentityKey(key), Path(path))
 
     @classmethod
@@ -100,14 +100,18 @@ class Identity:
         if Path(path).exists():
             return cls.load(path)
         made = cls(cls.fresh().key, Path(path))
-        made.write(made.path)
+        try:
+            made.write(made.path)
+        except OSError as e:
+            raise IdentityError(f"--identity {path}: cannot write it ({e.strerror})") from None
         return made
 
     def write(self, path: Path) -> None:
         """Atomically, readable by its owner only, in the format p2pd reads."""
         pb = crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=self.key.der())
         tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        tmp.unlink(missing_ok=True)  # a try that died after its chmod left it read-only
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(pb.SerializeToString())
         os.chmod(tmp, 0o400)

@@ -32,7 +32,8 @@ def test_an_identity_is_the_libp2p_identity_its_file_gives_p2pd(tmp_path):
 
 
 @pytest.mark.parametrize("content, says", [
-    (crypto_pb2.PrivateKey(key_type=crypto_pb2.Ed25519, data=b"\x01" * 64).SerializeToString(), "a Ed25519 key"),
+    (crypto_pb2.PrivateKey(key_type=crypto_pb2.Ed25519, data=b"\x01" * 64).SerializeToString(),
+     "a key of type Ed25519"),
     (b"\xff\x00 not a key", "not a libp2p private key file"),
     (crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=b"garbage").SerializeToString(),
      "not a libp2p private key file"),
@@ -46,6 +47,18 @@ def test_an_identity_we_cannot_sign_with_is_refused_in_one_line(tmp_path, conten
     with pytest.raises(node.SwarmConnectError, match=says):
         node.identity_of(SwarmConfig(identity=path))
     assert path.read_bytes() == content  # nothing is lost
+
+
+def test_an_identity_that_cannot_be_written_is_refused_in_one_line(tmp_path):
+    where = tmp_path / "no such folder" / "id.key"
+    with pytest.raises(node.SwarmConnectError, match="cannot write it") as caught:
+        node.identity_of(SwarmConfig(identity=where))
+    assert "\n" not in str(caught.value) and not where.parent.exists()
+    kept = tmp_path / "id.key"
+    (tmp_path / "id.key.tmp").write_bytes(b"a try that died")
+    (tmp_path / "id.key.tmp").chmod(0o400)
+    assert Identity.at(kept).peer_id == PeerID.from_identity(kept.read_bytes()).to_base58()
+    assert not (tmp_path / "id.key.tmp").exists()
 
 
 def signed(identity: Identity, subkey, value) -> DHTRecord:
