@@ -212,8 +212,8 @@ def member_weights(tokens: list[int], steps: list[int], norms: list[float], vers
                    bounds: Bounds, backed: Optional[list[float]] = None) -> tuple[list[float], list[tuple[int, str]]]:
     """The merge weights of an island's accepted members from what they claim, and (member, what was bounded)
     notes: token weighting, capped at the median, cut where a norm stands out or falls short (`backed`: the norms
-    their codes must carry, where their block maxima were clipped; their claimed norms by default), discounted
-    where stale. Raises ValueError where no member trained a token."""
+    their codes must carry, where their block maxima were clipped; their claimed norms by default; what a member cut
+    for a long Δ loses goes to nobody), discounted where stale. Raises ValueError where no member trained a token."""
     weights = merge_weights(tokens, steps, weighting)
     capped_weights, capped = cap_to_median(weights, bounds.weight_ratio)
     weights, cut = cut_to_median_norm(capped_weights, norms, bounds.norm_ratio)
@@ -285,20 +285,14 @@ def share_of_the_shortened(before: list[float], weights: list[float], norms: lis
     """`weights` (`before`, normalised, after the cuts for a Δ's length) divided by what they would sum to had each
     member cut for too long a Δ (`shortened`) weighed its weight `before`, up to a typical member's (the lower median
     weight of those with a positive norm): what such a member lost goes to nobody, while what a member floored for
-    too short a Δ lost goes to the others (a near-zero Δ claiming full weight must not shorten the merge).
+    too short a Δ lost goes to the others (a near-zero Δ claiming full weight must not shorten the merge). With
+    nobody shortened, that is renormalising to 1.
     Renormalising to 1 instead gave a ×100 liar's cut share to the honest members: the honest part of the merge
     kept its whole length and the liar's bounded vector came on top, 4/3 of a clean step with one such liar in 4
     and 3/2 with a pair in 6 (docs/hostile.md). Every weight is divided alike, so the bounds, relative to the
     island's medians, still hold."""
-    if not shortened:
-        return _normalised(weights)
     typical = lower_median([w for w, n in zip(before, norms) if n > 0] or [0.0])
     total = sum(min(b, typical) if k in shortened else w for k, (b, w) in enumerate(zip(before, weights)))
-    return [w / total for w in weights] if total > 0 else _normalised(weights)
-
-
-def _normalised(weights: list[float]) -> list[float]:
-    total = sum(weights)
     return [w / total for w in weights] if total > 0 else weights
 
 
@@ -353,9 +347,8 @@ def cut_below_median_norm(weights: list[float], norms: list[float], ratio: float
     """Weights, each member's multiplied by min(1, its norm × `ratio` / the island's upper median norm), not
     renormalised (`share_of_the_shortened` gives what it lost to the others): a member that claims full tokens for
     a near-zero Δ (dilution: it would take weight from the others and shorten the merge for free) counts as little
-    as its Δ is long. The upper median, so that a
-    minority of tiny claims cannot lower the floor (the lower median bounds the large ones). An honest member
-    with a short window counts less, as its tokens already say. Reducers hold the codes to at least the claimed
+    as its Δ is long. The upper median, so that a minority of tiny claims cannot lower the floor (the lower median
+    bounds the large ones). An honest member with a short window counts less, as its tokens already say. Reducers hold the codes to at least the claimed
     norm (p2pdiloco.core.claims), so a liar cannot claim a typical norm and send nothing."""
     positive = [x for x in norms if x > 0]
     if ratio <= 0 or len(positive) < 2:

@@ -63,6 +63,11 @@ SEAMS = (
          "that stopped answering, and a client whose only public peer restarted would stay alone",
          "tests/integration/test_home_volunteers.py::test_clients_find_their_only_node_again_after_it_restarts_"
          "and_merge_again"),
+    Seam("RSASignatureValidator's owner subkey and RSAPublicKey.verify's scheme", "swarm/signing.py",
+         "records are signed under `[owner:<key>]` (PUBLIC_KEY_REGEX) by a key loaded from the peer's libp2p "
+         "identity file, which signs as hivemind's RSAPrivateKey does (PSS, SHA-256, base64): hivemind has no way "
+         "to load a private key from bytes",
+         "tests/unit/test_signed_records.py::test_only_the_owner_of_a_subkey_can_store_under_it"),
     Seam("DHTNode.protocol.routing_table", "swarm/node.py",
          "whether any initial peer answered: the routing table's size, read inside the DHT process",
          "tests/unit/test_cli.py::test_unreachable_initial_peer_fails_fast_and_clearly"),

@@ -11,6 +11,7 @@ it as its identity file), and a reader keeps only records whose owner key hashes
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
 import hashlib
@@ -45,8 +46,8 @@ class IdentityKey(PrivateKey):
         self._key = key
 
     def sign(self, data: bytes) -> bytes:
-        import base64
-
+        # hivemind's own signing scheme (PSS, SHA-256, base64), which its RSAPublicKey.verify checks: listed as a
+        # seam (swarm/seams.py) with the test that fails should a release change it
         pss = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=padding.PSS.MAX_LENGTH)
         return base64.b64encode(self._key.sign(data, pss, hashes.SHA256()))
 

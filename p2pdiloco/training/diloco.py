@@ -74,6 +74,7 @@ class SwarmRate:
             rate = 1.0
         return cls(min(MAX_SWARM_RATE, max(1.0, float(rate))), base if isinstance(base, int) and base >= 0 else None)
 
+
 class Progress(Enum):
     """What of θ's local progress a rebase onto a new Θ keeps."""
 

@@ -306,6 +306,17 @@ def test_members_with_a_zero_delta_do_not_count_in_the_median_norm():
     assert plan.weights == pytest.approx([1 / 3] * 3) and not any("cut" in why for why in plan.bounded.values())
 
 
+def test_a_floored_members_loss_goes_to_the_others_a_long_members_to_nobody_in_one_island():
+    """Five members of equal tokens: three typical, one whose Δ is 10× theirs (cut to 2×), one near zero (floored).
+    The near-zero member's weight goes to the others, the long member's to nobody: each typical member weighs what
+    it would beside one typical fourth member, 1/4 (bar the near-zero member's kept 0.0004 of 0.8), and the long one
+    adds twice a typical member's Δ."""
+    merged, bounded = member_weights([4096] * 5, [32] * 5, [1.0, 1.0, 1.0, 10.0, 1e-3], [3] * 5, "tokens2",
+                                     Bounds(norm_ratio=2.0, floor_ratio=2.0, influence_ratio=0))
+    assert merged[:3] == pytest.approx([0.2 / 0.8004] * 3) and merged[3] * 10.0 == pytest.approx(2 * merged[0])
+    assert sorted(k for k, _ in bounded) == [3, 4]
+
+
 @pytest.mark.parametrize("norms, ratio, cut", [
     ([0.0, 0.0], 2.0, None),  # nothing trained: nothing to cut by
     ([1e-3, 1e-3, 1e-2], 2.0, [1 / 3, 1 / 3, 1 / 15]),  # small norms: the same rule
