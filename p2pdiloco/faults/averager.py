@@ -5,6 +5,7 @@ it only passes on or reads as swarm.statefetch does."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -12,6 +13,7 @@ from collections import Counter
 from typing import Optional
 
 from p2pdiloco.faults.plan import FaultPlan
+from p2pdiloco.faults.reducer import BendingReduction
 from p2pdiloco.swarm.averager import ExactAverager
 from p2pdiloco.swarm.statefetch import parse_part_request
 
@@ -20,7 +22,7 @@ SLOW_PART_SECONDS = 0.2  # `slow_sharing`: each part of our state this late
 
 
 class FaultyAverager(ExactAverager):
-    """`die_in_allreduce`, `die_while_sharing` and `slow_sharing` (p2pdiloco.faults.plan)."""
+    """`die_in_allreduce`, `die_while_sharing`, `slow_sharing` and `hostile_reducer` (p2pdiloco.faults.plan)."""
 
     def __init__(self, plan: FaultPlan, *args, **kwargs):
         self.plan = plan
@@ -28,6 +30,8 @@ class FaultyAverager(ExactAverager):
         if plan.version_of("partition_until"):  # until then, islands only with peers of the same fault
             kwargs["initial_group_bits"] = "1"
         super().__init__(*args, **kwargs)
+        if plan.version_of("hostile_reducer") is not None:  # the exchange's seam for the reductions it serves
+            self._codes.reduction_type = functools.partial(BendingReduction, hide="own")
 
     async def _codes_round(self, island, plan, group_info, my_index: int, started: float):
         own = island.members[my_index]

@@ -24,7 +24,10 @@ the requests of those peers only:
   round's Δ replayed; Δ × 10⁻³ (to take weight for free);
 - `hostile_ahead@1`: once this peer holds version 1, after every round it replaces its global state with one of
   its own (its Θ plus noise of Θ's spread), 5 versions ahead of the one it held, and publishes and serves
-  it as its state: a member that claims a newer version than it holds (p2pdiloco.core.reach).
+  it as its state: a member that claims a newer version than it holds (p2pdiloco.core.reach);
+- `hostile_reducer@0`: from its first round, the part this peer reduces is served bent within its senders'
+  claims (the others' codes flipped), with an account that hides the difference in its own share
+  (p2pdiloco.faults.reducer); the version is not read.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from dataclasses import dataclass
 
 ACTIONS = ("die_in_allreduce", "die_while_sharing", "partition_until", "slow_sharing", "hostile_scaled",
            "hostile_random", "hostile_nan", "hostile_ahead", "hostile_claimed", "hostile_flipped", "hostile_noise",
-           "hostile_replay", "hostile_tiny")
+           "hostile_replay", "hostile_tiny", "hostile_reducer")
 
 
 class FaultPlanError(ValueError):

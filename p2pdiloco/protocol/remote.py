@@ -31,8 +31,9 @@ MAX_BLAME = 64  # peers one member may blame at once
 # (p2pdiloco.protocol.compat.wire_mismatch), and islands of two versions never form (the averager's prefix).
 # Version 0: peers from before versions were published. 2: peer records say how many devices (ranks) the member
 # trains on. 3: records are signed by the peer's libp2p key (p2pdiloco.swarm.signing), which an older peer cannot
-# read.
-WIRE_VERSION = 3
+# read. 4: a reducer serves its account of each part after the part's sums (p2pdiloco.core.audit), which a
+# member of version 3 would take for a piece too many.
+WIRE_VERSION = 4
 
 
 @dataclass

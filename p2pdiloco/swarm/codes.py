@@ -46,7 +46,7 @@ import torch
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
-from p2pdiloco.core import codec
+from p2pdiloco.core import audit, codec
 from p2pdiloco.core.claims import sum_why_not
 from p2pdiloco.protocol.island import lower_median
 
@@ -160,12 +160,15 @@ class Reduction:
     summing: set = field(default_factory=set)  # background sums in flight (kept referenced until done)
     fetched: set = field(default_factory=set)  # members that were served every piece's sum
     over: asyncio.Event = field(default_factory=asyncio.Event)  # every sender was served every sum, or we failed
+    group: bytes = b""  # the group's id: it seeds each piece's fingerprints (p2pdiloco.core.audit)
+    account: dict = field(default_factory=dict)  # share (a sender, or audit.OWN) → fingerprint of what we summed
 
     def begin(self, senders: list, own: Codes, fmt, claims: Optional[dict] = None, start: int = 0) -> None:
         """Our round knows the group: who sends to us (others than ourselves), our own codes of the part (made
         when each piece is summed: none of the whole part are held, 4 bytes per element of it)."""
         self.spec, self.own = (list(senders), own.numel, fmt), own
         self.claims, self.start = dict(claims or {}), start
+        self.account = {audit.OWN: audit.zero(), **{sender: audit.zero() for sender in senders}}
         for index in [i for i in self.pieces if i >= len(self.ranges)]:  # pushed before we knew the part's size
             del self.pieces[index]
         for index in range(len(self.ranges)):
@@ -243,6 +246,12 @@ class Reduction:
         await self.settle_soon()
 
     def _sum(self, index: int) -> bytes:
+        shares = self._shares(index)
+        return self._served(index, shares, sum(shares.values()))
+
+    def _shares(self, index: int) -> dict:
+        """audit.OWN → our own codes of a piece, and each sender's codes of it that may be summed (int64); the
+        others are left out, and why is noted in the piece."""
         senders, _, fmt = self.spec
         piece, (a, b) = self.pieces[index], self.ranges[index]
         parts = {}
@@ -262,11 +271,17 @@ class Reduction:
         own = self.own.of(a, b)[0].to(torch.int64)
         if self.robust:
             piece.dropped.update(robust_filter(parts, own))
-        total = own.clone()
-        for sender, codes in parts.items():
-            if sender not in piece.dropped:
-                total += codes
-        return fmt.encode_sum(total)
+        return {audit.OWN: own, **{sender: codes.to(torch.int64) for sender, codes in parts.items()
+                                   if sender not in piece.dropped}}
+
+    def _served(self, index: int, shares: dict, total: torch.Tensor) -> bytes:
+        """A piece's sum, packed as it is served, with each share's fingerprint added to our account of the part:
+        fingerprints seeded by the bytes we serve, so we have committed to the sum before we can know them."""
+        result = self.spec[2].encode_sum(total)
+        seed = audit.piece_seed(self.group, self.start + self.ranges[index][0], result, self.pieces[index].dropped)
+        for key, codes in shares.items():
+            self.account[key] = self.account[key] + audit.fingerprint(codes, seed)
+        return result
 
     def _finish(self, index: int, result: bytes) -> None:
         piece = self.pieces[index]
@@ -394,6 +409,8 @@ class Exchanged:
 class CodesExchange:
     """Lives in the averager process: the reductions we serve and the client side of a round."""
 
+    reduction_type = Reduction  # a test's or fault plan's hostile reducer subclasses it (p2pdiloco.faults)
+
     def __init__(self, max_payload: int, robust: bool = False, max_pieces: int = 1 << 16):
         self.max_payload = max_payload  # bytes one contribution may take: anything longer is refused
         self.max_pieces = max_pieces  # pieces one contribution may take (the whole model's), before we know ours
@@ -404,7 +421,7 @@ class CodesExchange:
         if group_id not in self.reductions:
             while len(self.reductions) >= MAX_PENDING_GROUPS:
                 del self.reductions[min(self.reductions, key=self._eviction_order)]
-            self.reductions[group_id] = Reduction(robust=self.robust)
+            self.reductions[group_id] = self.reduction_type(robust=self.robust, group=group_id)
         return self.reductions[group_id]
 
     def _eviction_order(self, group_id: bytes) -> tuple:
@@ -437,7 +454,8 @@ class CodesExchange:
     async def serve(self, request: averaging_pb2.DownloadData, timeout: float,
                     fetcher: str = "") -> AsyncIterator[tuple[bytes, bytes]]:
         """(metadata, sum) per piece of our part, each as soon as it is complete; the metadata names the senders
-        left out of that piece. Once `fetcher` has them all, they may be dropped (`Reduction.served`)."""
+        left out of that piece. Then our account of the part, with no sum. Once `fetcher` has them all, they may
+        be dropped (`Reduction.served`)."""
         reduction = self.reduction(_header(request.metadata)["group"])
         deadline = time.monotonic() + timeout
         await _until(reduction.known.wait(), deadline)
@@ -450,6 +468,8 @@ class CodesExchange:
                 raise CodesError("this piece's sum was served to every member and dropped")
             yield serializer.dumps(dict(dropped=sorted(piece.dropped))), piece.result
             reduction.piece_served(index, fetcher)
+        # then our account of the part (p2pdiloco.core.audit): the fetcher checks our sums against it
+        yield serializer.dumps(dict(account={k: audit.to_bytes(fp) for k, fp in reduction.account.items()})), b""
         reduction.served(fetcher)
 
     async def push_answer(self, requests: AsyncIterator[averaging_pb2.DownloadData],
@@ -492,15 +512,19 @@ class CodesExchange:
         codes may hold (p2pdiloco.core.claims), checked in the part we reduce and in every sum we fetch. `land`,
         if given, takes each piece's checked sum in a worker thread as it comes (decoding overlaps the transfer,
         and no sum of the whole model is held); a round that then fails has landed some pieces and not others."""
-        take = _taker(fmt, _sum_check(claims, senders), land)
+        check = _sum_check(claims, senders)
         parts = [piece_ranges(a, b) for a, b in part_ranges(codes.numel, len(reducers), align=codec.BLOCK)]
         mine_at = reducers.index(me) if me in reducers else None
         mine = self.reduction(group_id) if mine_at is not None else None
         pushes = [self._push(stub_of(reducers[j]), group_id, fmt, codes, pieces)
                   for j, pieces in enumerate(parts) if j != mine_at]
         members = {str(p) for p in senders}
-        fetches = [self._fetch(stub_of(reducers[j]), group_id, pieces, members, take) if j != mine_at
-                   else self._own_sums(mine, pieces, timeout, take) for j, pieces in enumerate(parts)]
+        audits = {j: audit.PartAudit(group_id, str(me), lambda a, b: codes.of(a, b)[0], audit.share_bounds(
+            claims, members, str(reducers[j]), pieces[0][0], pieces[-1][1])) for j, pieces in enumerate(parts)}
+        fetches = [self._fetch(stub_of(reducers[j]), group_id, pieces, members, _taker(fmt, check, land, audits[j]),
+                               audits[j]) if j != mine_at
+                   else self._own_sums(mine, pieces, timeout, _taker(fmt, check, land))
+                   for j, pieces in enumerate(parts)]
         cut_off = asyncio.ensure_future(mine.cut_off_after(PART_WAIT * timeout)) if mine else None
         each = [asyncio.wait_for(step, 0.95 * timeout) for step in (*pushes, *fetches)]  # a hung one is a culprit
         if mine is not None:  # our own codes of our part; every piece may have come before we knew the group
@@ -580,26 +604,30 @@ class CodesExchange:
                 late = header.get("late") is True
                 raise (LateError if late else CodesError)(f"a reducer refused our part: {header['error']}")
 
-    async def _fetch(self, stub, group_id: bytes, pieces: list, members: set, take) -> tuple[list, list]:
-        """A reducer's sums of its part, each checked (and landed) as it arrives. Our request stream ends once
-        the last piece is in: that tells the reducer it may close (`fetch_answers`)."""
+    async def _fetch(self, stub, group_id: bytes, pieces: list, members: set, take,
+                     account: audit.PartAudit) -> tuple[list, list]:
+        """A reducer's sums of its part, each checked (and landed) as it arrives, then its account of them
+        (p2pdiloco.core.audit), checked before the round may commit. Our request stream ends once the account is
+        in: that tells the reducer it may close (`fetch_answers`)."""
         got_all = asyncio.Event()
 
         async def requests():
             yield averaging_pb2.DownloadData(metadata=serializer.dumps(dict(group=group_id)))
             await got_all.wait()
 
-        sums, left_out = [], []
+        sums, left_out, why = [], [], None
         try:
             async for message in await stub.rpc_codes_fetch(requests()):
                 header = _reply(message.metadata)
                 if "error" in header:  # it may say it was late: blamed when late again, as any late member
                     late = header.get("late") is True
                     raise (LateError if late else CodesError)(f"a reducer failed: {header['error']}")
-                if len(sums) == len(pieces):
+                if why is not None:
                     raise CodesError("a reducer sent more pieces than its part has")
-                if len(sums) == len(pieces) - 1:
-                    got_all.set()  # before this piece is decoded: the reducer need not wait on our CPU
+                if len(sums) == len(pieces):  # every piece is in: this is its account of them
+                    got_all.set()
+                    why = await off_loop(account.why_not, header.get("account"))
+                    continue
                 (start, end), out = pieces[len(sums)], _left_out(header.get("dropped"), members)
                 sums.append(await off_loop(take, message.tensor_part.buffer, start, end, out))
                 left_out.append(out)
@@ -607,6 +635,10 @@ class CodesExchange:
             got_all.set()
         if len(sums) < len(pieces):  # a reducer that died mid-stream
             raise CodesError(f"a reducer's sum arrived incomplete: {len(sums)} of {len(pieces)} pieces")
+        if why is None:
+            raise CodesError("a reducer served its sums without an account of them")
+        if why:
+            raise CodesError(f"its reducer served {why}")
         return sums, left_out
 
     async def _own_sums(self, mine: Reduction, pieces: list, timeout: float, take) -> tuple[list, list]:
@@ -639,8 +671,9 @@ def _sum_check(claims: Optional[dict], senders: list) -> SumCheck:
     return why_not
 
 
-def _taker(fmt, check: SumCheck, land: Optional[Land]):
-    """A piece's sum as it arrives: decoded, checked, then landed (None returned) or kept (returned)."""
+def _taker(fmt, check: SumCheck, land: Optional[Land], account: Optional[audit.PartAudit] = None):
+    """A piece's sum as it arrives: decoded, checked, fingerprinted for its reducer's account (not that of our own
+    part), then landed (None returned) or kept (returned)."""
     def take(data: bytes, start: int, end: int, left_out: frozenset) -> Optional[torch.Tensor]:
         try:
             total = _decode_sum(fmt, data, end - start)
@@ -649,6 +682,8 @@ def _taker(fmt, check: SumCheck, land: Optional[Land]):
         why = check(total, start, left_out)
         if why:
             raise CodesError(f"its reducer served {why}")
+        if account is not None:
+            account.add(data, start, end, left_out, total)
         if land is None:
             return total
         land(start, end, total, left_out)

@@ -24,7 +24,7 @@ GROUP = 3  # members whose codes a sum adds
 
 
 NAMES = ("int4-part.bin", "int4-sum.bin", "topk-part.bin", "topk-sum.bin", "member-record.msgpack",
-         "peer-record.msgpack", "tables.json")
+         "peer-record.msgpack", "account.msgpack", "tables.json")
 
 
 def folder(version: int) -> Path:
@@ -76,6 +76,18 @@ def records() -> tuple[dict, "PeerRecord"]:
     return member, record
 
 
+def account(served: bytes) -> dict:
+    """A reducer's account (p2pdiloco.core.audit) of the dense sum's three shares, seeded by `served`: pins the
+    seed's hash, numpy's Philox stream and the fingerprint's arithmetic, which every member must share with its
+    reducers (one bit apart, honest reducers would be blamed)."""
+    from p2pdiloco.core import audit
+
+    seed = audit.piece_seed(b"golden group", 1 << 14, served, ("12D3KooWleft",))
+    c = codes()
+    shares = {audit.OWN: c, "12D3KooWa": torch.roll(c, 5), "12D3KooWb": torch.roll(c, 10)}
+    return {key: audit.to_bytes(audit.fingerprint(values, seed)) for key, values in shares.items()}
+
+
 def payloads() -> dict[str, bytes]:
     """File name → the bytes today's code makes for it."""
     from hivemind.utils.serializer import MSGPackSerializer
@@ -94,6 +106,7 @@ def payloads() -> dict[str, bytes]:
         "topk-sum.bin": expand(topk.encode_sum(made["topk-sum.bin"][0])),
         "member-record.msgpack": MSGPackSerializer.dumps(member),
         "peer-record.msgpack": MSGPackSerializer.dumps(dataclasses.asdict(record)),
+        "account.msgpack": MSGPackSerializer.dumps(account(expand(dense.encode_sum(made["int4-sum.bin"][0])))),
         "tables.json": ("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in sorted(tables().items()))
                         + "\n}\n").encode(),
     }

@@ -159,3 +159,23 @@ def test_a_member_claiming_versions_it_never_made_cannot_hand_the_honest_peers_i
     assert lies and not honest & lies, sorted(lies)
     assert all(sum(r.applied for r in rs) >= 3 for rs in rounds.values()), \
         {name: [(r.applied, r.reason) for r in rs] for name, rs in rounds.items()}
+
+
+@pytest.mark.slow  # 40 s each; in the default suite in-process, both wires (tests/unit/test_codes_transport.py)
+@pytest.mark.parametrize("wire", [INT4, ["--compression", "none"]], ids=["int4", "none"])
+def test_a_reducer_bending_its_sum_within_the_claims_costs_the_honest_peers_at_most_one_round(tmp_path, wire):
+    """The part the liar reduces is served with the others' codes flipped: a sum their claims allow, which the sum
+    check passed (docs/hostile.md had it as not covered). Its account of the part hides the difference in its own
+    share, whose norm every member checks against the liar's claims (p2pdiloco.core.audit): every honest member
+    refuses that round and blames it, and it is left out after."""
+    rounds, liar, its_rounds = run_with_a_liar(tmp_path, "bender", "hostile_reducer", *wire)
+    assert_at_most_one_round_lost_to_the_liar(rounds)
+    reasons = [r.reason for rs in rounds.values() for r in rs if not r.applied]
+    assert any("its own codes have a norm" in why for why in reasons), reasons
+    for name, rs in rounds.items():  # never merged with its bent part: each round it reduced in was refused
+        merged_with_it = [r for r in rs if r.applied and "liar" in r.members and liar not in r.excluded]
+        first_refused = next(i for i, r in enumerate(rs) if "its own codes" in r.reason) if any(
+            "its own codes" in r.reason for r in rs) else None
+        assert first_refused is None or not any(r.applied and "liar" in r.members and liar not in r.excluded
+                                                for r in rs[first_refused + 1:]), [(r.members, r.excluded) for r in rs]
+        assert len(merged_with_it) <= 1, [(r.reason, r.members) for r in rs]

@@ -282,8 +282,8 @@ class DiesAfterOnePiece(LoopbackStub):
 def test_a_reducer_holds_its_stream_of_sums_open_until_the_fetcher_has_every_piece():
     """A reducer that closed its stream right after its last piece lost that piece now and then on the testbed:
     the libp2p daemon resets a stream whose handler closed while it still reads the other way, and the reset drops
-    what the fetcher's daemon had not read yet. So the fetcher ends its requests once the last piece is in, and
-    only then does the reducer's stream end. Each fetch here records what happened in which order."""
+    what the fetcher's daemon had not read yet. So the fetcher ends its requests once the last piece and the
+    reducer's account of the part are in, and only then does the reducer's stream end. Each fetch here records what happened in which order."""
     n, fmt = 4 * PIECE, codec.DenseFormat(4, 2)  # two members: each reduces a part of two pieces
     ex = {name: CodesExchange(max_payload=1 << 20) for name in "ab"}
     codes = {"a": torch.full((n,), 3, dtype=torch.int64), "b": torch.full((n,), -1, dtype=torch.int64)}
@@ -303,7 +303,8 @@ def test_a_reducer_holds_its_stream_of_sums_open_until_the_fetcher_has_every_pie
 
             async def answer():
                 async for message in served:
-                    log.append("piece")
+                    log.append("account" if message.metadata and "account" in serializer.loads(message.metadata)
+                               else "piece")
                     yield message
                 log.append("closed")
             return answer()
@@ -315,7 +316,7 @@ def test_a_reducer_holds_its_stream_of_sums_open_until_the_fetcher_has_every_pie
                                       for me in "ab"))
 
     results = asyncio.run(both())
-    assert events == {m: ["piece", "piece", "fetcher has all", "closed"] for m in "ab"}
+    assert events == {m: ["piece", "piece", "account", "fetcher has all", "closed"] for m in "ab"}
     assert all(torch.equal(torch.cat(r.sums), torch.full((n,), 2, dtype=torch.int64)) for r in results)
 
 
@@ -672,6 +673,8 @@ def test_a_reducer_lets_each_pieces_sum_go_once_every_member_and_its_own_round_h
         r.piece_taken(0)
         r.piece_taken(1)
         assert r.pieces[0].result is None and r.pieces[1].result is not None
+        account, no_sum = await served.__anext__()  # piece 1 handed over; then the reducer's account of the part
+        assert set(serializer.loads(account)["account"]) == {"", "b"} and no_sum == b""
         with pytest.raises(StopAsyncIteration):
             await served.__anext__()
         assert r.pieces[1].result is None and r.fetched == {"b"}
@@ -696,3 +699,80 @@ def test_the_codec_threads_cpu_is_counted_and_its_waits_are_not():
     before = codec_cpu_seconds()
     asyncio.run(off_loop(time.sleep, 0.3))
     assert codec_cpu_seconds() - before < 0.05
+
+
+def bits_claimed_codes(names: str, n: int, seed: int, bits: int) -> tuple[dict, dict]:
+    """claimed_codes at any width: int4, or --compression none's 20-bit codes."""
+    from p2pdiloco.core.claims import block_norms, claims_in_codes
+    from p2pdiloco.core.exact import n_blocks
+
+    g = torch.Generator().manual_seed(seed)
+    xs = {name: torch.randn(n, generator=g) for name in names}
+    scales = codec.agreed_scales([codec.block_maxabs(x) for x in xs.values()], bits)
+    codes = {name: codec.quantize(x, scales, bits).to(torch.int64) for name, x in xs.items()}
+    claims = {name: claims_in_codes(codec.block_maxabs(x), torch.zeros(n_blocks(n), dtype=torch.bool), block_norms(x),
+                                    1.0, scales, codec.levels(bits)) for name, x in xs.items()}
+    return codes, claims
+
+
+@pytest.mark.parametrize("bits", [4, 20], ids=["int4", "fp32-wire"])
+@pytest.mark.parametrize("hide", ["nowhere", "own", "victim"])
+def test_a_reducer_that_bends_its_sum_within_the_claims_is_caught_by_its_account(bits, hide):
+    """b reduces the second part (two pieces) and serves a sum the senders' claims allow: the others' codes
+    flipped (p2pdiloco.faults.reducer). The sum check passes it; the account b serves with it does not. Hidden
+    nowhere, the shares do not add up to the sum; in b's own share, that share's norm is beyond b's claims: both
+    times every other member refuses the round and blames b. Flipping only a's codes and stating a's share as
+    flipped, only a can tell, and it blames b (c commits: what it holds is consistent)."""
+    from p2pdiloco.faults.reducer import BendingReduction
+
+    n, fmt = 4 * PIECE, codec.DenseFormat(bits, 3)
+    codes, claims = bits_claimed_codes("abc", n, seed=7, bits=bits)
+    selected = torch.ones(n, dtype=torch.bool)
+    ex = {name: CodesExchange(max_payload=1 << 24) for name in "abc"}
+    ex["b"].reduction_type = functools.partial(BendingReduction, hide=hide)
+
+    async def all_three():
+        return await asyncio.gather(*(ex[me].run(b"g", ["a", "b", "c"], ["a", "b"], me, made(codes[me], selected),
+                                                 fmt, lambda peer, me=me: LoopbackStub(ex[peer], me), timeout=5.0,
+                                                 claims=claims) for me in "abc"), return_exceptions=True)
+
+    a, b, c = asyncio.run(all_three())
+    assert not isinstance(b, BaseException)  # the bender itself may keep what it likes
+    bent_part = torch.cat(b.sums).to(torch.int64)[n // 2:]
+    honest_part = sum(codes.values())[n // 2:]
+    assert not torch.equal(bent_part, honest_part)
+    expected = {"nowhere": "do not add up", "own": "its own codes have a norm", "victim": "misstates the codes"}[hide]
+    refused = (a, c) if hide != "victim" else (a,)
+    for r in refused:
+        assert isinstance(r, CodesError) and r.culprits == frozenset({"b"}), r
+        assert expected in str(r) and "beyond what" not in str(r) and "sum of norm" not in str(r)  # the sum check passed
+    if hide == "victim":
+        assert torch.equal(torch.cat(c.sums).to(torch.int64), torch.cat(b.sums).to(torch.int64))
+
+
+def test_a_reducer_that_serves_no_account_is_blamed():
+    """An older reducer, or one that withholds its account: its sums cannot be checked, so they are not taken."""
+    n, fmt = 2 * codec.BLOCK, codec.DenseFormat(4, 2)
+    codes, claims = claimed_codes("ab", n, seed=3)
+    selected = torch.ones(n, dtype=torch.bool)
+    ex = {name: CodesExchange(max_payload=1 << 20) for name in "ab"}
+
+    class NoAccount(LoopbackStub):
+        async def rpc_codes_fetch(self, requests):
+            served = await super().rpc_codes_fetch(requests)
+
+            async def answer():
+                async for message in served:
+                    if "account" not in serializer.loads(message.metadata):
+                        yield message
+            return answer()
+
+    async def both():
+        stubs = {("a", "b"): NoAccount(ex["b"], "a"), ("b", "a"): LoopbackStub(ex["a"], "b")}
+        return await asyncio.gather(*(ex[me].run(b"g", ["a", "b"], ["a", "b"], me, made(codes[me], selected), fmt,
+                                                 lambda peer, me=me: stubs[(me, peer)], timeout=3.0, claims=claims)
+                                      for me in "ab"), return_exceptions=True)
+
+    a, b = asyncio.run(both())
+    assert isinstance(a, CodesError) and a.culprits == frozenset({"b"}) and "without an account" in str(a)
+    assert not isinstance(b, BaseException)

@@ -1,0 +1,127 @@
+"""A reducer's account of its sums (p2pdiloco.core.audit): fingerprints that add up exactly, that any change of the
+codes moves, and whose sketch estimates a share's norm well enough to hold it to its sender's claims."""
+
+import pytest
+import torch
+
+from p2pdiloco.core import audit
+from p2pdiloco.core.audit import OWN, account_why_not, fingerprint, norm_squared, piece_seed, same
+
+
+def codes(seed: int, n: int = 5000, limit: int = 7) -> torch.Tensor:
+    return torch.randint(-limit, limit + 1, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+SEED = piece_seed(b"group", 0, b"served bytes", ())
+
+
+def test_fingerprints_add_up_exactly_as_the_codes_do():
+    a, b, c = codes(0), codes(1), codes(2, limit=(1 << 25) - 1)  # the largest sums: 64 codes of 20 bits
+    assert same(fingerprint(a, SEED) + fingerprint(b, SEED) + fingerprint(c, SEED), fingerprint(a + b + c, SEED))
+    assert same(fingerprint(torch.zeros(7, dtype=torch.int64), SEED), audit.zero())
+
+
+@pytest.mark.parametrize("change", ["one code by one", "two codes swapped", "one code by a lot", "last code"])
+def test_any_change_of_the_codes_changes_the_fingerprint(change):
+    a = codes(3)
+    b = a.clone()
+    if change == "one code by one":
+        b[100] += 1
+    elif change == "two codes swapped":  # the same sum and norm: only the residues and the sketch's places see it
+        b[10], b[20] = a[20] + 1, a[10] - 1
+    elif change == "one code by a lot":
+        b[7] += 1 << 24
+    else:
+        b[-1] -= 1
+    assert not same(fingerprint(a, SEED), fingerprint(b, SEED))
+
+
+def test_the_seed_depends_on_the_group_the_place_the_bytes_and_who_was_left_out():
+    seeds = {piece_seed(b"group", 0, b"served bytes", ()), piece_seed(b"other", 0, b"served bytes", ()),
+             piece_seed(b"group", 16384, b"served bytes", ()), piece_seed(b"group", 0, b"served bytez", ()),
+             piece_seed(b"group", 0, b"served bytes", ("p1",))}
+    assert len(seeds) == 5
+    assert piece_seed(b"g", 0, b"x", ("b", "a")) == piece_seed(b"g", 0, b"x", ("a", "b"))
+
+
+def test_the_sketch_estimates_the_norm_within_its_spread():
+    for seed in range(5):
+        x = codes(seed, n=20000)
+        truth = float(x.double().square().sum())
+        estimate = norm_squared(fingerprint(x, piece_seed(b"g", seed, b"", ())))
+        assert 0.6 * truth < estimate < 1.4 * truth  # relative spread √(2/128)/√2 ≈ 0.09 per estimate
+
+
+def account(shares: dict) -> dict:
+    return {key: fingerprint(v, SEED) for key, v in shares.items()}
+
+
+def honest(n=4000):
+    shares = {OWN: codes(10, n), "a": codes(11, n), "c": codes(12, n)}
+    bound = float(codes(10, n).double().square().sum().sqrt()) * 1.05
+    return shares, {OWN: bound, "a": bound, "c": bound}
+
+
+def test_an_honest_account_holds_for_every_member():
+    shares, bounds = honest()
+    served = fingerprint(sum(shares.values()), SEED)
+    for me in ("a", "c", None):
+        mine = fingerprint(shares[me], SEED) if me else audit.zero()
+        assert account_why_not(account(shares), served, me, mine, bounds) == ""
+
+
+def test_an_account_that_does_not_add_up_to_the_sum_served_is_refused():
+    shares, bounds = honest()
+    bent = shares[OWN] - shares["a"] - shares["c"]  # the others flipped: a sum within their claims
+    served = fingerprint(bent, SEED)
+    why = account_why_not(account(shares), served, "c", fingerprint(shares["c"], SEED), bounds)
+    assert "do not add up" in why
+
+
+def test_a_bent_sum_hidden_in_the_reducers_own_share_is_refused_for_its_norm():
+    shares, bounds = honest()
+    bent = shares[OWN] - shares["a"] - shares["c"]
+    hidden = {**shares, OWN: bent - shares["a"] - shares["c"]}  # adds up, and states a and c truly
+    served = fingerprint(bent, SEED)
+    why = account_why_not(account(hidden), served, "c", fingerprint(shares["c"], SEED), bounds)
+    assert "its own codes have a norm" in why
+    unchecked = {**bounds, OWN: None}
+    assert account_why_not(account(hidden), served, "c", fingerprint(shares["c"], SEED), unchecked) == ""
+
+
+def test_a_bent_sum_hidden_in_a_members_share_is_refused_by_that_member():
+    shares, bounds = honest()
+    bent = shares[OWN] - shares["a"] + shares["c"]  # a's codes flipped
+    hidden = {**shares, "a": -shares["a"]}  # a's share stated as flipped: its norm is a's own
+    served = fingerprint(bent, SEED)
+    assert "misstates the codes we sent" in account_why_not(account(hidden), served, "a",
+                                                             fingerprint(shares["a"], SEED), bounds)
+    # c cannot tell: what it holds of the round is consistent (a will blame the reducer)
+    assert account_why_not(account(hidden), served, "c", fingerprint(shares["c"], SEED), bounds) == ""
+
+
+def test_an_account_of_other_senders_is_refused():
+    shares, bounds = honest()
+    served = fingerprint(sum(shares.values()), SEED)
+    fewer = account(shares)
+    del fewer["a"]
+    assert "other senders" in account_why_not(fewer, served, "c", fingerprint(shares["c"], SEED), bounds)
+
+
+def test_a_malformed_account_is_refused_with_a_reason():
+    part = audit.PartAudit(b"g", "c", lambda a, b: torch.zeros(b - a, dtype=torch.int64), {OWN: None, "c": None})
+    assert part.why_not(None) == "no account of its sums"
+    assert part.why_not({1: b""}) == "no account of its sums"
+    assert "malformed account" in part.why_not({OWN: b"short", "c": b"x" * 8 * audit.WIDTH})
+
+
+def test_share_bounds_hold_each_share_to_its_senders_claims_and_a_reducer_node_to_nothing():
+    from p2pdiloco.core.claims import Claims
+
+    claims = {s: Claims(torch.full((3,), 7), torch.tensor([3.0, 4.0, 12.0], dtype=torch.float64)) for s in "abc"}
+    start, end = 16384, 3 * 16384  # blocks 1 and 2: norm √(16 + 144) = 12.65, plus ½√32768 for rounding
+    bounds = audit.share_bounds(claims, ["a", "b", "c"], "b", start, end)
+    expected = 160 ** 0.5 * (1 + 1e-4) + 0.5 * (end - start) ** 0.5
+    assert set(bounds) == {"a", "c", OWN} and bounds[OWN] == pytest.approx(expected)
+    assert audit.share_bounds(claims, ["a", "c"], "node", start, end)[OWN] == 0.0
+    assert audit.share_bounds(None, ["a", "b"], "b", start, end) == {"a": None, OWN: None}
