@@ -18,6 +18,8 @@ before (`-before`: no robust merge, ratio 1.5), and `<lie>-robust` under the rob
 More variants (--variants): controls three (the honest peers without d), clean-robust and clean-fp32; the scaled
 liar on fp32 (scaled-fp32; nan-fp32 beside it), with --robust-merge (scaled) and in client mode (scaled-client).
 `--variants pairs`: 6 peers, a colluding pair d and f (one lie, one noise seed) beside a, b, c and e, and clean6.
+`--variants reducers`: d reduces its part bent within its senders' claims and hides it in its account
+(`reducer`, `reducer-fp32`), beside clean and clean-fp32.
 Saved runs (--out) can be reported together again without running anything: --load A.json B.json.
 Reported per variant: the honest peers' final validation loss (the mean of a, b, c; by seed, then the mean over
 seeds), its difference to the clean runs' mean, the honest rounds not merged, the rounds that merged d's
@@ -98,6 +100,10 @@ VARIANTS = {
     # held against, which is what the direction check must withstand
     "clean6": Variant("", pair=True),
     **{f"{lie}-pair": Variant(f"hostile_{lie}@0", pair=True) for lie in ("claimed", "flipped", "noise")},
+    # d reduces its part bent within the claims (the others' codes flipped) and hides it in its account's own
+    # share (p2pdiloco.faults.reducer): on int4 and on the 20-bit codes
+    "reducer": Variant("hostile_reducer@0"),
+    "reducer-fp32": Variant("hostile_reducer@0", ("--compression", "none")),
 }
 DEFAULT_VARIANTS = ("clean", "scaled-plain", "random-plain", "nan", "random")
 
@@ -172,7 +178,8 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the run's peers (finally) when stopped
     seeds = [int(s) for s in args.seeds.split(",")]
     named = {"lies": list(LIES), "lies-before": [f"{v}-before" for v in LIES],
-             "pairs": ["clean6", "claimed-pair", "flipped-pair", "noise-pair"]}
+             "pairs": ["clean6", "claimed-pair", "flipped-pair", "noise-pair"],
+             "reducers": ["clean", "reducer", "clean-fp32", "reducer-fp32"]}
     variants = named.get(args.variants) or args.variants.split(",")
     unknown = set(variants) - set(VARIANTS)
     if unknown:
