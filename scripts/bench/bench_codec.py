@@ -2,7 +2,9 @@
 
 The all-reduce can only run at its link bound when the CPU keeps up: every peer quantizes and packs its whole
 pseudo-gradient, decodes, checks and sums the N senders' pieces of the part it reduces, packs that part's sum,
-then decodes, checks and dequantizes every piece of the sums. This runs exactly those calls
+then decodes, checks and dequantizes every piece of the sums; and the sum audit (p2pdiloco.core.audit): a
+reducer fingerprints every share of its part, a member each sum it takes and its own codes there, made again.
+This runs exactly those calls
 (p2pdiloco.core.codec, p2pdiloco.core.claims), piece by piece as swarm/codes.py does, on one thread (the
 averager's codec worker is one thread), and prints per stage the seconds of one core, the bytes the peer sends,
 and the ratio of the codec's seconds to the link bound 2·(N−1)/N·S/B of those bytes: well under 1, and the
@@ -26,7 +28,7 @@ import zlib
 
 import torch
 
-from p2pdiloco.core import codec
+from p2pdiloco.core import audit, codec
 from p2pdiloco.core.claims import block_norms, claims_in_codes, sum_why_not
 from p2pdiloco.swarm.codes import PIECE
 
@@ -64,17 +66,26 @@ def one_round(deltas: list[torch.Tensor], bits: int) -> tuple[dict, int]:
         received = [wire[i]] + [fmt.encode(codec.quantize(d[a:b], scales[blocks(a, b)], bits), None)
                                 for d in deltas[1:]]
         total = torch.zeros(b - a, dtype=torch.int64)
+        shares = []
         for sender, data in enumerate(received):
             codes = timed("unpack", fmt.decode, data, b - a)
             timed("check", claims[sender].why_not, codes, a)
             timed("sum", total.add_, codes)
+            shares.append(codes)
         sums[i] = timed("pack sum", fmt.encode_sum, total)
+        seed = audit.piece_seed(b"group", a, sums[i], ())
+        for codes in shares:  # our account of the part: every sender's share, ours included
+            timed("audit: account", audit.fingerprint, codes, seed)
         sent += len(sums[i]) * (peers - 1)  # served to every other member
     out = torch.empty(n)
     for i, (a, b) in enumerate(pieces):  # the other parts' sums stand in as ours (a short last piece: made here)
         data = sums[i % len(part)] if b - a == PIECE else fmt.encode_sum(torch.zeros(b - a, dtype=torch.int64))
         total = timed("unpack sum", fmt.decode_sum, data, b - a)
         timed("check sum", sum_why_not, total, a, claims)
+        seed = audit.piece_seed(b"group", a, data, ())  # its reducer's account is checked against these
+        timed("audit: sum", audit.fingerprint, total, seed)
+        ours = timed("audit: our codes", codec.quantize, delta[a:b], scales[blocks(a, b)], bits)
+        timed("audit: our codes", audit.fingerprint, ours, seed)
         timed("dequantize", codec.dequantize, total, scales[blocks(a, b)], out[a:b])
     return dict(seconds), sent
 
@@ -128,10 +139,13 @@ def main() -> None:
         link = sent / (args.rate_mbit * 1e6 / 8)
         total = sum(seconds.values())
         stages = "  ".join(f"{k} {v:.3f}" for k, v in seconds.items())
+        audited = sum(v for k, v in seconds.items() if k.startswith("audit"))
         print(f"{name:5s} codec {total:.2f} s/round  sent {sent / 1e6:.1f} MB  link bound {link:.2f} s  "
-              f"codec/link {total / link:.2f}\n      {stages}")
+              f"codec/link {total / link:.2f}  (the sum audit: {audited:.2f} s, {audited / total:.0%} of the codec's; "
+              f"without it codec/link {(total - audited) / link:.2f})\n      {stages}")
         results[name] = {"codec_s": round(total, 3), "stages_s": {k: round(v, 3) for k, v in seconds.items()},
-                         "sent_bytes": sent, "link_bound_s": round(link, 3), "codec_over_link": round(total / link, 3)}
+                         "sent_bytes": sent, "link_bound_s": round(link, 3), "codec_over_link": round(total / link, 3),
+                         "audit_s": round(audited, 3), "codec_over_link_without_audit": round((total - audited) / link, 3)}
         if bits <= codec.COMPRESS_MAX_WIDTH:
             results[name]["lossless"] = lossless_side_by_side(delta[: 16 * PIECE], bits)
             print("      lossless stage:", results[name]["lossless"])

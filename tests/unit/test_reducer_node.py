@@ -257,3 +257,32 @@ def test_a_reducer_node_that_serves_more_than_its_senders_could_send_is_refused_
     _, *forged = run_round(Forging)
     assert all(isinstance(r, CodesError) and r.culprits == frozenset({"z"}) and "beyond" in str(r) for r in forged), \
         forged
+
+
+@pytest.mark.parametrize("hide", ["own", "nowhere"])
+def test_a_reducer_node_that_bends_its_sum_within_the_claims_is_caught_by_its_account(hide):
+    """The node serves a sum the claims allow (the members' codes flipped, p2pdiloco.faults.reducer) and hides the
+    difference in its own share, or nowhere. A node sends nothing, so its account must hold zero for itself: every
+    member refuses the round and names it either way (p2pdiloco.core.audit)."""
+    import functools
+
+    from p2pdiloco.faults.reducer import BendingReduction
+    from p2pdiloco.swarm.codes import CodesError
+    from tests.unit.test_codes_transport import claimed_codes
+
+    n, fmt = 4 * codec.BLOCK, codec.DenseFormat(4, 2)
+    codes, claims = claimed_codes("ab", n, seed=7)
+    selected = torch.ones(n, dtype=torch.bool)
+    ex = {name: CodesExchange(max_payload=1 << 20) for name in "abz"}
+    ex["z"].reduction_type = functools.partial(BendingReduction, hide=hide)
+
+    async def everyone():
+        members = [ex[me].run(b"g", ["a", "b"], ["z"], me, made(codes[me], selected), fmt,
+                              lambda peer, me=me: LoopbackStub(ex[peer], me), timeout=3.0, claims=claims)
+                   for me in "ab"]
+        node = ex["z"].reduce_only(b"g", ["a", "b"], ["z"], "z", n, fmt, 2.0, claims)
+        return await asyncio.gather(node, *members, return_exceptions=True)
+
+    _, *bent = asyncio.run(everyone())
+    expected = "its own codes have a norm" if hide == "own" else "do not add up"
+    assert all(isinstance(r, CodesError) and r.culprits == frozenset({"z"}) and expected in str(r) for r in bent), bent
