@@ -14,18 +14,23 @@ sender claimed, that is, unless the reducer did no more than a sender within its
 collusion: a reducer may bend the sum within an accomplice's claims.
 
 A fingerprint of a piece of codes v (p2pdiloco.swarm.codes' unit) under a seed drawn from that piece's served sum:
-- two residues, Σ rᵢvᵢ mod p with rᵢ uniform in [0, 2^31) and p = 2^31 − 1: a bent sum passes check 1 with odds
-  of about 2^-31 each, 2^-62 for the two (whatever the difference: one coordinate of it decides, the rest fixed);
-- a CountSketch: ROWS rows of BUCKETS signed bucket sums. Its sum of squares is an unbiased estimate of ‖v‖²
-  (relative spread √(2/BUCKETS) per row), which check 3 holds to SLACK times the bound its sender's claims give.
+- a residue, Σ rᵢvᵢ mod p with rᵢ uniform in [0, 2^31) and p = 2^31 − 1: a bent sum passes check 1 with odds of
+  about 2^-31 (whatever the difference: one coordinate of it decides, the others fixed);
+- a CountSketch of BUCKETS signed bucket sums. Its sum of squares is an unbiased estimate of ‖v‖² (relative spread
+  at most √(2/BUCKETS), 0.09), which check 3 holds to SLACK times the bound its sender's claims give.
+One random word per element serves both, drawn once per piece for every share of it (`Fingerprints`). A member's
+audit of a round (the sums it takes, its own codes again, and the shares of the part it reduces) costs about
+22 ns per parameter on one core, beside ~19 for the rest of its codec work (scripts/bench/bench_codec.py, 11 M
+parameters, 4 peers).
 
 The seed comes from the piece's served bytes (and the group and place), so it is fixed only once the reducer
 has committed to its sum: it cannot pick a difference the fingerprint misses, only try sums until one slips
-through, at odds of 2^-62 each for check 1, and for check 3 at those of every sketch row hiding the difference
-(a difference on two coordinates: (1/(2·BUCKETS))^ROWS = 2^-16 a try; a spread one: far less).
+through, at odds of 2^-31 a try for check 1 (each try a hash of the piece: weeks of one core, against a round's
+deadline of seconds), and for check 3 at those of the sketch hiding the difference: 1/(2·BUCKETS) a try for a
+difference on two coordinates of a piece (they must share a bucket and its sign), far less for a spread one.
 
-Every number is an exact integer and the random stream is numpy's Philox (whose raw stream numpy keeps stable
-across releases), so a reducer and its members compute the same fingerprints on any machine. The golden vectors
+Every number is an exact integer and the random stream is numpy's PCG64, seeded through its SeedSequence (numpy
+keeps both stable across releases), so a reducer and its members compute the same fingerprints on any machine. The golden vectors
 (tests/golden/) pin them: a change is a wire-format change.
 
 Pure tensor code: no network, no clock.
@@ -43,14 +48,13 @@ from p2pdiloco.core.claims import Claims
 from p2pdiloco.core.exact import BLOCK, n_blocks
 
 MOD = (1 << 31) - 1
-RESIDUES = 2
-ROWS, BUCKETS = 2, 128
-WIDTH = RESIDUES + ROWS * BUCKETS  # int64 entries of a fingerprint
+RESIDUES = 1
+BUCKETS = 256
+WIDTH = RESIDUES + BUCKETS  # int64 entries of a fingerprint
 SLACK = 2.0  # a share's estimated ‖v‖² may reach this times its bound² (honest: ≤ 1× plus the estimate's spread)
 # products of a value and a residue multiplier (< 2^31), summed _CHUNK at a time, must fit int64: values reach
 # 2^25 at most (sums of up to 64 codes of 20 bits; a sum beyond its senders' claims is refused before this)
 _CHUNK = 64
-_ROW_BITS = 8  # of each element's second random word per sketch row: 7 for the bucket, 1 for the sign
 
 
 def zero() -> torch.Tensor:
@@ -66,28 +70,35 @@ def piece_seed(group: bytes, start: int, served: bytes, left_out) -> int:
     return int.from_bytes(h.digest()[:16], "little")
 
 
-def fingerprint(values: torch.Tensor, seed: int) -> torch.Tensor:
-    """The fingerprint of integer codes (or sums of codes) of one piece under `seed` (see the module's docstring)."""
-    n = values.numel()
-    out = zero()
-    if n == 0:
-        return out
-    raw = np.random.Generator(np.random.Philox(key=seed)).bit_generator.random_raw(2 * n)
-    words = torch.from_numpy(raw.view(np.int64)).view(n, 2)
-    v = values.reshape(-1).to(torch.int64)
-    first = words[:, 0]
-    whole = n - n % _CHUNK
-    for i, multipliers in enumerate(((first >> 33) & MOD, first & MOD)):
-        products = v * multipliers
+class Fingerprints:
+    """One piece's random draws, made once for all its shares: a 64-bit word of numpy's PCG64 stream per element,
+    whose bits 0-30 are its residue multiplier, 32-39 its sketch bucket and 40 its sketch sign."""
+
+    def __init__(self, seed: int, n: int):
+        raw = np.random.PCG64(seed).random_raw(n)
+        words = torch.from_numpy(raw.view(np.int64))
+        self.n = n
+        self.multipliers = words & MOD
+        self.buckets = ((words >> 32) & (BUCKETS - 1)) + RESIDUES
+        self.signs = ((words >> 40) & 1) * 2 - 1
+
+    def of(self, values: torch.Tensor) -> torch.Tensor:
+        """The fingerprint of integer codes (or sums of codes) of the piece (see the module's docstring)."""
+        v = values.reshape(-1).to(torch.int64)
+        if v.numel() != self.n:
+            raise ValueError(f"{v.numel()} values for fingerprints of {self.n}")
+        out = zero()
+        products = v * self.multipliers
+        whole = self.n - self.n % _CHUNK
         chunks = products[:whole].view(-1, _CHUNK).sum(dim=1).remainder_(MOD)
-        out[i] = (int(chunks.sum()) + int(products[whole:].sum())) % MOD
-    second = words[:, 1]
-    for row in range(ROWS):
-        bits = second >> (_ROW_BITS * row)
-        bucket = (bits & (BUCKETS - 1)) + RESIDUES + row * BUCKETS
-        signs = ((bits >> 7) & 1) * 2 - 1
-        out.index_add_(0, bucket, v * signs)
-    return out
+        out[0] = (int(chunks.sum()) + int(products[whole:].sum())) % MOD
+        out.index_add_(0, self.buckets, v * self.signs)
+        return out
+
+
+def fingerprint(values: torch.Tensor, seed: int) -> torch.Tensor:
+    """The fingerprint of one piece's integer values under `seed`."""
+    return Fingerprints(seed, values.numel()).of(values)
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -96,8 +107,8 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def norm_squared(fp: torch.Tensor) -> float:
-    """The sketch's estimate of ‖v‖²: the mean over its rows of their buckets' sum of squares."""
-    return float(fp[RESIDUES:].double().view(ROWS, BUCKETS).square().sum(dim=1).mean())
+    """The sketch's estimate of ‖v‖²: its buckets' sum of squares."""
+    return float(fp[RESIDUES:].double().square().sum())
 
 
 def to_bytes(fp: torch.Tensor) -> bytes:
@@ -159,10 +170,10 @@ class PartAudit:
         self.served, self.mine = zero(), zero()
 
     def add(self, served: bytes, start: int, end: int, left_out, total: torch.Tensor) -> None:
-        seed = piece_seed(self.group, start, served, left_out)
-        self.served += fingerprint(total, seed)
+        draws = Fingerprints(piece_seed(self.group, start, served, left_out), end - start)
+        self.served += draws.of(total)
         if self.me is not None and self.me not in left_out:
-            self.mine += fingerprint(self.our_codes(start, end), seed)
+            self.mine += draws.of(self.our_codes(start, end))
 
     def why_not(self, blobs) -> str:
         """Why the account a reducer served (share → fingerprint bytes) does not hold, or ""."""

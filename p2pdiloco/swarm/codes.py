@@ -278,9 +278,11 @@ class Reduction:
         """A piece's sum, packed as it is served, with each share's fingerprint added to our account of the part:
         fingerprints seeded by the bytes we serve, so we have committed to the sum before we can know them."""
         result = self.spec[2].encode_sum(total)
-        seed = audit.piece_seed(self.group, self.start + self.ranges[index][0], result, self.pieces[index].dropped)
+        a, b = self.ranges[index]
+        draws = audit.Fingerprints(audit.piece_seed(self.group, self.start + a, result, self.pieces[index].dropped),
+                                   b - a)
         for key, codes in shares.items():
-            self.account[key] = self.account[key] + audit.fingerprint(codes, seed)
+            self.account[key] = self.account[key] + draws.of(codes)
         return result
 
     def _finish(self, index: int, result: bytes) -> None:

@@ -73,19 +73,20 @@ def one_round(deltas: list[torch.Tensor], bits: int) -> tuple[dict, int]:
             timed("sum", total.add_, codes)
             shares.append(codes)
         sums[i] = timed("pack sum", fmt.encode_sum, total)
-        seed = audit.piece_seed(b"group", a, sums[i], ())
+        draws = timed("audit: account", audit.Fingerprints, audit.piece_seed(b"group", a, sums[i], ()), b - a)
         for codes in shares:  # our account of the part: every sender's share, ours included
-            timed("audit: account", audit.fingerprint, codes, seed)
+            timed("audit: account", draws.of, codes)
         sent += len(sums[i]) * (peers - 1)  # served to every other member
     out = torch.empty(n)
     for i, (a, b) in enumerate(pieces):  # the other parts' sums stand in as ours (a short last piece: made here)
         data = sums[i % len(part)] if b - a == PIECE else fmt.encode_sum(torch.zeros(b - a, dtype=torch.int64))
         total = timed("unpack sum", fmt.decode_sum, data, b - a)
         timed("check sum", sum_why_not, total, a, claims)
-        seed = audit.piece_seed(b"group", a, data, ())  # its reducer's account is checked against these
-        timed("audit: sum", audit.fingerprint, total, seed)
+        # its reducer's account is checked against these
+        draws = timed("audit: sum", audit.Fingerprints, audit.piece_seed(b"group", a, data, ()), b - a)
+        timed("audit: sum", draws.of, total)
         ours = timed("audit: our codes", codec.quantize, delta[a:b], scales[blocks(a, b)], bits)
-        timed("audit: our codes", audit.fingerprint, ours, seed)
+        timed("audit: our codes", draws.of, ours)
         timed("dequantize", codec.dequantize, total, scales[blocks(a, b)], out[a:b])
     return dict(seconds), sent
 

@@ -78,7 +78,7 @@ def records() -> tuple[dict, "PeerRecord"]:
 
 def account(served: bytes) -> dict:
     """A reducer's account (p2pdiloco.core.audit) of the dense sum's three shares, seeded by `served`: pins the
-    seed's hash, numpy's Philox stream and the fingerprint's arithmetic, which every member must share with its
+    seed's hash, numpy's PCG64 stream and the fingerprint's arithmetic, which every member must share with its
     reducers (one bit apart, honest reducers would be blamed)."""
     from p2pdiloco.core import audit
 
