@@ -19,7 +19,7 @@ import functools
 import os
 import signal
 import time
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Callable, Optional, Sequence
 
 import torch
 from hivemind.averaging.allreduce import AveragingMode
@@ -51,6 +51,22 @@ class IslandRounds:
     """The averager process's half of ExactAverager (see the module's docstring)."""
 
     join_linger = JOIN_LINGER
+    # the peers we turn away, read by `get_stub` (a classmethod: hivemind asks the class): set in the averager's own
+    # process when it starts, where this instance is the only averager (each fragment's runs in a process of its own)
+    _turned_away: Optional[Callable[[], frozenset]] = None
+
+    @classmethod
+    def get_stub(cls, p2p, peer, *, namespace: Optional[str] = None):
+        """hivemind's matchmaking asks our class for a leader's stub before it asks to join the leader's group
+        (Matchmaking(servicer_type=type(averager)), hivemind==1.1.12). A leader we turn away ourselves (blamed, or
+        left out by our island) we do not follow either: else an honest peer alone in a group a blamed peer led
+        merged nothing that round, and honest peers split between two such groups formed islands apart (a fork).
+        Every other call is the stub's own (our rounds' rpc_codes_* included)."""
+        stub = super().get_stub(p2p, peer, namespace=namespace)
+        turned_away = cls._turned_away
+        if turned_away is not None and str(peer) in turned_away():
+            return NotFollowing(stub)
+        return stub
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs) -> IslandReduced:
         try:
@@ -223,6 +239,7 @@ class IslandRounds:
     def run(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         self._inner_pipe = WholeMessagePipe(self._inner_pipe)  # this (the averager) process's end only
+        type(self)._turned_away = lambda: self._refused.active(time.monotonic())  # for `get_stub`, in this process
         super().run()
 
     async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
@@ -255,6 +272,22 @@ class IslandRounds:
             # hivemind==1.1.12's own channel from the averager process to the host's get_current_state
             self._part_server = PartServer(self._get_current_state_from_host_process)
         return self._part_server.serve_part(request)
+
+
+class NotFollowing:
+    """A leader's stub whose join requests it declines itself, as a leader not looking for a group would: hivemind's
+    matchmaking then asks the next potential leader (or leads). Everything else is the stub's own."""
+
+    def __init__(self, stub):
+        self._stub = stub
+
+    async def rpc_join_group(self, request, *args, **kwargs):
+        async def declined():
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
+        return declined()
+
+    def __getattr__(self, name):
+        return getattr(self._stub, name)
 
 
 class WholeMessagePipe:

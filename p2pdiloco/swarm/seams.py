@@ -43,6 +43,10 @@ SEAMS = (
          "turns away members we rejected or blame, and keeps the join stream open after its last message",
          "tests/unit/test_averager_seams.py::test_members_rejected_left_out_or_blamed_are_turned_away_at_"
          "matchmaking_for_a_while"),
+    Seam("Matchmaking._servicer_type.get_stub (servicer_type=type(averager))", "swarm/island_rounds.py",
+         "hivemind's matchmaking asks the averager's class for a leader's stub before it asks to join: our "
+         "`get_stub` declines leaders we turn away, so we do not follow them either",
+         "tests/unit/test_averager_seams.py::test_a_leader_we_turn_away_we_do_not_follow_either"),
     Seam("DecentralizedAverager.rpc_aggregate_part", "swarm/island_rounds.py",
          "hivemind's reducer RPC, refused: our rounds never use it",
          "tests/unit/test_averager_seams.py::test_hivemind_reducer_rpc_takes_no_part_from_anyone"),

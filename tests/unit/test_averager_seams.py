@@ -194,3 +194,45 @@ def test_hivemind_reducer_rpc_takes_no_part_from_anyone():
         return [m async for m in averager.rpc_aggregate_part(stream(), SimpleNamespace(remote_id="x"))]
 
     assert [m.code for m in asyncio.run(run())] == [averaging_pb2.PROTOCOL_VIOLATION] and read == []
+
+
+def test_a_leader_we_turn_away_we_do_not_follow_either():
+    """hivemind's matchmaking asks the averager's class for a leader's stub before asking to join its group. For a
+    peer we turn away ourselves the stub declines, as a leader not looking for a group would, and hivemind moves on
+    to the next leader (seen in bench_hostile: an honest peer alone in a group the blamed liar led merged nothing,
+    and honest peers in two such groups formed islands apart). Our own RPCs to that peer are untouched, and a peer
+    we do not turn away gets hivemind's stub."""
+    import inspect
+
+    from hivemind.averaging.averager import DecentralizedAverager
+    from hivemind.averaging.matchmaking import Matchmaking
+    from hivemind.p2p import PeerID, ServicerBase
+
+    from p2pdiloco.swarm.island_rounds import NotFollowing
+
+    # the seam: hivemind (1.1.12) builds its matchmaking with our class, and asks it for the leader's stub
+    assert "servicer_type=type(self)" in inspect.getsource(DecentralizedAverager.__init__)
+    assert "self._servicer_type.get_stub(self._p2p, leader" in inspect.getsource(Matchmaking._request_join_group)
+
+    averager = bare_averager()
+    evil, honest = PeerID(b"\x12\x20" + b"e" * 32), PeerID(b"\x12\x20" + b"h" * 32)
+    averager.refuse([str(evil)])
+    saved = ExactAverager._turned_away
+    ExactAverager._turned_away = lambda: averager._refused.active(time.monotonic())  # as `run` sets it
+    try:
+        declined = ExactAverager.get_stub(None, evil, namespace="run")
+        followed = ExactAverager.get_stub(None, honest, namespace="run")
+    finally:
+        ExactAverager._turned_away = saved
+    assert isinstance(declined, NotFollowing) and not isinstance(followed, NotFollowing)
+    hivemind_own = ServicerBase.get_stub.__func__(ExactAverager, None, honest, namespace="run")
+    assert type(followed) is type(hivemind_own)
+
+    async def first_answer():
+        stream = await declined.rpc_join_group(averaging_pb2.JoinRequest())
+        message = await anext(stream)
+        await stream.aclose()
+        return message.code
+    assert asyncio.run(first_answer()) == averaging_pb2.NOT_LOOKING_FOR_GROUP
+    assert declined.rpc_codes_push.__func__ is followed.rpc_codes_push.__func__  # our rounds' RPCs: the stub's own
+    assert ExactAverager.get_stub(None, evil, namespace="run").__class__ is not NotFollowing  # not set: a host process
