@@ -83,6 +83,7 @@ class ExactAverager(IslandRounds, DecentralizedAverager):
         self._state_provider = state_provider
         self._passes = passes  # a swarm with a key: who may join our group, be merged, fetch our state
         self._refused = PenaltyBox(seconds=REFUSE_SECONDS)  # members we turn away at matchmaking, for a while
+        self._left_out = PenaltyBox(seconds=REFUSE_SECONDS)  # members our island left out: we do not follow them
         self._stragglers = Stragglers()  # members whose part came after our cut-off: blamed when late again
         # the host and our streams read and write the flat buffer as one, in a file mapped shared where a folder
         # is given (paged in a piece at a time), in shared memory otherwise: the forked process shares it either way

@@ -51,20 +51,21 @@ class IslandRounds:
     """The averager process's half of ExactAverager (see the module's docstring)."""
 
     join_linger = JOIN_LINGER
-    # the peers we turn away, read by `get_stub` (a classmethod: hivemind asks the class): set in the averager's own
-    # process when it starts, where this instance is the only averager (each fragment's runs in a process of its own)
-    _turned_away: Optional[Callable[[], frozenset]] = None
+    # the peers we do not follow, read by `get_stub` (a classmethod: hivemind asks the class): set in the averager's
+    # own process when it starts, where this instance is the only averager (each fragment's runs in its own process)
+    _not_to_follow: Optional[Callable[[], frozenset]] = None
 
     @classmethod
     def get_stub(cls, p2p, peer, *, namespace: Optional[str] = None):
         """hivemind's matchmaking asks our class for a leader's stub before it asks to join the leader's group
-        (Matchmaking(servicer_type=type(averager)), hivemind==1.1.12). A leader we turn away ourselves (blamed, or
-        left out by our island) we do not follow either: else an honest peer alone in a group a blamed peer led
-        merged nothing that round, and honest peers split between two such groups formed islands apart (a fork).
-        Every other call is the stub's own (our rounds' rpc_codes_* included)."""
+        (Matchmaking(servicer_type=type(averager)), hivemind==1.1.12). A leader our island left out lately (blamed by
+        most of it, or its record rejected) we do not follow: every island it leads leaves it out again, so an honest
+        peer alone with it merged nothing that round, and honest peers split between two such groups formed islands
+        apart (a fork). One that only we blame we still follow: the others still merge it, and declining would split
+        us from them. Every other call is the stub's own (our rounds' rpc_codes_* included)."""
         stub = super().get_stub(p2p, peer, namespace=namespace)
-        turned_away = cls._turned_away
-        if turned_away is not None and str(peer) in turned_away():
+        not_to_follow = cls._not_to_follow
+        if not_to_follow is not None and str(peer) in not_to_follow():
             return NotFollowing(stub)
         return stub
 
@@ -178,6 +179,7 @@ class IslandRounds:
                    if (island.members[i] is None and i not in island.nodes or i in plan.left_out)
                    and group_info.peer_ids[i] != self.peer_id]
         self._refused.blame(refused, time.monotonic())
+        self._left_out.blame(refused, time.monotonic())  # nor do we follow them (`get_stub`)
 
     def refuse(self, peers) -> None:
         """Turn these members away at matchmaking for a while (those whose parts or sums failed our round)."""
@@ -239,7 +241,7 @@ class IslandRounds:
     def run(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         self._inner_pipe = WholeMessagePipe(self._inner_pipe)  # this (the averager) process's end only
-        type(self)._turned_away = lambda: self._refused.active(time.monotonic())  # for `get_stub`, in this process
+        type(self)._not_to_follow = lambda: self._left_out.active(time.monotonic())  # `get_stub`'s, in this process
         super().run()
 
     async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,

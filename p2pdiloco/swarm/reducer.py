@@ -108,6 +108,7 @@ class ReducerAverager(IslandRounds, DecentralizedAverager):
         self._codes = codes_exchange(rule.n, rule.robust)
         self._passes = passes
         self._refused = PenaltyBox(seconds=REFUSE_SECONDS)
+        self._left_out = PenaltyBox(seconds=REFUSE_SECONDS)
         self._stragglers = Stragglers()
         self._held = HeldState(rule.n, passes.valid if passes else None)  # a state relayed for a peer in need
         super().__init__(hivemind_schema(torch.zeros(1).expand(rule.n)), target_group_size=max_group,

@@ -45,8 +45,8 @@ SEAMS = (
          "matchmaking_for_a_while"),
     Seam("Matchmaking._servicer_type.get_stub (servicer_type=type(averager))", "swarm/island_rounds.py",
          "hivemind's matchmaking asks the averager's class for a leader's stub before it asks to join: our "
-         "`get_stub` declines leaders we turn away, so we do not follow them either",
-         "tests/unit/test_averager_seams.py::test_a_leader_we_turn_away_we_do_not_follow_either"),
+         "`get_stub` declines leaders our island left out lately, so we do not follow them",
+         "tests/unit/test_averager_seams.py::test_a_leader_our_island_left_out_we_do_not_follow"),
     Seam("DecentralizedAverager.rpc_aggregate_part", "swarm/island_rounds.py",
          "hivemind's reducer RPC, refused: our rounds never use it",
          "tests/unit/test_averager_seams.py::test_hivemind_reducer_rpc_takes_no_part_from_anyone"),

@@ -23,6 +23,7 @@ def bare_averager(peer_id="me", passes=None) -> ExactAverager:
     averager = ExactAverager.__new__(ExactAverager)
     averager._passes, averager.serializer = passes, MSGPackSerializer
     averager._refused = PenaltyBox(REFUSE_SECONDS)
+    averager._left_out = PenaltyBox(REFUSE_SECONDS)
     averager._stragglers = Stragglers()
     averager.dht = SimpleNamespace(peer_id=peer_id)  # hivemind's peer_id reads it
     averager._parent_pid = None  # no process to stop when it is collected
@@ -196,12 +197,13 @@ def test_hivemind_reducer_rpc_takes_no_part_from_anyone():
     assert [m.code for m in asyncio.run(run())] == [averaging_pb2.PROTOCOL_VIOLATION] and read == []
 
 
-def test_a_leader_we_turn_away_we_do_not_follow_either():
+def test_a_leader_our_island_left_out_we_do_not_follow():
     """hivemind's matchmaking asks the averager's class for a leader's stub before asking to join its group. For a
-    peer we turn away ourselves the stub declines, as a leader not looking for a group would, and hivemind moves on
-    to the next leader (seen in bench_hostile: an honest peer alone in a group the blamed liar led merged nothing,
-    and honest peers in two such groups formed islands apart). Our own RPCs to that peer are untouched, and a peer
-    we do not turn away gets hivemind's stub."""
+    peer our island left out lately (blamed by most of it) the stub declines, as a leader not looking for a group
+    would, and hivemind moves on to the next leader (seen in bench_hostile: an honest peer alone in a group the
+    blamed liar led merged nothing, and honest peers in two such groups formed islands apart). A peer only we blame
+    we still follow (the others still merge it: declining would split us from them); our own RPCs to a declined
+    peer are untouched, and everyone else gets hivemind's stub."""
     import inspect
 
     from hivemind.averaging.averager import DecentralizedAverager
@@ -214,25 +216,33 @@ def test_a_leader_we_turn_away_we_do_not_follow_either():
     assert "servicer_type=type(self)" in inspect.getsource(DecentralizedAverager.__init__)
     assert "self._servicer_type.get_stub(self._p2p, leader" in inspect.getsource(Matchmaking._request_join_group)
 
+    n = exact.BLOCK
+    maxabs = exact.block_maxabs(torch.ones(n)).numpy().tobytes()
+    evil, mine, honest = (str(PeerID(b"\x12\x20" + c * 32)) for c in (b"e", b"m", b"h"))
+    record = dict(name="x", version=1, digest="abcdef", tokens=10, steps=2, budget=5.0, norms=[], maxabs=maxabs,
+                  block_norms=maxabs)
+    records = [dict(record, peer=p, blame=[evil] if p != evil else []) for p in ("me", "b", "c", evil)]
+    island = parse_island(records, Expect(n))
+    plan = plan_island(island, "tokens2", 60.0, n)
     averager = bare_averager()
-    evil, honest = PeerID(b"\x12\x20" + b"e" * 32), PeerID(b"\x12\x20" + b"h" * 32)
-    averager.refuse([str(evil)])
-    saved = ExactAverager._turned_away
-    ExactAverager._turned_away = lambda: averager._refused.active(time.monotonic())  # as `run` sets it
+    averager._refuse_left_out(island, plan, SimpleNamespace(peer_ids=["me", "b", "c", evil]))  # blamed by all
+    averager.refuse([mine])  # failed a round of ours alone: turned away as a follower, still followed as a leader
+    saved = ExactAverager._not_to_follow
+    ExactAverager._not_to_follow = lambda: averager._left_out.active(time.monotonic())  # as `run` sets it
     try:
-        declined = ExactAverager.get_stub(None, evil, namespace="run")
-        followed = ExactAverager.get_stub(None, honest, namespace="run")
+        stubs = {p: ExactAverager.get_stub(None, PeerID.from_base58(p), namespace="run") for p in (evil, mine, honest)}
     finally:
-        ExactAverager._turned_away = saved
-    assert isinstance(declined, NotFollowing) and not isinstance(followed, NotFollowing)
-    hivemind_own = ServicerBase.get_stub.__func__(ExactAverager, None, honest, namespace="run")
-    assert type(followed) is type(hivemind_own)
+        ExactAverager._not_to_follow = saved
+    assert isinstance(stubs[evil], NotFollowing)
+    hivemind_own = type(ServicerBase.get_stub.__func__(ExactAverager, None, PeerID.from_base58(honest), namespace="run"))
+    assert type(stubs[mine]) is hivemind_own and type(stubs[honest]) is hivemind_own
 
     async def first_answer():
-        stream = await declined.rpc_join_group(averaging_pb2.JoinRequest())
+        stream = await stubs[evil].rpc_join_group(averaging_pb2.JoinRequest())
         message = await anext(stream)
         await stream.aclose()
         return message.code
     assert asyncio.run(first_answer()) == averaging_pb2.NOT_LOOKING_FOR_GROUP
-    assert declined.rpc_codes_push.__func__ is followed.rpc_codes_push.__func__  # our rounds' RPCs: the stub's own
-    assert ExactAverager.get_stub(None, evil, namespace="run").__class__ is not NotFollowing  # not set: a host process
+    assert stubs[evil].rpc_codes_push.__func__ is stubs[honest].rpc_codes_push.__func__  # our rounds' RPCs: its own
+    # where nothing was set (the host process), every stub is hivemind's
+    assert type(ExactAverager.get_stub(None, PeerID.from_base58(evil), namespace="run")) is hivemind_own
