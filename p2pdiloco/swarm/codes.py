@@ -522,7 +522,8 @@ class CodesExchange:
                   for j, pieces in enumerate(parts) if j != mine_at]
         members = {str(p) for p in senders}
         audits = {j: audit.PartAudit(group_id, str(me), lambda a, b: codes.of(a, b)[0], audit.share_bounds(
-            claims, members, str(reducers[j]), pieces[0][0], pieces[-1][1])) for j, pieces in enumerate(parts)}
+            claims, members, str(reducers[j]), pieces[0][0], pieces[-1][1])) for j, pieces in enumerate(parts)
+            if j != mine_at}  # our own part's sums we made ourselves
         fetches = [self._fetch(stub_of(reducers[j]), group_id, pieces, members, _taker(fmt, check, land, audits[j]),
                                audits[j]) if j != mine_at
                    else self._own_sums(mine, pieces, timeout, _taker(fmt, check, land))

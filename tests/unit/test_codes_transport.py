@@ -401,17 +401,18 @@ def forging(fmt, length: int, limit: int, factor: int = 20) -> type:
     return Forging
 
 
-def claimed_codes(names: str, n: int, seed: int) -> tuple[dict, dict]:
-    """Each sender's int4 codes of a random Δ on the group's agreed scales, and its claims (p2pdiloco.core.claims)."""
+def claimed_codes(names: str, n: int, seed: int, bits: int = 4) -> tuple[dict, dict]:
+    """Each sender's codes (int4, or --compression none's 20 bits) of a random Δ on the group's agreed scales, and
+    its claims (p2pdiloco.core.claims)."""
     from p2pdiloco.core.claims import block_norms, claims_in_codes
     from p2pdiloco.core.exact import n_blocks
 
     g = torch.Generator().manual_seed(seed)
     xs = {name: torch.randn(n, generator=g) for name in names}
-    scales = codec.agreed_scales([codec.block_maxabs(x) for x in xs.values()], 4)
-    codes = {name: codec.quantize(x, scales, 4).to(torch.int64) for name, x in xs.items()}
+    scales = codec.agreed_scales([codec.block_maxabs(x) for x in xs.values()], bits)
+    codes = {name: codec.quantize(x, scales, bits).to(torch.int64) for name, x in xs.items()}
     claims = {name: claims_in_codes(codec.block_maxabs(x), torch.zeros(n_blocks(n), dtype=torch.bool), block_norms(x),
-                                    1.0, scales, 7) for name, x in xs.items()}
+                                    1.0, scales, codec.levels(bits)) for name, x in xs.items()}
     return codes, claims
 
 
@@ -701,20 +702,6 @@ def test_the_codec_threads_cpu_is_counted_and_its_waits_are_not():
     assert codec_cpu_seconds() - before < 0.05
 
 
-def bits_claimed_codes(names: str, n: int, seed: int, bits: int) -> tuple[dict, dict]:
-    """claimed_codes at any width: int4, or --compression none's 20-bit codes."""
-    from p2pdiloco.core.claims import block_norms, claims_in_codes
-    from p2pdiloco.core.exact import n_blocks
-
-    g = torch.Generator().manual_seed(seed)
-    xs = {name: torch.randn(n, generator=g) for name in names}
-    scales = codec.agreed_scales([codec.block_maxabs(x) for x in xs.values()], bits)
-    codes = {name: codec.quantize(x, scales, bits).to(torch.int64) for name, x in xs.items()}
-    claims = {name: claims_in_codes(codec.block_maxabs(x), torch.zeros(n_blocks(n), dtype=torch.bool), block_norms(x),
-                                    1.0, scales, codec.levels(bits)) for name, x in xs.items()}
-    return codes, claims
-
-
 @pytest.mark.parametrize("bits", [4, 20], ids=["int4", "fp32-wire"])
 @pytest.mark.parametrize("hide", ["nowhere", "own", "victim"])
 def test_a_reducer_that_bends_its_sum_within_the_claims_is_caught_by_its_account(bits, hide):
@@ -726,7 +713,7 @@ def test_a_reducer_that_bends_its_sum_within_the_claims_is_caught_by_its_account
     from p2pdiloco.faults.reducer import BendingReduction
 
     n, fmt = 4 * PIECE, codec.DenseFormat(bits, 3)
-    codes, claims = bits_claimed_codes("abc", n, seed=7, bits=bits)
+    codes, claims = claimed_codes("abc", n, seed=7, bits=bits)
     selected = torch.ones(n, dtype=torch.bool)
     ex = {name: CodesExchange(max_payload=1 << 24) for name in "abc"}
     ex["b"].reduction_type = functools.partial(BendingReduction, hide=hide)
