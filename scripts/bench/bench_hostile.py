@@ -18,6 +18,8 @@ before (`-before`: no robust merge, ratio 1.5), and `<lie>-robust` under the rob
 More variants (--variants): controls three (the honest peers without d), clean-robust and clean-fp32; the scaled
 liar on fp32 (scaled-fp32; nan-fp32 beside it), with --robust-merge (scaled) and in client mode (scaled-client).
 `--variants pairs`: 6 peers, a colluding pair d and f (one lie, one noise seed) beside a, b, c and e, and clean6.
+`--variants price`: clean at the defaults and `clean-filed` at the merge settings when issue 51 was filed (no
+direction check, influence bound or norm floor): the defaults' price on clean runs.
 `--variants reducers`: d reduces its part bent within its senders' claims and hides it in its account
 (`reducer`, `reducer-fp32`), beside clean and clean-fp32.
 Saved runs (--out) can be reported together again without running anything: --load A.json B.json.
@@ -45,6 +47,8 @@ HONEST = ("a", "b", "c")
 LIES = ("clean", "claimed", "flipped", "noise", "replay", "tiny")  # issue 51's table (--variants lies)
 I15 = ("--max-influence-ratio", "1.5")
 BEFORE = ("--no-robust-merge", *I15)  # the defaults until 2026-11-29
+# the merge's settings when issue 51 was filed: no direction check, no influence bound, no norm floor
+FILED = ("--no-robust-merge", "--max-influence-ratio", "0", "--min-norm-ratio", "0")
 
 
 class Variant(NamedTuple):
@@ -71,6 +75,7 @@ VARIANTS = {
     "three": Variant(None),
     "clean-robust": Variant("", ("--robust-merge",)),
     "clean-fp32": Variant("", ("--compression", "none")),
+    "clean-filed": Variant("", FILED),  # the price of issue 51's defaults on clean runs: clean against this
     # the liars without --robust-merge: int4, and the default wire format (20-bit codes)
     "scaled-plain": Variant("hostile_scaled@0", ("--no-robust-merge",)),
     "random-plain": Variant("hostile_random@0", ("--no-robust-merge",)),
@@ -179,7 +184,8 @@ def main() -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     named = {"lies": list(LIES), "lies-before": [f"{v}-before" for v in LIES],
              "pairs": ["clean6", "claimed-pair", "flipped-pair", "noise-pair"],
-             "reducers": ["clean", "reducer", "clean-fp32", "reducer-fp32"]}
+             "reducers": ["clean", "reducer", "clean-fp32", "reducer-fp32"],
+             "price": ["clean", "clean-filed"]}
     variants = named.get(args.variants) or args.variants.split(",")
     unknown = set(variants) - set(VARIANTS)
     if unknown:
@@ -220,7 +226,7 @@ def paired(results: dict) -> None:
     """Each variant against each reference, seed by seed (same seed, same data order): the mean relative
     difference and its standard error. Runs of one seed still differ by timing, so this is what a difference must
     exceed to mean something."""
-    references = [r for r in ("clean", "clean-before", "clean-robust", "clean-fp32", "three", "clean6") if r in results]
+    references = [r for r in ("clean", "clean-before", "clean-filed", "clean-robust", "clean-fp32", "three", "clean6") if r in results]
     print("\n| variant | " + " | ".join(f"vs {r}, paired by seed" for r in references) + " |")
     print("|---|" + "---|" * len(references))
     for variant, runs in results.items():
