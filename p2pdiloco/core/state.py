@@ -2,8 +2,11 @@
 
 There is no central holder of Θ. Members of one round apply the same merged update and stay bit-identical;
 peers that merged in different islands may hold different states at the same version (a fork). Every peer
-ranks states by the same total order, `lineage_key` = (version, digest), and moves to the highest one it
-sees. Because everyone uses the same order, two forks reconcile as soon as either side sees the other.
+ranks states by the same total order, `lineage_rank` = (version, members of the merge that made it, digest), and
+moves to the highest one it sees. Because everyone uses the same order, two forks reconcile as soon as either side
+sees the other; at one version the state of the larger island wins, so the fewer members' work is what is redone
+(by digest alone, a pair that merged apart from four won half the time). `lineage_key` = (version, digest) names a
+state.
 """
 
 from __future__ import annotations
@@ -20,15 +23,32 @@ from p2pdiloco.core.reach import Reach, distances, versions_apart
 from p2pdiloco.runtime.paging import LetGo, hold
 
 
+MAX_MERGED_BY = 255  # members of one merge, as far as the order counts them (islands are far smaller)
+
+
 def lineage_key(version: int, state_digest: str) -> tuple[int, str]:
+    """Which state: its version and digest."""
     return (int(version), str(state_digest))
 
 
-def sharing_priority(version: int, state_digest: str) -> float:
-    """hivemind picks the donor with the highest priority (random among ties): encode `lineage_key` in a
-    float, digest as a tie-breaker below one version step, so a joiner downloads the state everyone
-    converges to."""
-    return float(version) + int(state_digest[:6], 16) / float(1 << 25)
+def lineage_rank(version: int, merged_by: int, state_digest: str) -> tuple[int, int, str]:
+    """The order forks reconcile by: the newer version, then the state more members merged, then the digest.
+    `merged_by`: the members of the merge that made the state (0 for a state no merge made)."""
+    return (int(version), min(max(int(merged_by), 0), MAX_MERGED_BY), str(state_digest))
+
+
+def merged_by(metadata: dict) -> int:
+    """The members of the merge that made a state, from its metadata (0 where it names none)."""
+    members = metadata.get("last_members")
+    return len(members) if isinstance(members, (list, tuple)) else 0
+
+
+def sharing_priority(version: int, merged_by: int, state_digest: str) -> float:
+    """hivemind picks the donor with the highest priority (random among ties): encode `lineage_rank` in a
+    float, the members and the digest below one version step (exact up to 2^20 versions), so a joiner downloads
+    the state everyone converges to."""
+    below = (min(max(merged_by, 0), MAX_MERGED_BY) << 24) + int(state_digest[:6], 16)
+    return float(version) + below / float(1 << 33)
 
 
 HISTORY = 32  # (version, digest) of the latest states of a lineage, carried with the state
@@ -80,6 +100,10 @@ class GlobalState:
     @property
     def key(self) -> tuple[int, str]:
         return lineage_key(self.version, self.digest)
+
+    @property
+    def rank(self) -> tuple[int, int, str]:
+        return lineage_rank(self.version, len(self.last_members), self.digest)
 
     def apply(self, merged: torch.Tensor, members: list[str],
               let_go: LetGo = hold, tokens: int = 0) -> None:

@@ -131,4 +131,4 @@ class Membership:
     def publish(self) -> None:
         """After every round and every change of Θ: our version, digest and sketch in our record."""
         self.own_sketch = sketch(self.state.params, let_go=self.state.let_go)
-        self.merger.publish_state(self.state.version, self.state.digest, self.own_sketch)
+        self.merger.publish_state(self.state.version, self.state.digest, self.own_sketch, len(self.state.last_members))

@@ -76,6 +76,7 @@ def start(cfg: PeerConfig, stop: threading.Event) -> Stay:
 def _merger(cfg: PeerConfig, workload: Workload, helpers: Helpers, state, name: str, stop: threading.Event,
             seams: Seams, devices: int):
     record = PeerRecord(peer=helpers.peer_id, name=name, version=state.version, digest=state.digest,
+                        merged_by=len(state.last_members),
                         client_mode=cfg.swarm.client_mode, devices=devices, settings=workload.settings(cfg))
     # a peer that sees no other asks its initial peers again: after a restart of the only public one, say
     heartbeat = Heartbeat(helpers.dht, cfg.swarm.run_id, record, helpers.identity,

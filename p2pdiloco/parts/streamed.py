@@ -175,6 +175,7 @@ def _merger(cfg: PeerConfig, workload: Workload, helpers: FragmentHelpers, name:
     """Fragment i's merger, with its heartbeat under the fragment's run id (`made`: every one built so far)."""
     settings = helpers.settings[i]
     record = PeerRecord(peer=helpers.peer_id, name=name, version=state.version, digest=state.digest,
+                        merged_by=len(state.last_members),
                         settings=workload.settings(cfg))
     rejoin = functools.partial(node.rejoin, helpers.dht, cfg.swarm.initial_peers) if cfg.swarm.initial_peers else None
     heartbeat = Heartbeat(helpers.dht, settings.cfg.run_id, record, helpers.identity, rejoin)

@@ -45,7 +45,7 @@ def state_donors(records: Sequence[PeerRecord], min_version: int) -> Optional[tu
     records = [r for r in records if r.version >= min_version and not r.client_mode]
     if not records:
         return None
-    best = max(r.key for r in records)
+    best = max(records, key=lambda r: r.rank).key
     return best, [r.peer for r in records if r.key == best]
 
 

@@ -67,6 +67,7 @@ class Contribution:
     name: str
     digest: str  # hash of Θ
     seconds: float = 0.0  # wall time of the inner steps it covers (for goodput; never sent to peers)
+    merged_by: int = 0  # members of the merge that made Θ (p2pdiloco.core.state.lineage_rank)
 
     @classmethod
     def of(cls, delta: torch.Tensor, **fields) -> "Contribution":
@@ -184,6 +185,8 @@ class Left(RoundOutcome):
 
 
 def newest_member(members: list[Member]) -> Member:
-    """The member whose global state the group's merge is applied to: the highest (version, digest), the
-    same order every peer uses to reconcile forks (p2pdiloco.core.state.lineage_key)."""
+    """The member whose global state the group's merge is applied to: the highest (version, digest). Members
+    publish no count of who merged their states, so this is not quite the order forks reconcile by
+    (p2pdiloco.core.state.lineage_rank); every member of the group picks the same one, and its merge makes a
+    newer version than either state."""
     return max(members, key=lambda m: m.key)

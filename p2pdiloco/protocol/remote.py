@@ -15,6 +15,7 @@ import torch
 
 from p2pdiloco.core.consensus import SKETCH_DIM
 from p2pdiloco.core.exact import n_blocks
+from p2pdiloco.core.state import lineage_rank
 
 MAX_ID = 128  # peer ids are ~52 characters of base58
 MAX_NAME = 64
@@ -32,8 +33,9 @@ MAX_BLAME = 64  # peers one member may blame at once
 # Version 0: peers from before versions were published. 2: peer records say how many devices (ranks) the member
 # trains on. 3: records are signed by the peer's libp2p key (p2pdiloco.swarm.signing), which an older peer cannot
 # read. 4: a reducer serves its account of each part after the part's sums (p2pdiloco.core.audit), which a
-# member of version 3 would take for a piece too many.
-WIRE_VERSION = 4
+# member of version 3 would take for a piece too many. 5: records say how many members merged the state
+# (`merged_by`), and forks at one version reconcile to the state of the larger island (p2pdiloco.core.state).
+WIRE_VERSION = 5
 
 
 @dataclass
@@ -58,10 +60,15 @@ class PeerRecord:
     devices: int = 1  # the ranks (GPUs, or CPU processes) it trains on as one member (torchrun)
     settings: dict = field(default_factory=dict)  # what must match to merge (p2pdiloco.protocol.compat)
     wire: int = WIRE_VERSION
+    merged_by: int = 0  # members of the merge that made its state (0: none did): forks reconcile by it
 
     @property
     def key(self) -> tuple[int, str]:
         return (self.version, self.digest)
+
+    @property
+    def rank(self) -> tuple[int, int, str]:
+        return lineage_rank(self.version, self.merged_by, self.digest)
 
 
 @dataclass(frozen=True)
@@ -152,7 +159,7 @@ def _fields(value: Any, known: Sequence[str], required: Sequence[str]) -> dict:
     return value
 
 
-_PEER_FIELDS = ("peer", "name", "version", "digest", "ready", "merging", "inner_step", "tokens_per_s", "sketch", "loss",
+_PEER_FIELDS = ("peer", "name", "version", "digest", "merged_by", "ready", "merging", "inner_step", "tokens_per_s", "sketch", "loss",
                 "rounds", "island", "bytes_sent", "client_mode", "devices", "settings", "wire")
 MAX_DEVICES = 1 << 16
 MAX_SETTINGS = 32
@@ -181,6 +188,7 @@ def _peer_record(value: Any) -> PeerRecord:
     v = _fields(value, _PEER_FIELDS, ("peer", "name", "version", "digest", "wire"))
     return PeerRecord(peer=_str(v["peer"], "peer", 1, MAX_ID), name=_str(v["name"], "name", 0, MAX_NAME),
                       version=_int(v["version"], "version"), digest=_str(v["digest"], "digest", MIN_DIGEST, MAX_DIGEST),
+                      merged_by=_int(v.get("merged_by", 0), "merged_by", hi=MAX_ISLAND),
                       ready=_int(v.get("ready", -1), "ready", lo=-1),
                       merging=_int(v.get("merging", -1), "merging", lo=-1),
                       inner_step=_int(v.get("inner_step", 0), "inner_step"),

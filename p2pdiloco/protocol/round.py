@@ -6,7 +6,7 @@ against the real swarm; the simulator (p2pdiloco.sim) runs the same object on a 
 
 Decoupled mode (the default), no global barrier:
 1. catch up first only if needed: a live peer holds a higher state at our version (a fork: everyone moves to
-   the highest `lineage_key`) or is more than `max_staleness` versions ahead;
+   the highest `lineage_rank`) or is more than `max_staleness` versions ahead;
 2. quorum: wait until K−1 other peers are looking for an island (K=1: no wait); with `wait_for_newest`, while
    peers on a newer state than ours train and none of them looks, wait for them too (up to 1.5 τ steps): an
    island without them would fork; with `wait_for_island` (the default), while an island merges from a state at
@@ -35,6 +35,7 @@ import torch
 
 from p2pdiloco.core.exact import all_finite
 from p2pdiloco.core.outer import Segment, rda_combine
+from p2pdiloco.core.state import lineage_rank, merged_by
 from p2pdiloco.protocol.outcomes import (Adopted, Committed, Contribution, Left, RolledBack, RoundOutcome, Solo,
                                          StateTuple, newest_member)
 from p2pdiloco.protocol.remote import Member, PeerRecord
@@ -192,9 +193,10 @@ class Round:
         self._expect(Phase.NEW)
         others = self._others(peers)
         if others:
-            best = max(others, key=lambda r: r.key)
+            best = max(others, key=lambda r: r.rank)
             behind_limit = 0 if self.rules.mode == "sync" else self.rules.max_staleness
-            fork = best.version == self.c.version and best.key > (self.c.version, self.c.digest)
+            fork = best.version == self.c.version and best.rank > lineage_rank(self.c.version, self.c.merged_by,
+                                                                              self.c.digest)
             if fork or best.version > self.c.version + behind_limit:
                 self.phase = Phase.CATCH_UP
                 return Download(best.version, "fork" if fork else "behind")
@@ -212,7 +214,7 @@ class Round:
             if state is not None:
                 self.state_before = state
                 self.c = dataclasses.replace(self.c, version=int(state[0]["version"]),
-                                             digest=str(state[0]["digest"]))
+                                             digest=str(state[0]["digest"]), merged_by=merged_by(state[0]))
             return self._wait_for_quorum(now)
         self._expect(Phase.STALE_FETCH)
         return self._done(Committed, now, self.reduced.reason, state=state, stale=True)

@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from p2pdiloco.core.state import lineage_rank
 from p2pdiloco.protocol.outcomes import Contribution, RoundOutcome
 from p2pdiloco.protocol.remote import Member, PeerRecord
 from p2pdiloco.protocol.round import (Done, Download, FormIsland, IslandFailed, IslandReduced, NoIsland,
@@ -43,6 +44,7 @@ class Learner:
     up: bool = True
     version: int = 0
     digest: str = "v0-init"
+    last_members: list = field(default_factory=list)  # of the merge that made its state: forks reconcile by them
     anchor: float = 0.0  # start of the work not yet handed to a round
     pending: list = field(default_factory=list)  # (start, end) of work not yet merged, not in a round
     restored: list = field(default_factory=list)  # the work since its last contribution that a restart kept
@@ -67,7 +69,11 @@ class Learner:
 
     def record(self) -> PeerRecord:
         name, version, digest, ready, merging = self.seen()
-        return PeerRecord(name, name, version, digest, ready, merging)
+        return PeerRecord(name, name, version, digest, ready, merging, merged_by=len(self.last_members))
+
+    @property
+    def rank(self) -> tuple[int, int, str]:
+        return lineage_rank(self.version, len(self.last_members), self.digest)
 
     def work_in(self, intervals) -> float:
         return sum(self.work.work_at(b) - self.work.work_at(a) for a, b in intervals)
@@ -167,7 +173,8 @@ class DecoupledSim:
         steps = self._take_work(t, learner)
         learner.timing.step.update(learner.step)
         c = Contribution.of(_DELTA, tokens=max(1, steps), steps=max(1, steps), version=learner.version,
-                            peer=learner.name, name=learner.name, digest=learner.digest)
+                            peer=learner.name, name=learner.name, digest=learner.digest,
+                            merged_by=len(learner.last_members))
         learner.round = Round(self.rules, learner.name, c, learner.timing, t)
         self._decide(t, learner, learner.round.start(self._records(), t))
 
@@ -191,8 +198,9 @@ class DecoupledSim:
     def _on_restart(self, t: float, learner: Learner, life: int) -> None:
         if life != learner.life:
             return
-        newest = max(self.learners, key=lambda x: (x.version, x.digest))
+        newest = max(self.learners, key=lambda x: x.rank)
         learner.up, learner.version, learner.digest, learner.anchor = True, newest.version, newest.digest, t
+        learner.last_members = list(newest.last_members)
         self._next_contribution(t, learner, done=learner.work_in(learner.restored))
 
     # ---- the protocol's decisions, answered from the simulated swarm ----------------------------------------
@@ -235,10 +243,10 @@ class DecoupledSim:
         return [x.seen() for x in self.learners if x.up]
 
     def _state_at_least(self, version: int):
-        newest = max(self.learners, key=lambda x: (x.version, x.digest))
+        newest = max(self.learners, key=lambda x: x.rank)
         if newest.version < version:
             return None
-        return (dict(version=newest.version, digest=newest.digest), [])
+        return (dict(version=newest.version, digest=newest.digest, last_members=list(newest.last_members)), [])
 
     # ---- islands --------------------------------------------------------------------------------------------
     def _join_island(self, t: float, learner: Learner, form: FormIsland) -> None:
@@ -268,6 +276,7 @@ class DecoupledSim:
             newest = max(records, key=lambda m: m.key)
             for x in members:  # the island's new global state; stale members download it from the others
                 x.version, x.digest = newest.version + 1, f"v{newest.version + 1}-i{island.id}"
+                x.last_members = [m.name for m in members]
             self.states.setdefault(newest.version + 1, set()).add(f"v{newest.version + 1}-i{island.id}")
             self.commits += 1
             self.merged.append((len(members), self._up()))
@@ -289,11 +298,14 @@ class DecoupledSim:
             learner.timing.sync.update(outcome.sync_seconds)
         learner.timing.quorum.update(outcome.quorum_seconds)
         if outcome.state_before is not None and not outcome.committed:  # adopted, then rolled back
-            learner.version, learner.digest = outcome.state_before[0]["version"], outcome.state_before[0]["digest"]
+            adopted = outcome.state_before[0]
+            learner.version, learner.digest = adopted["version"], adopted["digest"]
+            learner.last_members = list(adopted["last_members"])
         if outcome.committed:
             self._count_useful(learner, learner.in_round)
             if outcome.kind == "solo":
-                learner.version, self.commits = learner.version + 1, self.commits + 1
+                learner.version, learner.last_members, self.commits = learner.version + 1, [learner.name], \
+                    self.commits + 1
                 self.merged.append((1, self._up()))
                 learner.digest = f"v{learner.version}-{learner.name}"
                 self.states.setdefault(learner.version, set()).add(learner.digest)

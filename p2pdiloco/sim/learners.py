@@ -105,7 +105,8 @@ class Board:
         with self.changed:
             self.states[name] = state
             old = self.records.get(name) or PeerRecord(name, name, 0, "")
-            self.records[name] = dataclasses.replace(old, version=state.version, digest=state.digest, merging=-1)
+            self.records[name] = dataclasses.replace(old, version=state.version, digest=state.digest,
+                                                     merged_by=len(state.last_members), merging=-1)
             self.changes += 1
             self.changed.notify_all()
 
@@ -124,7 +125,7 @@ class Board:
 
     def newest(self) -> GlobalState:
         with self.changed:
-            return max(self.states.values(), key=lambda s: s.key)
+            return max(self.states.values(), key=lambda s: s.rank)
 
     def download(self, min_version: int) -> Optional[StateTuple]:
         """The newest global state, as a joiner or a stale member downloads it (None: none is new enough)."""

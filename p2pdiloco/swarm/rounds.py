@@ -317,11 +317,11 @@ class SwarmMerger:
         until = min(rules.deadline, started + RELAY_WAIT)
         while nodes and time.monotonic() < until and not self._stopping():
             live = rules.live(self.live_others(), time.monotonic())  # the swarm may have moved on since the last try
-            keys = [r.key for r in live if r.version >= rules.min_version]
-            if not keys:
+            newer = [r for r in live if r.version >= rules.min_version]
+            if not newer:
                 break
             # each node for RELAY_PER_NODE seconds in turn: one that died or never gets the state is not the end
-            key = max(keys)
+            key = max(newer, key=lambda r: r.rank).key
             node = nodes[int((time.monotonic() - started) // RELAY_PER_NODE) % len(nodes)]["peer"]
             want_state(self.dht, self.cfg.run_id, self.heartbeat.identity, key, node)
             loaded, _ = self._from_donors((key, [node]), until)
@@ -344,14 +344,14 @@ class SwarmMerger:
             return None
         return None if loaded is None else (loaded[0], list(loaded[1]))
 
-    def publish_state(self, version: int, state_digest: str, sketch: list[float]) -> None:
+    def publish_state(self, version: int, state_digest: str, sketch: list[float], merged_by: int = 0) -> None:
         """After every round and every change of Θ: donors are ranked by the same order peers reconcile by. Our
         island's `merging` is withdrawn only now, with the state it made: withdrawn as the round ended, it left a
         moment where our record showed neither the island nor its merge, and a peer that waited for it formed an
         island at the old version (a fork; seen on the H200 machine)."""
         if not self.cfg.client_mode:  # a client serves no state (hivemind refuses to rank it)
-            self.averager.state_sharing_priority = sharing_priority(version, state_digest)
-        self.heartbeat.update(version=version, digest=state_digest, sketch=sketch, merging=-1)
+            self.averager.state_sharing_priority = sharing_priority(version, merged_by, state_digest)
+        self.heartbeat.update(version=version, digest=state_digest, merged_by=merged_by, sketch=sketch, merging=-1)
 
     def shutdown(self) -> None:
         self.closed.set()  # before the averager goes: its pending step would never resolve

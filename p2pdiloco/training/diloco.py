@@ -206,7 +206,7 @@ class DiLoCo:
                     self.trainer.model, self.state.params, let_go=self.state.let_go), self.state.params.numel()), None
             c = Contribution(kept=kept, tokens=self.unmerged_tokens, steps=self.unmerged_steps,
                              version=self.state.version, peer=self.peer, name=self.name, digest=self.state.digest,
-                             seconds=self.unmerged_seconds)
+                             seconds=self.unmerged_seconds, merged_by=len(self.state.last_members))
         future = self._executor.submit(self.merger.merge, c)
         if origin is not None:
             load_flat_params(self.trainer.model, origin)

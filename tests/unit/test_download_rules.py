@@ -1,6 +1,7 @@
 """The rules of a state download (p2pdiloco.protocol.download), on a fake clock: whom to ask, what to take, when
 to retry and when to give up, with no network and no sleeping."""
 
+import dataclasses
 import math
 
 import torch
@@ -39,6 +40,14 @@ def test_donors_are_every_dialable_peer_of_the_best_key_but_refused_keys():
     assert download.donors(records, 1.0) == ((5, "aaaaaa"), ["a", "b"])
     assert download.donors(records, 700.0) == ((7, "ffffff"), ["x"])  # a refusal lasts 10 minutes
     assert state_donors([record("c", 4)], 5) is None
+
+
+def test_at_one_version_the_donors_are_those_of_the_state_more_members_merged():
+    four = [dataclasses.replace(record(p, 5, "000000"), merged_by=4) for p in "abcd"]
+    pair = [dataclasses.replace(record(p, 5, "ffffff"), merged_by=2) for p in "ef"]
+    assert state_donors(pair + four, 0) == ((5, "000000"), ["a", "b", "c", "d"])
+    assert state_donors(pair + four[:1], 0) == ((5, "000000"), ["a"])
+    assert state_donors(pair + [record("g", 6)], 0) == ((6, "aaaaaa"), ["g"])  # a newer version first
 
 
 def test_a_state_is_taken_only_whole_valid_new_enough_and_within_reach():

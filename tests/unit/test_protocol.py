@@ -16,13 +16,14 @@ from p2pdiloco.protocol.timing import GracePolicy, RoundClock
 ME = "me-peer"
 
 
-def contribution(version=3, digest="aaaaaa", tokens=100, steps=10) -> Contribution:
+def contribution(version=3, digest="aaaaaa", tokens=100, steps=10, merged_by=0) -> Contribution:
     return Contribution.of(torch.full((8,), 0.5), tokens=tokens, steps=steps, version=version, peer=ME,
-                           name="me", digest=digest)
+                           name="me", digest=digest, merged_by=merged_by)
 
 
-def record(peer, version=3, digest="aaaaaa", ready=-1, merging=-1) -> PeerRecord:
-    return PeerRecord(peer=peer, name=peer, version=version, digest=digest, ready=ready, merging=merging)
+def record(peer, version=3, digest="aaaaaa", ready=-1, merging=-1, merged_by=0) -> PeerRecord:
+    return PeerRecord(peer=peer, name=peer, version=version, digest=digest, ready=ready, merging=merging,
+                      merged_by=merged_by)
 
 
 def member(peer, version=3, digest="aaaaaa", tokens=100, steps=10) -> Member:
@@ -136,6 +137,21 @@ def test_a_fork_at_our_version_is_settled_first_by_adopting_the_higher_state():
 
 def test_a_lower_fork_is_not_adopted():
     assert isinstance(new_round().start([record("b", digest="000000")], 100.0), WaitForPeers)
+
+
+def test_at_one_version_the_state_more_members_merged_wins_whatever_the_digests():
+    """Two islands merged apart from one version: the pair's state must not win half the time by its digest
+    (seen in the chaos run: a stale pair's state taken over four peers' for three rounds)."""
+    pair = contribution(digest="ffffff", merged_by=2)
+    decision = new_round(c=pair).start([record("b", digest="000000", merged_by=4)], 100.0)
+    assert decision == Download(3, "fork")
+    four = contribution(digest="000000", merged_by=4)
+    assert isinstance(new_round(c=four).start([record("b", digest="ffffff", merged_by=2)], 100.0), WaitForPeers)
+    assert isinstance(new_round(c=four).start([record("b", digest="000001", merged_by=4)], 100.0), Download)
+    adopted = new_round(c=pair)
+    adopted.start([record("b", digest="000000", merged_by=4)], 100.0)
+    adopted.on_state((dict(version=3, digest="000000", last_members=["b", "c", "d", "e"]), []), 101.0)
+    assert adopted.c.merged_by == 4  # what we now contribute from ranks as the state it is
 
 
 def test_behind_more_than_max_staleness_catches_up_first_and_within_it_contributes_stale():

@@ -140,3 +140,20 @@ def test_simulate_prints_a_table_json_and_a_plot(tmp_path):
 def test_bad_simulator_flags_are_clear_errors(args, message):
     result = CliRunner().invoke(cli, ["simulate", *args])
     assert result.exit_code == 2 and message in result.output
+
+
+def test_the_simulators_learners_reconcile_forks_by_the_peers_order():
+    """At one version the state more learners merged is the one a record ranks first and a download hands out,
+    as for peers (p2pdiloco.core.state.lineage_rank): the simulator must not keep a rule of its own."""
+    from p2pdiloco.sim.decoupled import DecoupledSim
+    from p2pdiloco.sim.failures import draw
+
+    sim = DecoupledSim(SMALL, draw(SMALL))
+    pair, four = sim.learners[:2]
+    pair.version, pair.digest, pair.last_members = 3, "v3-i9", ["learner0", "learner1"]
+    four.version, four.digest, four.last_members = 3, "v3-i1", ["learner1", "a", "b", "c"]
+    assert (pair.record().merged_by, four.record().merged_by) == (2, 4)
+    for x in sim.learners[2:]:
+        x.up = False
+    metadata, _ = sim._state_at_least(3)
+    assert (metadata["digest"], len(metadata["last_members"])) == ("v3-i1", 4)

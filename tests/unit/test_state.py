@@ -4,19 +4,22 @@ a merge, what a peer's history and token count may be, who is late twice, what t
 import pytest
 import torch
 
-from p2pdiloco.core.state import HISTORY, contains, parse_history, parse_tokens, sharing_priority
+from p2pdiloco.core.state import HISTORY, contains, lineage_rank, parse_history, parse_tokens, sharing_priority
 from p2pdiloco.protocol.island import PenaltyBox, Stragglers
 from p2pdiloco.protocol.outcomes import copy_parts
 from p2pdiloco.protocol.remote import Member
 
 
-def test_a_donors_priority_orders_by_version_then_digest_and_a_digest_never_outweighs_a_version():
-    assert sharing_priority(5, "000000") == 5.0
-    assert sharing_priority(5, "ffffff") == pytest.approx(5 + 0xFFFFFF / (1 << 25))
-    assert sharing_priority(5, "ffffff") < 5.5
-    assert sharing_priority(5, "800000ab") == 5.25  # the first six hex digits, below half a version
-    keys = [(4, "ffffff"), (5, "000001"), (5, "00a000"), (5, "0a0000"), (6, "000000")]
-    assert sorted(keys, key=lambda k: sharing_priority(*k)) == keys
+def test_a_donors_priority_orders_by_version_then_members_then_digest_as_forks_reconcile():
+    """hivemind hands a joiner the state of the highest priority: the state peers reconcile to (lineage_rank)."""
+    assert sharing_priority(5, 0, "000000") == 5.0
+    assert sharing_priority(5, 0, "800000ab") == 5 + 0.5 / (1 << 9)  # six hex digits: half a member
+    assert sharing_priority(5, 255, "ffffff") < 6 and sharing_priority(5, 10 ** 6, "ffffff") < 6
+    ranks = [(4, 255, "ffffff"), (5, 0, "ffffff"), (5, 1, "000001"), (5, 1, "00a000"), (5, 2, "000000"),
+             (5, 3, "0a0000"), (5, 255, "ffffff"), (6, 0, "000000"), ((1 << 20) - 1, 1, "000000"),
+             ((1 << 20) - 1, 1, "000001")]
+    assert sorted(ranks, key=lambda k: sharing_priority(*k)) == sorted(ranks, key=lambda k: lineage_rank(*k)) == ranks
+    assert len({sharing_priority(*k) for k in ranks}) == len(ranks)  # exact: no two ranks share a priority
 
 
 def test_a_state_contains_a_merge_it_or_its_history_names_and_is_assumed_to_beyond_its_reach():
