@@ -122,6 +122,7 @@ class IslandPlan:
     relieved: dict = field(default_factory=dict)  # member index → why it reduces no part (blamed by one other)
     clients: frozenset = frozenset()  # member indices in client mode: they accept no connections
     nodes: tuple = ()  # member indices of the reducer nodes that reduce a part (they contribute nothing)
+    tokens: int = 0  # what the merge adds to Θ's token count, the swarm's clock (`counted_tokens`)
 
     @property
     def included(self) -> list[int]:
@@ -200,7 +201,8 @@ def _plan(island: Island, weighting: str, cap: float, n_params: int, bounds: Bou
                    *((k, f"{int(o.sum())} block maxima clipped") for k, o in enumerate(over) if o.any())]:
         notes[index[k]] = "; ".join(filter(None, [notes.get(index[k]), why]))
     nothing = torch.zeros(n_blocks(n_params))
-    return IslandPlan(_spread(capped, index, len(island.members), 0.0), deadline,
+    tokens = counted_tokens([m.tokens for m in accepted], [w > 0 for w in capped], bounds.weight_ratio)
+    return IslandPlan(_spread(capped, index, len(island.members), 0.0), deadline, tokens=tokens,
                       maxabs=_spread(clipped, index, len(island.members), nothing),
                       clipped=_spread(over, index, len(island.members), nothing.bool()),
                       norms=_spread(norms, index, len(island.members), nothing),
@@ -222,6 +224,14 @@ def member_weights(tokens: list[int], steps: list[int], norms: list[float], vers
     weights = share_of_the_shortened(capped_weights, weights, norms, {*cut, *bounded})
     weights, discounted = discount_stale(weights, versions, bounds.stale_factor)
     return weights, [*capped.items(), *cut.items(), *floored.items(), *bounded.items(), *discounted.items()]
+
+
+def counted_tokens(tokens: list[int], merged: list[bool], ratio: float) -> int:
+    """The tokens a merge adds to Θ's count, which the learning-rate schedule runs by: each merged member's, at most
+    `ratio` × the island's lower median (0: no cap), as its weight is capped. Counted as claimed, one liar claiming
+    1000× its tokens would end every peer's warm-up in one round and a cosine schedule in a few."""
+    bound = ratio * lower_median([t for t in tokens if t > 0] or [0]) if ratio > 0 else None
+    return sum(t if bound is None else min(t, int(bound)) for t, m in zip(tokens, merged) if m)
 
 
 def backed_norms(norms: list[torch.Tensor], backing: list[torch.Tensor]) -> list[float]:

@@ -98,6 +98,7 @@ class RoundOutcome:
     let_go: LetGo = field(default=hold, repr=False, compare=False)  # a pass over `merged` calls it
     members: list[Member] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)  # each member's merge weight (sums to 1)
+    merged_tokens: int = 0  # what the merge adds to Θ's token count: each member's, capped as its weight
     excluded: dict[str, str] = field(default_factory=dict)  # member peer id → why it was not merged
     bounded: dict[str, str] = field(default_factory=dict)  # member peer id → which of its claims were capped
     group_id: str = ""
@@ -129,7 +130,7 @@ class RoundOutcome:
             member_tokens=[m.tokens for m in members], member_versions=[m.version for m in members],
             member_steps=[m.steps for m in members], member_norms=[m.delta_norm for m in members],
             excluded=self.excluded, bounded=self.bounded, weights=self.weights,
-            tokens_merged=sum(m.tokens for m in members), group_id=self.group_id, round_seconds=self.seconds,
+            tokens_merged=self.merged_tokens, group_id=self.group_id, round_seconds=self.seconds,
             quorum_seconds=self.quorum_seconds, sync_seconds=self.sync_seconds, sync_ended=self.sync_ended or None,
             codec_cpu_seconds=self.codec_cpu_seconds, deadline_seconds=self.deadline_seconds,
             grace_seconds=self.grace_seconds, bytes_sent=self.bytes_sent, bytes_received=self.bytes_received,
@@ -160,7 +161,7 @@ class Solo(RoundOutcome):
 
     @classmethod
     def own(cls, c: Contribution, **kwargs) -> "Solo":
-        return cls(reason="solo", members=[c.member], weights=[1.0], **kwargs)
+        return cls(reason="solo", members=[c.member], weights=[1.0], merged_tokens=c.tokens, **kwargs)
 
 
 @dataclass

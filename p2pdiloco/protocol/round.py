@@ -151,6 +151,7 @@ class IslandReduced:
     codec_scales: Optional[torch.Tensor] = None  # the block scales the group agreed on (error feedback)
     bounded: dict = field(default_factory=dict)  # peer → what of its claims was capped (p2pdiloco.protocol.island)
     blamed: frozenset = frozenset()  # members whose part or sum failed this round (we blame them for a while)
+    tokens: Optional[int] = None  # what the merge adds to Θ's token count (the plan's); None: the members' claims
 
 
 IslandResult = Union[NoIsland, IslandFailed, IslandReduced]
@@ -366,7 +367,9 @@ class Round:
         fields = self._common(now)
         r = self.reduced
         if r is not None and kind is Committed:
+            counted = sum(m.tokens for m in r.members) if r.tokens is None else r.tokens
             fields.update(merged=r.merged, let_go=r.let_go, members=list(r.members), weights=list(r.weights),
+                          merged_tokens=counted,
                           group_id=r.group_id,
                           sync_seconds=r.sync_seconds, sync_ended=r.sync_ended, deadline_seconds=r.deadline,
                           excluded=dict(r.excluded),

@@ -181,6 +181,7 @@ class Board:
         fmt = wire_format(wire.bits, wire.topk, len(plan.included))
         merged, scales = merged_in_one_place([e.body for e in entries], members, plan, wire.bits, fmt)
         return IslandReduced(True, "ok", members, tuple(plan.weights), group_id=f"island{next(self.islands)}",
+                             tokens=plan.tokens,
                              merged=merged, codec_scales=scales,
                              bounded={members[i].peer: why for i, why in plan.bounded.items()})
 

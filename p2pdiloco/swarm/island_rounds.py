@@ -235,7 +235,7 @@ class IslandRounds:
         return IslandReduced(verified=verified, reason=reason, members=tuple(island.members[i] for i in accepted),
                              weights=weights, group_id=group_info.group_id.hex(),
                              sync_seconds=time.monotonic() - started, sync_ended=time.time(),
-                             deadline=plan.deadline, excluded=excluded,
+                             deadline=plan.deadline, excluded=excluded, tokens=plan.tokens,
                              bounded={island.members[i].peer: why for i, why in plan.bounded.items()})
 
     def run(self) -> None:

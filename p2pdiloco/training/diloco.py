@@ -282,7 +282,7 @@ class DiLoCo:
                         restored = self._add(restored, self._load_foreign(*outcome.state))  # already holds our Δ
                     elif not outcome.stale:
                         self.state.apply(outcome.merged, [m.peer for m in outcome.members], outcome.let_go,
-                                         tokens=sum(m.tokens for m in outcome.members))
+                                         tokens=outcome.merged_tokens)
                     self.unmerged_tokens -= c.tokens
                     self.unmerged_steps -= c.steps
                     self.unmerged_seconds -= c.seconds

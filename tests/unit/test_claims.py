@@ -269,3 +269,20 @@ def test_an_honest_member_whose_maxima_are_clipped_still_meets_its_floor_at_the_
     codes = codec.encode(x, 1.0, torch.tensor([0.3 / 7]).double(), 4, None, with_sent=False).codes
     assert int(codes.abs().max()) == 7 and claims.why_not(codes, 0) == ""
     assert "short of" in claims.why_not(codes // 2, 0)
+
+
+def test_a_liar_claiming_1000x_its_tokens_moves_the_swarms_clock_by_at_most_twice_a_typical_member():
+    """Θ's token count drives every peer's warm-up and lr schedule: counted as claimed, one round of such a liar
+    would end the warm-up and most of a cosine schedule for everyone."""
+    xs = deltas((1, 1, 1, 1))
+    records = [record(f"p{i}", x, tokens=4096 * (1000 if i == 3 else 1)) for i, x in enumerate(xs)]
+    island = parse_island(records, Expect(N))
+    defaults = Bounds.of(OuterConfig())
+    assert plan_island(island, "tokens2", 60.0, N, defaults).tokens == 3 * 4096 + 2 * 4096
+    uncapped = dataclasses.replace(defaults, weight_ratio=0.0)
+    assert plan_island(island, "tokens2", 60.0, N, uncapped).tokens == 1003 * 4096
+    honest = parse_island([record(f"p{i}", x, tokens=t) for i, (x, t) in enumerate(zip(xs, (100, 300, 300, 300)))],
+                          Expect(N))
+    assert plan_island(honest, "tokens2", 60.0, N, defaults).tokens == 1000  # alike within 2×: all of them
+    blamed = [dict(r, blame=["p3"]) if i < 3 else r for i, r in enumerate(records)]
+    assert plan_island(parse_island(blamed, Expect(N)), "tokens2", 60.0, N, defaults).tokens == 3 * 4096

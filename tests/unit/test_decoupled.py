@@ -108,6 +108,23 @@ def test_rolled_back_round_changes_nothing_and_its_tokens_ride_along():
     d.close()
 
 
+def test_a_commit_adds_the_tokens_its_merge_counted_to_theta_not_the_members_claims():
+    def with_a_liar(c):
+        liar = member("liar", c.version, c.digest, 1000 * c.tokens, c.steps)
+        return Committed(reason="ok", merged=c.delta.clone(), members=[c.member, liar], weights=[0.5, 0.5],
+                         merged_tokens=3 * c.tokens)
+
+    merger = HeldMerger(outcome=with_a_liar)
+    d = make_diloco(merger)
+    for _ in range(4):
+        d.inner_step()
+    d.contribute()
+    merger.release.set()
+    assert d.wait(10).applied
+    assert d.state.tokens == 3 * 4 * d.trainer.tokens_per_step and d.state.last_members == ["me", "liar"]
+    d.close()
+
+
 def test_a_merger_that_raises_costs_one_round_never_the_peer_even_when_waited_for():
     def broken(c):
         raise RuntimeError("bug in the merger")

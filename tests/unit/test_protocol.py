@@ -135,6 +135,18 @@ def test_a_fork_at_our_version_is_settled_first_by_adopting_the_higher_state():
     assert isinstance(done.outcome, Adopted) and done.outcome.state_before is state
 
 
+def test_a_commit_adds_to_thetas_token_count_what_the_plan_counted_not_what_members_claim():
+    rnd = new_round(quorum=2)
+    to_island(rnd, [record("b", ready=3)])
+    done = rnd.on_island(dataclasses.replace(reduced(member(ME), member("b", tokens=10 ** 6)), tokens=300), 110.0)
+    assert done.outcome.merged_tokens == 300 and done.outcome.record()["tokens_merged"] == 300
+    rnd = new_round(quorum=2)
+    to_island(rnd, [record("b", ready=3)])
+    done = rnd.on_island(reduced(member(ME), member("b", tokens=50)), 110.0)  # a driver with no plan: the claims
+    assert done.outcome.merged_tokens == 150
+    assert Solo.of(contribution(tokens=70)).merged_tokens == 70
+
+
 def test_a_lower_fork_is_not_adopted():
     assert isinstance(new_round().start([record("b", digest="000000")], 100.0), WaitForPeers)
 

@@ -73,7 +73,7 @@ def test_a_round_record_takes_the_outcome_whole_by_the_records_own_field_names()
     outcome = Committed(reason="ok", members=[member], weights=[1.0], seconds=2.5, sync_seconds=1.5, sync_ended=9.0,
                         quorum_seconds=0.5, grace_seconds=0.25, group_id="g", bytes_sent=7, bytes_received=8,
                         codec_cpu_seconds=0.1, deadline_seconds=30.0, allreduce_bytes_model=100,
-                        excluded={"x": "why"}, bounded={"p": "cap"}, waited_for_island=True)
+                        excluded={"x": "why"}, bounded={"p": "cap"}, waited_for_island=True, merged_tokens=10)
     fields = outcome.record()
     assert set(fields) <= {f.name for f in dataclasses.fields(schema.Round)}
     record = schema.Round(peer="a", **fields)

@@ -1,0 +1,104 @@
+"""What the swarm's control traffic costs on the wire: bytes per records fetch and per heartbeat, measured on the
+loopback interface of a private network namespace (nothing else uses it), for N peers whose heartbeats publish
+records as a peer's do (signed, with a sketch and the join settings).
+
+    unshare -n bash -c 'ip link set lo up && .venv/bin/python scripts/bench/bench_records.py --peers 4'
+
+Phases, each `--seconds` long: the DHT's upkeep alone; each peer storing its record every heartbeat, with no
+fetch; the heartbeats (a store and a fetch every beat); then one peer also fetching the records every `--poll`
+seconds (a round waiting for peers: `RoundRules.poll`).
+Issue 50: a peer of P fragments runs P such lanes, so P times this traffic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+from p2pdiloco.config import SwarmConfig
+from p2pdiloco.core.consensus import SKETCH_DIM
+from p2pdiloco.protocol.remote import PeerRecord
+from p2pdiloco.swarm import node
+from p2pdiloco.swarm.records import HEARTBEAT, Heartbeat, fetch_records
+from p2pdiloco.swarm.signing import Identity
+
+SETTINGS = dict(model="tiny", tokenizer="bytes", compression="int4", data="0123456789abcdef", merge_rule="tokens2",
+                max_weight_ratio="2", max_scale_ratio="2", max_norm_ratio="2", min_norm_ratio="2",
+                stale_factor="0.5", max_influence_ratio="1", robust_merge="on", fragments="1")
+
+
+def lo_bytes() -> int:
+    """Bytes sent on this namespace's loopback (/proc/net/dev is per namespace; /sys/class/net is not remounted)."""
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        name, _, counters = line.partition(":")
+        if name.strip() == "lo":
+            return int(counters.split()[8])
+    raise RuntimeError("no loopback interface")
+
+
+def measure(seconds: float, each=None, every: float = 0.0) -> tuple[float, int]:
+    """Loopback bytes per second over `seconds`, and how many times `each` ran (every `every` s)."""
+    start, t0, calls = lo_bytes(), time.monotonic(), 0
+    while time.monotonic() - t0 < seconds:
+        if each is not None:
+            each()
+            calls += 1
+        time.sleep(every if each is not None else 0.5)
+    return (lo_bytes() - start) / (time.monotonic() - t0), calls
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--poll", type=float, default=0.25)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    base = SwarmConfig(run_id="bench-records", connect_timeout=30.0)
+    dhts, beats = [node.start_dht(base, Identity.fresh())], []
+    try:
+        cfg = dataclasses.replace(base, initial_peers=tuple(node.visible_addresses(dhts[0])))
+        for i in range(args.peers):
+            identity = Identity.fresh()
+            dht = node.start_dht(cfg, identity)
+            dhts.append(dht)
+            record = PeerRecord(peer=identity.peer_id, name=f"p{i}", version=12, digest="0123456789abcdef",
+                                sketch=[0.123456789] * SKETCH_DIM, settings=SETTINGS, inner_step=1234,
+                                tokens_per_s=5678.9, loss=2.5, rounds=12, island=4, bytes_sent=123456789)
+            beats.append(Heartbeat(dht, cfg.run_id, record, identity))
+        time.sleep(3)
+        dht_only, _ = measure(args.seconds)  # the DHT's own upkeep
+        stores, _ = measure(args.seconds, lambda: [b.publish() for b in beats], HEARTBEAT)  # every beat's store
+        for beat in beats:
+            beat.start()
+        deadline = time.monotonic() + 60
+        while len(fetch_records(dhts[1], cfg.run_id)) < args.peers and time.monotonic() < deadline:
+            time.sleep(1)
+        time.sleep(3)
+        idle, _ = measure(args.seconds)  # heartbeats: a store and a fetch every beat
+        polling, gets = measure(args.seconds, lambda: fetch_records(dhts[1], cfg.run_id), args.poll)
+        size = len(json.dumps(dataclasses.asdict(beats[0].record)))
+        per_peer = (lambda rate: round(rate / args.peers))
+        result = dict(peers=args.peers, seconds=args.seconds, poll=args.poll, record_json_bytes=size,
+                      dht_upkeep_bytes_per_s=round(dht_only), stores_bytes_per_s=round(stores),
+                      heartbeats_bytes_per_s=round(idle), polling_bytes_per_s=round(polling), fetches=gets,
+                      bytes_per_fetch=round((polling - idle) * args.seconds / max(1, gets)),
+                      bytes_per_store=round((stores - dht_only) * HEARTBEAT / args.peers),
+                      heartbeat_bytes_per_peer_per_s=per_peer(idle - dht_only),
+                      of_which_stores_per_peer_per_s=per_peer(stores - dht_only))
+        print(json.dumps(result, indent=1))
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1))
+    finally:
+        for beat in beats:
+            beat.stop()
+        for dht in dhts:
+            node.shutdown(dht)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
