@@ -229,7 +229,7 @@ def member_weights(tokens: list[int], steps: list[int], norms: list[float], vers
 def counted_tokens(tokens: list[int], merged: list[bool], ratio: float) -> int:
     """The tokens a merge adds to Θ's count, which the learning-rate schedule runs by: each merged member's, at most
     `ratio` × the island's lower median (0: no cap), as its weight is capped. Counted as claimed, one liar claiming
-    1000× its tokens would end every peer's warm-up in one round and a cosine schedule in a few."""
+    1000× its tokens would end every peer's warm-up in one round, and run every schedule as if it had trained them."""
     bound = ratio * lower_median([t for t in tokens if t > 0] or [0]) if ratio > 0 else None
     return sum(t if bound is None else min(t, int(bound)) for t, m in zip(tokens, merged) if m)
 

@@ -159,8 +159,8 @@ def _fields(value: Any, known: Sequence[str], required: Sequence[str]) -> dict:
     return value
 
 
-_PEER_FIELDS = ("peer", "name", "version", "digest", "merged_by", "ready", "merging", "inner_step", "tokens_per_s", "sketch", "loss",
-                "rounds", "island", "bytes_sent", "client_mode", "devices", "settings", "wire")
+_PEER_FIELDS = ("peer", "name", "version", "digest", "merged_by", "ready", "merging", "inner_step", "tokens_per_s",
+                "sketch", "loss", "rounds", "island", "bytes_sent", "client_mode", "devices", "settings", "wire")
 MAX_DEVICES = 1 << 16
 MAX_SETTINGS = 32
 
