@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 
-from typing import Callable, ContextManager, Iterator, Optional
+from typing import Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
 
@@ -90,16 +90,31 @@ class FragmentTrainer:
         raise RuntimeError("a fragment does not step alone: Streams.inner_step steps the model once for all")
 
 
-def fragment_state(full: GlobalState, fragment: Fragment) -> GlobalState:
-    """A fragment's part of a global state (at its version 0: where every fragment starts)."""
-    params = torch.cat([full.params[piece.flat] for piece in fragment.pieces])
-    return GlobalState(params, full.outer.lr, full.outer.momentum)
+def fragment_states(full: GlobalState, fragments: Sequence[Fragment]) -> list[GlobalState]:
+    """Each fragment's part of a global state at version 0 (where every fragment starts), kept in `full`'s own two
+    vectors: their values are laid out again fragment after fragment, so that each fragment's Θ and momentum are
+    one slice of them. A pair of vectors for each fragment beside them held P = 1's state twice (8 bytes per
+    parameter more). From then on `full` is the fragments' storage, not a state in the model's layout."""
+    theta, momentum = full.outer.state_tensors()
+    laid_out = torch.cat([theta[piece.flat] for fragment in fragments for piece in fragment.pieces])
+    if laid_out.numel() != theta.numel():
+        raise ValueError(f"the fragments hold {laid_out.numel()} values of a state of {theta.numel()}")
+    theta.copy_(laid_out)
+    del laid_out  # (a copy of Θ while the state is rearranged, once at the start)
+    momentum.zero_()
+    states, start = [], 0
+    for fragment in fragments:
+        own = slice(start, start + fragment.size)
+        states.append(GlobalState(theta[own], full.outer.lr, full.outer.momentum, storage=(theta[own], momentum[own])))
+        start = own.stop
+    return states
 
 
 class Streams:
     """One peer's P fragments over one trainer. `merger_for(i, clock, state)`: fragment i's merger (its own
     rounds, islands and records: a swarm's fragment i is a swarm of its own), timed by the fragment's own round
-    clock, over its part of the global state."""
+    clock, over its part of the global state. `state`, a global state at version 0, hands its vectors over to the
+    fragments' (`fragment_states`)."""
 
     def __init__(self, trainer: InnerTrainer, state: GlobalState,
                  merger_for: Callable[[int, RoundClock, GlobalState], Merger],
@@ -109,8 +124,8 @@ class Streams:
         self.trainer, self.stagger = trainer, stagger
         self.fragments = model_fragments(trainer.model, stagger.fragments)
         self.parts = []
-        for f in self.fragments:
-            clock, part = RoundClock(), fragment_state(state, f)
+        for f, part in zip(self.fragments, fragment_states(state, self.fragments)):
+            clock = RoundClock()
             self.parts.append(DiLoCo(FragmentTrainer(trainer, f), part, merger_for(f.index, clock, part), peer, name,
                                      clock=clock, **diloco_options))
         self.left_at: list[Optional[int]] = [None] * len(self.parts)  # the step count when each last contributed

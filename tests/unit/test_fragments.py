@@ -143,6 +143,22 @@ def streams_on_a_stream(p=3, h=4, seed=0):
     return Streams(trainer, state, lambda i, clock, state: SoloMerger(), Stagger(p, h), "me", "me")
 
 
+def test_the_fragments_keep_their_states_in_the_global_states_own_two_vectors():
+    """No second copy of Θ and the momentum beside the fragments' (8 bytes per parameter, issue 50): each
+    fragment's Θ and momentum are slices of the vectors the peer built, and the model's layout still reads whole."""
+    base = make_diloco(SoloMerger())
+    theta, momentum = base.state.outer.state_tensors()
+    before = theta.clone()
+    streams = Streams(base.trainer, base.state, lambda i, clock, state: SoloMerger(), Stagger(4, 4), "me", "me")
+    for vector, of_part in ((theta, lambda s: s.params), (momentum, lambda s: s.outer.momentum_buffer)):
+        views = [of_part(part.state) for part in streams.parts]
+        assert all(v.untyped_storage().data_ptr() == vector.untyped_storage().data_ptr() for v in views)
+        assert sum(v.numel() for v in views) == vector.numel()
+    assert torch.equal(streams.global_params(), before) and not torch.equal(theta, before)  # laid out anew
+    assert all(torch.equal(part.state.params, torch.cat([before[p.flat] for p in f.pieces]))
+               for f, part in zip(streams.fragments, streams.parts))
+
+
 def lockstep(streams, steps):
     for _ in range(steps):
         streams.inner_step()
