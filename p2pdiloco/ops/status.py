@@ -165,8 +165,10 @@ def run_status(cfg, as_json: bool, watch: bool, interval: float, echo=print, max
             before = recent[0] if recent else None
             if cfg.fragments == 1:
                 view = view_of(cfg.run_id, fetch_records_seen(dht, cfg.run_id), before, fetch_reducers(dht, cfg.run_id))
-            else:  # each fragment's swarm under its own run id
-                view = fragments_view(cfg.run_id, [view_of(run, fetch_records_seen(dht, run)) for run in runs], before)
+            else:  # each fragment's swarm, as its fields in the peers' records (PeerRecord.lanes) tell it
+                seen = fetch_records_seen(dht, cfg.run_id)
+                view = fragments_view(cfg.run_id, [view_of(run, [(r.lane(i), age) for r, age in seen if r.lane(i)])
+                                                   for i, run in enumerate(runs)], before)
             views[:] = recent + [view]
             return view
 

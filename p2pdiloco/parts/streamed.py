@@ -38,7 +38,7 @@ from p2pdiloco.runtime.stopwatch import Stopwatch
 from p2pdiloco.swarm import node
 from p2pdiloco.swarm.averager import ExactAverager
 from p2pdiloco.swarm.fragments import fragment_config
-from p2pdiloco.swarm.records import Heartbeat
+from p2pdiloco.swarm.records import Heartbeat, LaneBeat
 from p2pdiloco.swarm.rounds import SwarmMerger
 from p2pdiloco.swarm.wiring import MergeSettings, build_merger, merge_settings, start_averager
 from p2pdiloco.training import checkpoint
@@ -135,7 +135,8 @@ def start_streamed(cfg: PeerConfig, stop: threading.Event) -> "StreamedStay":
         tensors = materialize(cfg, workload)
         stream = member_stream(cfg, workload, stream_seed(helpers.peer_id, cfg.swarm.run_id), None)
         trainer = InnerTrainer(tensors.model, stream, cfg.inner, workload.device, cfg.throttle)
-        merger_for = functools.partial(_merger, cfg, workload, helpers, name, stop, seams.merger, mergers)
+        merger_for = functools.partial(_merger, helpers, peer_heartbeat(cfg, workload, helpers, name), stop,
+                                       seams.merger, mergers)
         streams = Streams(trainer, tensors.state, merger_for,
                           Stagger(len(fragments), cfg.inner.steps, cfg.swarm.fragments_in_flight), helpers.peer_id,
                           name, eager=cfg.outer.application == "eager")
@@ -147,9 +148,9 @@ def start_streamed(cfg: PeerConfig, stop: threading.Event) -> "StreamedStay":
         clock.mark("checkpoint")
         memberships = [Membership(cfg, workload, merger, part, tensors, metrics, name)
                        for merger, part in zip(mergers, streams.parts)]
-        for membership, merger in zip(memberships, mergers):
+        for membership in memberships:  # every fragment's fields in the record before it first goes out
             membership.publish()
-            merger.heartbeat.start()
+        mergers[0].heartbeat.start()
         for membership in memberships:  # each fragment from its own swarm's donors
             if warm:
                 membership.join_in_background()
@@ -169,18 +170,23 @@ def start_streamed(cfg: PeerConfig, stop: threading.Event) -> "StreamedStay":
         raise
 
 
-def _merger(cfg: PeerConfig, workload: Workload, helpers: FragmentHelpers, name: str, stop: threading.Event,
-            make: Callable[..., SwarmMerger], made: list, i: int, clock: RoundClock,
-            state: GlobalState) -> SwarmMerger:
-    """Fragment i's merger, with its heartbeat under the fragment's run id (`made`: every one built so far)."""
-    settings = helpers.settings[i]
-    record = PeerRecord(peer=helpers.peer_id, name=name, version=state.version, digest=state.digest,
-                        merged_by=len(state.last_members),
-                        settings=workload.settings(cfg))
+def peer_heartbeat(cfg: PeerConfig, workload: Workload, helpers: FragmentHelpers, name: str) -> Heartbeat:
+    """The peer's one heartbeat, under the run's id, for all its fragments: fragment 0's fields are the record's, the
+    others' its `lanes` (each fragment's merger fills its own before the heartbeat starts)."""
+    unknown = dict(version=0, digest="unknown")
+    record = PeerRecord(peer=helpers.peer_id, name=name, version=0, digest="unknown", settings=workload.settings(cfg),
+                        lanes=[unknown] * (len(helpers.settings) - 1))
     rejoin = functools.partial(node.rejoin, helpers.dht, cfg.swarm.initial_peers) if cfg.swarm.initial_peers else None
-    heartbeat = Heartbeat(helpers.dht, settings.cfg.run_id, record, helpers.identity, rejoin)
-    merger = build_merger(settings, helpers.dht, helpers.averagers[i], heartbeat, state.why_not_adopt, stop, clock,
-                          None, make)
+    return Heartbeat(helpers.dht, cfg.swarm.run_id, record, helpers.identity, rejoin)
+
+
+def _merger(helpers: FragmentHelpers, beat: Heartbeat, stop: threading.Event, make: Callable[..., SwarmMerger],
+            made: list, i: int, clock: RoundClock, state: GlobalState) -> SwarmMerger:
+    """Fragment i's merger, on its side of the peer's heartbeat (`made`: every one built so far)."""
+    lane = LaneBeat(beat, i)
+    lane.note(version=state.version, digest=state.digest, merged_by=len(state.last_members))
+    merger = build_merger(helpers.settings[i], helpers.dht, helpers.averagers[i], lane, state.why_not_adopt, stop,
+                          clock, None, make)
     made.append(merger)
     return merger
 

@@ -7,6 +7,7 @@ defences extend this module: a member that fails a check is excluded from the me
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -34,7 +35,8 @@ MAX_BLAME = 64  # peers one member may blame at once
 # trains on. 3: records are signed by the peer's libp2p key (p2pdiloco.swarm.signing), which an older peer cannot
 # read. 4: a reducer serves its account of each part after the part's sums (p2pdiloco.core.audit), which a
 # member of version 3 would take for a piece too many. 5: records say how many members merged the state
-# (`merged_by`), and forks at one version reconcile to the state of the larger island (p2pdiloco.core.state).
+# (`merged_by`), and forks at one version reconcile to the state of the larger island (p2pdiloco.core.state); a peer
+# of P fragments publishes one record, fragment 0's fields its own and the others' in `lanes`.
 WIRE_VERSION = 5
 
 
@@ -61,6 +63,9 @@ class PeerRecord:
     settings: dict = field(default_factory=dict)  # what must match to merge (p2pdiloco.protocol.compat)
     wire: int = WIRE_VERSION
     merged_by: int = 0  # members of the merge that made its state (0: none did): forks reconcile by it
+    # a peer of P fragments: fragments 1..P-1's own fields (LANE_FIELDS), fragment 0's being the record's; one record
+    # and one heartbeat for all of them, not P (each a store and a fetch of ~40 KB every beat: docs/fragments.md)
+    lanes: list = field(default_factory=list)
 
     @property
     def key(self) -> tuple[int, str]:
@@ -69,6 +74,20 @@ class PeerRecord:
     @property
     def rank(self) -> tuple[int, int, str]:
         return lineage_rank(self.version, self.merged_by, self.digest)
+
+    def lane(self, i: int) -> Optional["PeerRecord"]:
+        """Fragment i's record, as a swarm of that fragment alone sees it (None: this peer has no fragment i)."""
+        if i == 0:
+            return dataclasses.replace(self, lanes=[])
+        if not 0 < i <= len(self.lanes):
+            return None
+        return dataclasses.replace(self, lanes=[], **{**LANE_DEFAULTS, **self.lanes[i - 1]})
+
+
+LANE_FIELDS = ("version", "digest", "merged_by", "ready", "merging", "sketch", "rounds", "island", "bytes_sent")
+# what a fragment's record says where its lane leaves a field out: never fragment 0's value
+LANE_DEFAULTS = dict(merged_by=0, ready=-1, merging=-1, sketch=[], rounds=0, island=0, bytes_sent=0)
+MAX_LANES = 255
 
 
 @dataclass(frozen=True)
@@ -160,7 +179,8 @@ def _fields(value: Any, known: Sequence[str], required: Sequence[str]) -> dict:
 
 
 _PEER_FIELDS = ("peer", "name", "version", "digest", "merged_by", "ready", "merging", "inner_step", "tokens_per_s",
-                "sketch", "loss", "rounds", "island", "bytes_sent", "client_mode", "devices", "settings", "wire")
+                "sketch", "loss", "rounds", "island", "bytes_sent", "client_mode", "devices", "settings", "wire",
+                "lanes")
 MAX_DEVICES = 1 << 16
 MAX_SETTINGS = 32
 
@@ -199,7 +219,23 @@ def _peer_record(value: Any) -> PeerRecord:
                       bytes_sent=_int(v.get("bytes_sent", 0), "bytes_sent"),
                       client_mode=_bool(v.get("client_mode", False), "client_mode"),
                       devices=_int(v.get("devices", 1), "devices", lo=1, hi=MAX_DEVICES),
-                      settings=_settings(v.get("settings", {})))
+                      settings=_settings(v.get("settings", {})), lanes=_lanes(v.get("lanes", [])))
+
+
+def _lanes(value: Any) -> list[dict]:
+    if not isinstance(value, list) or len(value) > MAX_LANES:
+        raise Malformed(f"lanes must be a list of at most {MAX_LANES}")
+    return [_lane(lane) for lane in value]
+
+
+def _lane(value: Any) -> dict:
+    v = _fields(value, LANE_FIELDS, ("version", "digest"))
+    return dict(version=_int(v["version"], "version"), digest=_str(v["digest"], "digest", MIN_DIGEST, MAX_DIGEST),
+                merged_by=_int(v.get("merged_by", 0), "merged_by", hi=MAX_ISLAND),
+                ready=_int(v.get("ready", -1), "ready", lo=-1), merging=_int(v.get("merging", -1), "merging", lo=-1),
+                sketch=list(_floats(v.get("sketch", []), "sketch", SKETCH_DIM)),
+                rounds=_int(v.get("rounds", 0), "rounds"), island=_int(v.get("island", 0), "island", hi=MAX_ISLAND),
+                bytes_sent=_int(v.get("bytes_sent", 0), "bytes_sent"))
 
 
 def _settings(value: Any) -> dict:

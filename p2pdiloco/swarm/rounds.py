@@ -36,7 +36,7 @@ from p2pdiloco.runtime.heap import give_back_free_heap
 from p2pdiloco.runtime.procio import io_counters, moved_since
 from p2pdiloco.runtime.waiting import result_unless_closed
 from p2pdiloco.swarm.averager import BodyStatistics, ExactAverager, gather_record
-from p2pdiloco.swarm.records import TTL, Heartbeat, fetch_records, fetch_reducers, other_wires
+from p2pdiloco.swarm.records import TTL, Heartbeat, LaneBeat, fetch_reducers, other_wires
 from p2pdiloco.swarm.statefetch import StateFetcher
 from p2pdiloco.swarm.staterelay import StatePusher, want_state
 
@@ -55,7 +55,7 @@ NOBODY_REDUCES = ("no island can form: this peer and every live peer are in clie
 class SwarmMerger:
     """Runs our rounds and state downloads over hivemind (p2pdiloco.swarm.wiring builds it, whole)."""
 
-    def __init__(self, settings: MergeSettings, dht: DHT, averager: ExactAverager, heartbeat: Heartbeat,
+    def __init__(self, settings: MergeSettings, dht: DHT, averager: ExactAverager, heartbeat: Heartbeat | LaneBeat,
                  fetcher: StateFetcher, feedback: Optional[codec.ErrorFeedback], why_not_adopt: WhyNotAdopt,
                  stop: threading.Event, clock: RoundClock, pusher: Optional[StatePusher] = None):
         self.settings, self.dht, self.averager, self.heartbeat = settings, dht, averager, heartbeat
@@ -146,7 +146,7 @@ class SwarmMerger:
         """Every other live peer's record, but those announcing a state we refused: not donors, and no reason to
         catch up or wait."""
         refused = self.refused.active(time.monotonic())
-        return [r for r in fetch_records(self.dht, self.cfg.run_id) if r.peer != self.peer and r.key not in refused]
+        return [r for r in self.heartbeat.fetch() if r.peer != self.peer and r.key not in refused]
 
     def _start_in(self, island: FormIsland) -> float:
         """When we offer to begin the all-reduce, in seconds from now. hivemind's followers join only leaders that
@@ -362,7 +362,7 @@ class SwarmMerger:
             self.averager.shutdown()
 
 
-def merging_announcer(control, heartbeat: Heartbeat, version: int) -> Callable[[], None]:
+def merging_announcer(control, heartbeat: Heartbeat | LaneBeat, version: int) -> Callable[[], None]:
     """Once our island's all-reduce has begun, say so in our record: a peer ready now cannot join it, and one that
     sees it waits for its end (protocol.round, `wait_for_island`) rather than form a second island at our version."""
     def announce() -> None:

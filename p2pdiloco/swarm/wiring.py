@@ -23,7 +23,7 @@ from p2pdiloco.runtime.paging import PagedStore
 from p2pdiloco.swarm.auth import MemberPasses, load_swarm_key
 from p2pdiloco.swarm.averager import AveragerLimits, ExactAverager, StateProvider, averager_limits
 from p2pdiloco.swarm.node import STOP_WAIT
-from p2pdiloco.swarm.records import Heartbeat
+from p2pdiloco.swarm.records import Heartbeat, LaneBeat
 from p2pdiloco.swarm.rounds import SwarmMerger
 from p2pdiloco.swarm.statefetch import StateFetcher
 from p2pdiloco.swarm.staterelay import StatePusher
@@ -127,7 +127,7 @@ def error_feedback(s: MergeSettings, buffer_folder: Optional[Path]) -> Optional[
     return codec.ErrorFeedback(decay=s.cfg.error_feedback_decay, store=store)
 
 
-def build_merger(s: MergeSettings, dht: DHT, averager: ExactAverager, heartbeat: Heartbeat,
+def build_merger(s: MergeSettings, dht: DHT, averager: ExactAverager, heartbeat: Heartbeat | LaneBeat,
                  why_not_adopt: WhyNotAdopt, stop: threading.Event, clock: RoundClock,
                  buffer_folder: Optional[Path], make: Callable[..., SwarmMerger] = SwarmMerger) -> SwarmMerger:
     """The merger, whole (`make`: SwarmMerger, or a fault plan's subclass of it)."""

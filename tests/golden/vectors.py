@@ -72,6 +72,8 @@ def records() -> tuple[dict, "PeerRecord"]:
     record = PeerRecord(peer="12D3KooWgolden", name="golden", version=7, digest="0123456789abcdef", ready=7,
                         merging=-1, inner_step=320, tokens_per_s=1234.5, sketch=[0.5, -0.25], loss=3.25, rounds=6,
                         island=3, bytes_sent=1 << 20, client_mode=False, merged_by=3,
+                        lanes=[dict(version=6, digest="fedcba9876543210", merged_by=2, ready=-1, merging=6,
+                                    sketch=[0.125], rounds=5, island=2, bytes_sent=1 << 19)],
                         settings=dict(model="tiny", compression="int4"))
     return member, record
 

@@ -17,7 +17,7 @@ from p2pdiloco.core.state import GlobalState
 from p2pdiloco.protocol.remote import PeerRecord
 from p2pdiloco.swarm import node
 from p2pdiloco.swarm.fragments import fragment_config
-from p2pdiloco.swarm.records import Heartbeat
+from p2pdiloco.swarm.records import Heartbeat, LaneBeat
 from p2pdiloco.swarm.wiring import build_merger, merge_settings, start_averager
 from p2pdiloco.training.fragments import Streams, model_fragments
 from p2pdiloco.training.inner import InnerTrainer, flat_params
@@ -33,8 +33,8 @@ BASE = SwarmConfig(run_id="streams", compression="int4", quorum=3, connect_timeo
 
 
 class FragmentPeer:
-    """One peer: a DHT, and per fragment an averager, a heartbeat and a merger (fragment i's swarm), over one
-    trainer whose P fragments are a `Streams`."""
+    """One peer: a DHT and one heartbeat, and per fragment an averager, the fragment's side of the heartbeat and a
+    merger (fragment i's swarm), over one trainer whose P fragments are a `Streams`."""
 
     def __init__(self, index: int, initial: tuple = ()):
         cfg = dataclasses.replace(BASE, initial_peers=initial)
@@ -45,12 +45,13 @@ class FragmentPeer:
         sizes = [f.size for f in model_fragments(model, P)]
         self.streams = None  # built once the averagers have forked; they serve its fragments' states
         self.parts = []
+        record = PeerRecord(self.peer, f"p{index}", 0, "unknown", lanes=[dict(version=0, digest="unknown")] * (P - 1))
+        self.beat = Heartbeat(self.dht, cfg.run_id, record, identity)
         for i, size in enumerate(sizes):
             fcfg = fragment_config(cfg, i, P)
             settings = merge_settings(fcfg, OuterConfig(), size, [], H, self.peer)
             averager = start_averager(settings, self.dht, self._share(i), None)
-            heartbeat = Heartbeat(self.dht, fcfg.run_id, PeerRecord(self.peer, f"p{index}", 0, ""), identity).start()
-            self.parts.append((settings, averager, heartbeat))
+            self.parts.append((settings, averager, LaneBeat(self.beat, i)))
         trainer = InnerTrainer(model, random_batches(index), InnerConfig(batch_size=4, seq_len=16, warmup_steps=0),
                                torch.device("cpu"))
         state = GlobalState(flat_params(model), lr=0.7, momentum=0.9)
@@ -58,6 +59,7 @@ class FragmentPeer:
         self.streams = Streams(trainer, state, self._merger, Stagger(P, H), self.peer, f"p{index}")
         for i in range(P):
             self.publish(i)
+        self.beat.start()
 
     def _share(self, i: int):
         def share():

@@ -20,6 +20,9 @@ GOOD = dict(peer=ME.peer_id, name="a", version=3, digest="abcdef0123456789", rea
     dict(version="3"), dict(digest=None), dict(digest=""), dict(ready=1.5), dict(peer=7),
     dict(sketch=["x"] * 4), dict(sketch=[math.nan]), dict(sketch=[1.0] * (SKETCH_DIM + 1)), dict(sketch="abc"),
     dict(unexpected_field=1), dict(merging=-2), dict(merging="3"), dict(merging=True),
+    dict(merged_by=-1), dict(merged_by=1 << 20), dict(lanes="x"), dict(lanes=[dict(version=1)]),
+    dict(lanes=[dict(version=1, digest="abcdef", loss=2.0)]), dict(lanes=[dict(version=1, digest="abcdef", ready=-2)]),
+    dict(lanes=[dict(version=1, digest="abcdef")] * 256),
 ])
 def test_a_malformed_record_is_dropped(change):
     assert parse_record({**GOOD, **change}) is None

@@ -125,7 +125,6 @@ def driver(monkeypatch, ours: GlobalState, states: dict, extra=()):
     """SwarmMerger's download loop as it runs, over these peers' records and states (each serves its own)."""
     records = [PeerRecord(peer=name, name=name, version=m["version"], digest=m["digest"])
                for name, (m, _) in states.items()] + list(extra)
-    monkeypatch.setattr(rounds, "fetch_records", lambda dht, run_id: records)
     monkeypatch.setattr(rounds, "fetch_reducers", lambda dht, run_id: [])  # no reducer node: see below for one
     fetched = []
 
@@ -138,7 +137,8 @@ def driver(monkeypatch, ours: GlobalState, states: dict, extra=()):
     merger = fake_merger(N, fetcher=SimpleNamespace(fetch=fetch), why_not_adopt=ours.why_not_adopt, run_id="r")
     merger.load_state = lambda timeout: pytest.fail("hivemind's one-donor download would pick the liar again")
     merger.fetched = fetched
-    merger.heartbeat = SimpleNamespace(identity="our key")  # what signs our wants of state (want_state is faked)
+    # what signs our wants of state (want_state is faked), and the records the merger fetches
+    merger.heartbeat = SimpleNamespace(identity="our key", fetch=lambda: records)
     return merger
 
 
@@ -212,7 +212,7 @@ def test_where_only_clients_hold_the_state_it_comes_through_a_reducer_node_once_
                for p in ("c1", "c2")]
     metadata, tensors = served(other)
     merger = driver(monkeypatch, ours, {"node": ({**metadata, "version": ours.version + 2}, tensors)}, holders)
-    monkeypatch.setattr(rounds, "fetch_records", lambda dht, run_id: holders)  # the node publishes no peer record
+    monkeypatch.setattr(merger.heartbeat, "fetch", lambda: holders)  # the node publishes no peer record
     monkeypatch.setattr(rounds, "fetch_reducers", lambda dht, run_id: [dict(peer="node", name="vps")])
     monkeypatch.setattr(rounds, "RELAY_RETRY", 0.01)
     wants, fetch = [], merger.fetcher.fetch
@@ -233,7 +233,7 @@ def test_a_state_relayed_through_reducer_nodes_is_asked_of_the_next_node_when_on
     ours, _ = lineage()
     holder = PeerRecord(peer="c1", name="c1", version=ours.version, digest=ours.digest, client_mode=True)
     merger = driver(monkeypatch, ours, {"second": served(ours)}, [holder])  # only the second node ever serves it
-    monkeypatch.setattr(rounds, "fetch_records", lambda dht, run_id: [holder])
+    monkeypatch.setattr(merger.heartbeat, "fetch", lambda: [holder])
     monkeypatch.setattr(rounds, "fetch_reducers", lambda dht, run_id: [dict(peer="dead", name="a"),
                                                                         dict(peer="second", name="b")])
     monkeypatch.setattr(rounds, "RELAY_RETRY", 0.01)
@@ -261,7 +261,7 @@ def test_a_download_waits_for_a_state_a_live_peer_is_still_making(monkeypatch):
     making = [PeerRecord(peer="maker", name="maker", version=ours.version, digest=ours.digest, merging=ours.version)]
     published = [PeerRecord(peer="maker", name="maker", version=newer.version, digest=newer.digest)]
     started = time.monotonic()
-    monkeypatch.setattr(rounds, "fetch_records", lambda dht, run_id: making if time.monotonic() - started < 1.5
+    monkeypatch.setattr(merger.heartbeat, "fetch", lambda: making if time.monotonic() - started < 1.5
                         else published)
     merger.load_state = lambda timeout: pytest.fail("before it publishes, only older states are around")
     monkeypatch.setattr(rounds, "TTL", 0.3)

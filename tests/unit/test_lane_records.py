@@ -1,0 +1,66 @@
+"""A peer of P fragments publishes one record and fetches the swarm's records once for all of its fragments
+(p2pdiloco.swarm.records.LaneBeat): each fragment's merger sees its own fragment's records, as if the fragment
+were a swarm of its own. P heartbeats, a store and a fetch of ~40 KB each every beat, were the control floor of
+issue 50's peak-bandwidth runs (docs/fragments.md)."""
+
+import dataclasses
+import threading
+
+from p2pdiloco.protocol.remote import PeerRecord, parse_peer_record
+from p2pdiloco.swarm import records
+from p2pdiloco.swarm.signing import Identity
+
+ME, THEM = Identity.fresh(), Identity.fresh()
+
+
+def peer_of_three(identity, versions=(3, 5, 7), **fields) -> PeerRecord:
+    lanes = [dict(version=v, digest=f"{v:06d}abcdef") for v in versions[1:]]
+    return PeerRecord(peer=identity.peer_id, name="x", version=versions[0], digest=f"{versions[0]:06d}abcdef",
+                      lanes=lanes, **fields)
+
+
+def test_each_fragment_reads_and_writes_its_own_fields_of_the_one_record():
+    beat = records.Heartbeat(None, "run", peer_of_three(ME, loss=2.0), ME)
+    lanes = [records.LaneBeat(beat, i) for i in range(3)]
+    assert [lane.record.version for lane in lanes] == [3, 5, 7] and lanes[2].record.lanes == []
+    lanes[2].note(version=8, digest="000008abcdef", ready=8, loss=9.0)  # the loss is the peer's: fragment 0 tells it
+    lanes[0].note(ready=3, loss=1.5)
+    assert (lanes[2].record.version, lanes[2].record.ready, lanes[2].record.loss) == (8, 8, 1.5)
+    assert (lanes[0].record.version, lanes[0].record.ready, lanes[1].record.ready) == (3, 3, -1)
+    sent = parse_peer_record(dataclasses.asdict(beat.record))  # what goes out, as others parse it
+    assert [sent.lane(i) for i in range(4)] == [beat.record.lane(i) for i in range(3)] + [None]
+    assert sent.lane(2).ready == 8 and sent.lane(1).ready == -1
+
+
+def test_fragments_polling_side_by_side_make_one_fetch_and_each_sees_its_own_fragment(monkeypatch):
+    fetches = []
+    monkeypatch.setattr(records, "fetch_records", lambda dht, run_id: fetches.append(run_id) or [peer_of_three(THEM)])
+    beat = records.Heartbeat(None, "run", peer_of_three(ME), ME)
+    lanes = [records.LaneBeat(beat, i) for i in range(3)]
+    seen, threads = {}, [threading.Thread(target=lambda i=i: seen.update({i: lanes[i].fetch()})) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert fetches == ["run"] and {i: [r.version for r in got] for i, got in seen.items()} == {0: [3], 1: [5], 2: [7]}
+    assert [r.version for r in lanes[1].records()] == [5]  # the heartbeat's view is that fetch too
+    beat._fetched_at -= 1.0  # a poll later than the shared age fetches anew
+    lanes[0].fetch()
+    assert fetches == ["run", "run"]
+
+
+def test_the_heartbeat_starts_and_withdraws_once_whichever_fragment_asks(monkeypatch):
+    stored = []
+
+    class DHT:
+        def store(self, key, subkey, value, expiration_time, return_future):
+            stored.append(value)
+            future = __import__("concurrent.futures").futures.Future()
+            future.set_result(True)
+            return future
+
+    beat = records.Heartbeat(DHT(), "run", peer_of_three(ME), ME)
+    lanes = [records.LaneBeat(beat, i) for i in range(3)]
+    for lane in lanes:
+        lane.stop()
+    assert stored == [None]  # one withdrawal, not one per fragment
