@@ -29,7 +29,9 @@ from tests.unit.test_decoupled import random_batches
 pytestmark = [pytest.mark.swarm, pytest.mark.slow, pytest.mark.timeout(400)]
 
 P, H = 2, 4
-BASE = SwarmConfig(run_id="streams", compression="int4", quorum=3, connect_timeout=20.0)
+# the peers train on random bytes, each its own: their pseudo-gradients share no direction, and the direction check
+# (on by default since 0a3b74d) leaves such parts out; this test is about fragments' rounds, not about that check
+BASE = SwarmConfig(run_id="streams", compression="int4", quorum=3, connect_timeout=20.0, robust_merge=False)
 
 
 class FragmentPeer:
