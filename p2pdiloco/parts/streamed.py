@@ -137,6 +137,8 @@ def start_streamed(cfg: PeerConfig, stop: threading.Event) -> "StreamedStay":
         trainer = InnerTrainer(tensors.model, stream, cfg.inner, workload.device, cfg.throttle)
         merger_for = functools.partial(_merger, helpers, peer_heartbeat(cfg, workload, helpers, name), stop,
                                        seams.merger, mergers)
+        # Streams takes tensors.state's two vectors over, laid out fragment by fragment (fragment_states): from here on
+        # tensors.state is no state in the model's layout, and nothing on this path reads it (the parts' states are)
         streams = Streams(trainer, tensors.state, merger_for,
                           Stagger(len(fragments), cfg.inner.steps, cfg.swarm.fragments_in_flight), helpers.peer_id,
                           name, eager=cfg.outer.application == "eager")

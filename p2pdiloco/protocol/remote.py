@@ -207,16 +207,10 @@ def _peer_record(value: Any) -> PeerRecord:
         raise Malformed(f"wire version {wire}, not this peer's {WIRE_VERSION}")
     v = _fields(value, _PEER_FIELDS, ("peer", "name", "version", "digest", "wire"))
     return PeerRecord(peer=_str(v["peer"], "peer", 1, MAX_ID), name=_str(v["name"], "name", 0, MAX_NAME),
-                      version=_int(v["version"], "version"), digest=_str(v["digest"], "digest", MIN_DIGEST, MAX_DIGEST),
-                      merged_by=_int(v.get("merged_by", 0), "merged_by", hi=MAX_ISLAND),
-                      ready=_int(v.get("ready", -1), "ready", lo=-1),
-                      merging=_int(v.get("merging", -1), "merging", lo=-1),
+                      **_lane_fields(v),  # fragment 0's, or the whole model's
                       inner_step=_int(v.get("inner_step", 0), "inner_step"),
                       tokens_per_s=_float(v.get("tokens_per_s", 0.0), "tokens_per_s"),
-                      sketch=list(_floats(v.get("sketch", []), "sketch", SKETCH_DIM)),
-                      loss=_float(v.get("loss", 0.0), "loss"), rounds=_int(v.get("rounds", 0), "rounds"),
-                      island=_int(v.get("island", 0), "island", hi=MAX_ISLAND),
-                      bytes_sent=_int(v.get("bytes_sent", 0), "bytes_sent"),
+                      loss=_float(v.get("loss", 0.0), "loss"),
                       client_mode=_bool(v.get("client_mode", False), "client_mode"),
                       devices=_int(v.get("devices", 1), "devices", lo=1, hi=MAX_DEVICES),
                       settings=_settings(v.get("settings", {})), lanes=_lanes(v.get("lanes", [])))
@@ -225,11 +219,11 @@ def _peer_record(value: Any) -> PeerRecord:
 def _lanes(value: Any) -> list[dict]:
     if not isinstance(value, list) or len(value) > MAX_LANES:
         raise Malformed(f"lanes must be a list of at most {MAX_LANES}")
-    return [_lane(lane) for lane in value]
+    return [_lane_fields(_fields(lane, LANE_FIELDS, ("version", "digest"))) for lane in value]
 
 
-def _lane(value: Any) -> dict:
-    v = _fields(value, LANE_FIELDS, ("version", "digest"))
+def _lane_fields(v: dict) -> dict:
+    """The fields a record holds for each fragment (LANE_FIELDS), validated."""
     return dict(version=_int(v["version"], "version"), digest=_str(v["digest"], "digest", MIN_DIGEST, MAX_DIGEST),
                 merged_by=_int(v.get("merged_by", 0), "merged_by", hi=MAX_ISLAND),
                 ready=_int(v.get("ready", -1), "ready", lo=-1), merging=_int(v.get("merging", -1), "merging", lo=-1),

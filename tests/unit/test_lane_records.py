@@ -3,6 +3,7 @@
 were a swarm of its own. P heartbeats, a store and a fetch of ~40 KB each every beat, were the control floor of
 issue 50's peak-bandwidth runs (docs/fragments.md)."""
 
+import concurrent.futures
 import dataclasses
 import threading
 
@@ -35,6 +36,7 @@ def test_each_fragment_reads_and_writes_its_own_fields_of_the_one_record():
 def test_fragments_polling_side_by_side_make_one_fetch_and_each_sees_its_own_fragment(monkeypatch):
     fetches = []
     monkeypatch.setattr(records, "fetch_records", lambda dht, run_id: fetches.append(run_id) or [peer_of_three(THEM)])
+    monkeypatch.setattr(records, "SHARED_FETCH_AGE", 60.0)  # "side by side", however slowly the threads start
     beat = records.Heartbeat(None, "run", peer_of_three(ME), ME)
     lanes = [records.LaneBeat(beat, i) for i in range(3)]
     seen, threads = {}, [threading.Thread(target=lambda i=i: seen.update({i: lanes[i].fetch()})) for i in range(3)]
@@ -44,7 +46,7 @@ def test_fragments_polling_side_by_side_make_one_fetch_and_each_sees_its_own_fra
         t.join()
     assert fetches == ["run"] and {i: [r.version for r in got] for i, got in seen.items()} == {0: [3], 1: [5], 2: [7]}
     assert [r.version for r in lanes[1].records()] == [5]  # the heartbeat's view is that fetch too
-    beat._fetched_at -= 1.0  # a poll later than the shared age fetches anew
+    monkeypatch.setattr(records, "SHARED_FETCH_AGE", 0.0)  # a poll later than the shared age fetches anew
     lanes[0].fetch()
     assert fetches == ["run", "run"]
 
@@ -55,7 +57,7 @@ def test_the_heartbeat_starts_and_withdraws_once_whichever_fragment_asks(monkeyp
     class DHT:
         def store(self, key, subkey, value, expiration_time, return_future):
             stored.append(value)
-            future = __import__("concurrent.futures").futures.Future()
+            future = concurrent.futures.Future()
             future.set_result(True)
             return future
 
