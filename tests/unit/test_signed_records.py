@@ -14,6 +14,7 @@ from p2pdiloco.config import SwarmConfig
 from p2pdiloco.protocol.remote import PeerRecord
 from p2pdiloco.swarm import node, records, staterelay
 from p2pdiloco.swarm.signing import Identity, IdentityError, owner_peer
+from tests.harness.dht import StoringDHT
 
 HONEST, FORGER = Identity.fresh(), Identity.fresh()
 
@@ -117,15 +118,9 @@ def test_a_heartbeat_signs_only_its_own_peers_record():
     with pytest.raises(ValueError, match="cannot be signed"):
         records.Heartbeat(None, "run", PeerRecord(HONEST.peer_id, "a", 0, ""), FORGER)
 
-    class StoreDHT:
-        def store(self, key, subkey, value, expiration_time, return_future):
-            stored.append(subkey)
-            future = concurrent.futures.Future()
-            future.set_result(True)
-            return future
-
-    stored = []
-    records.Heartbeat(StoreDHT(), "run", PeerRecord(HONEST.peer_id, "a", 0, ""), HONEST).publish()
-    records.announce_reducer(StoreDHT(), "run", HONEST, "node")
-    staterelay.want_state(StoreDHT(), "run", HONEST, (4, "ab" * 8), "node")
+    dht = StoringDHT()
+    records.Heartbeat(dht, "run", PeerRecord(HONEST.peer_id, "a", 0, ""), HONEST).publish()
+    records.announce_reducer(dht, "run", HONEST, "node")
+    staterelay.want_state(dht, "run", HONEST, (4, "ab" * 8), "node")
+    stored = [subkey for _, subkey, _ in dht.stored]
     assert stored == [HONEST.subkey] * 3
