@@ -43,7 +43,7 @@ from p2pdiloco.swarm.averager import ExactAverager, averager_limits, hivemind_sc
 from p2pdiloco.swarm.codes import CodesError
 from p2pdiloco.swarm.island_rounds import REFUSE_SECONDS, IslandRounds, claims_for, codes_exchange
 from p2pdiloco.swarm.node import STOP_WAIT
-from p2pdiloco.swarm.records import HEARTBEAT, announce_reducer, fetch_records
+from p2pdiloco.swarm.records import DHT_CALL_TIMEOUT, HEARTBEAT, announce_reducer, fetch_records
 from p2pdiloco.swarm.signing import Identity
 from p2pdiloco.swarm.staterelay import HeldState, serializer
 from p2pdiloco.swarm.wiring import island_prefix
@@ -203,8 +203,9 @@ def serve_islands(dht: DHT, identity: Identity, cfg: SwarmConfig, name: str, sto
     # whom it blames lives in its averager's process, which turns them away from the groups it leads
     record = dict(peer=peer, name=name, budget=float(averager.allreduce_cap),
                   **({"pass": averager._passes.of(peer)} if averager._passes else {}))
-    threading.Thread(target=_announce, args=(dht, cfg.run_id, identity, name, stop), daemon=True,
-                     name="reducer-announce").start()
+    announcer = threading.Thread(target=_announce, args=(dht, cfg.run_id, identity, name, stop), daemon=True,
+                                 name="reducer-announce")
+    announcer.start()
     try:
         while not stop.is_set():
             if _looking(dht, cfg.run_id) >= 2:
@@ -213,6 +214,9 @@ def serve_islands(dht: DHT, identity: Identity, cfg: SwarmConfig, name: str, sto
                 stop.wait(LOOK_AGAIN)
     finally:
         averager.shutdown()
+        # its last store done before the DHT goes: a call still in the DHT's pipe when this process exits reaches
+        # the DHT's process without its reply channel, and hivemind logs a traceback (seen in CI, 2026-11-30)
+        announcer.join(DHT_CALL_TIMEOUT)
 
 
 def _looking(dht: DHT, run_id: str) -> int:
