@@ -57,6 +57,8 @@ ROUND_OVER = "the round of this group is over"  # a push refused for when, not f
 PART_WAIT = 0.6  # of the round's deadline: how long a reducer waits for every piece before summing those it has
 # --robust-merge: a reducer also leaves out a piece that does not point the way the others do
 AGREEMENT = 0.25  # of the median cosine between each piece and the sum of the others
+AHEAD = 8  # pieces a sender's push may run ahead of the first piece not yet summed: a reducer then holds at most
+# this many of each sender's pieces (1 MB of int4 codes), not a fast sender's whole part while a slow one's comes
 MAX_PENDING_GROUPS = 8  # reductions kept at once: a push may arrive before our own matchmaking finished, a
 # fetch after our own round is over (a slower member still needs our part's sum)
 serializer = MSGPackSerializer
@@ -162,6 +164,9 @@ class Reduction:
     over: asyncio.Event = field(default_factory=asyncio.Event)  # every sender was served every sum, or we failed
     group: bytes = b""  # the group's id: it seeds each piece's fingerprints (p2pdiloco.core.audit)
     account: dict = field(default_factory=dict)  # share (a sender, or audit.OWN) → fingerprint of what we summed
+    summed_upto: int = 0  # the pieces before this one are summed (or given up): their contributions are freed
+    moved: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) when a waiting push may go on
+    evicted: bool = False  # dropped for newer groups: pushes still open to it are refused
 
     def begin(self, senders: list, own: Codes, fmt, claims: Optional[dict] = None, start: int = 0) -> None:
         """Our round knows the group: who sends to us (others than ourselves), our own codes of the part (made
@@ -202,9 +207,28 @@ class Reduction:
         self.pushed.add(sender)
         return ""
 
+    async def room_for(self, index: int) -> None:
+        """Until a sender's piece `index` is within AHEAD of the first piece not yet summed, or the wait is moot
+        (the reduction failed, was released or cut off). The push is not read meanwhile, so the sender's stream
+        waits in its transport: the flow control that bounds what a reducer holds by AHEAD pieces per sender."""
+        while index >= self.summed_upto + AHEAD and not (self.error or self.released or self.cut_off or self.evicted):
+            await self.moved.wait()
+
+    def evict(self) -> None:
+        self.evicted = True
+        self._move_on()
+
+    def _move_on(self) -> None:
+        """Wake the pushes waiting for room: the summed pieces moved on, or the wait became moot."""
+        if self.spec is not None:
+            while self.summed_upto in self.pieces and self.pieces[self.summed_upto].ready.is_set():
+                self.summed_upto += 1
+        self.moved.set()
+        self.moved = asyncio.Event()
+
     def add(self, sender: str, index: int, data: bytes, max_pieces: int) -> str:
         """Keep a sender's piece; why it is refused, or ""."""
-        if self.released:
+        if self.released or self.evicted:
             return ROUND_OVER
         if index >= (len(self.ranges) if self.spec is not None else max_pieces):
             return "more pieces than the part has"
@@ -243,6 +267,7 @@ class Reduction:
     async def cut_off_after(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
         self.cut_off = True
+        self._move_on()
         await self.settle_soon()
 
     def _sum(self, index: int) -> bytes:
@@ -290,6 +315,7 @@ class Reduction:
         piece.result = result
         piece.payloads.clear()  # summed: its contributions are no longer needed
         piece.ready.set()
+        self._move_on()
 
     @property
     def dropped(self) -> dict:
@@ -308,6 +334,7 @@ class Reduction:
             piece.ready.set()
         self.known.set()
         self.over.set()
+        self._move_on()
 
     def raise_error(self) -> None:
         if self.error:
@@ -324,6 +351,7 @@ class Reduction:
         for piece in self.pieces.values():
             piece.payloads.clear()
         self.own = None
+        self._move_on()
         if not self.ready:
             self.fail("the reducer's round ended before its part's sum was complete", late=True)
         self._drop_sums_if_done()
@@ -422,7 +450,7 @@ class CodesExchange:
     def reduction(self, group_id: bytes) -> Reduction:
         if group_id not in self.reductions:
             while len(self.reductions) >= MAX_PENDING_GROUPS:
-                del self.reductions[min(self.reductions, key=self._eviction_order)]
+                self.reductions.pop(min(self.reductions, key=self._eviction_order)).evict()
             self.reductions[group_id] = self.reduction_type(robust=self.robust, group=group_id)
         return self.reductions[group_id]
 
@@ -451,6 +479,7 @@ class CodesExchange:
                 return refused
             reduction.settle_in_background(index)
             index += 1
+            await reduction.room_for(index)
         return "" if reduction is not None else "empty push"
 
     async def serve(self, request: averaging_pb2.DownloadData, timeout: float,

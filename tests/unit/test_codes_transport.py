@@ -9,7 +9,7 @@ import torch
 from hivemind.proto import averaging_pb2, runtime_pb2
 
 from p2pdiloco.core import codec
-from p2pdiloco.swarm.codes import (LATE, PIECE, Codes, CodesError, CodesExchange, Reduction, codec_cpu_seconds,
+from p2pdiloco.swarm.codes import (AHEAD, LATE, PIECE, Codes, CodesError, CodesExchange, Reduction, codec_cpu_seconds,
                                    faults_and_late, off_loop, part_ranges, piece_ranges, serializer)
 
 
@@ -763,3 +763,70 @@ def test_a_reducer_that_serves_no_account_is_blamed():
     a, b = asyncio.run(both())
     assert isinstance(a, CodesError) and a.culprits == frozenset({"b"}) and "without an account" in str(a)
     assert not isinstance(b, BaseException)
+
+
+def _paced_push(exchange: CodesExchange, name: str, codes: torch.Tensor, fmt, go: asyncio.Event, sent: dict,
+                seen: list):
+    """`name`'s push of its codes, once `go` is set; `sent` counts the pieces it handed over, `seen` notes how
+    many pieces of it the reduction held each time it handed one over."""
+    reduction = exchange.reductions[b"g"]
+
+    async def messages():
+        await go.wait()
+        for i, (a, b) in enumerate(piece_ranges(0, codes.numel())):
+            seen.append(sum(name in p.payloads for p in reduction.pieces.values()))
+            sent[name] += 1
+            yield averaging_pb2.DownloadData(metadata=serializer.dumps(dict(group=b"g")) if i == 0 else b"",
+                                             tensor_part=runtime_pb2.Tensor(buffer=fmt.encode(codes[a:b], None)))
+    return exchange.receive(messages(), name)
+
+
+def _fast_and_slow(pieces: int):
+    fmt = codec.DenseFormat(4, 3)
+    n = pieces * PIECE
+    codes = {"fast": torch.full((n,), 2, dtype=torch.int64), "slow": torch.full((n,), -3, dtype=torch.int64)}
+    exchange = CodesExchange(max_payload=1 << 30)
+    exchange.reduction(b"g").begin(list(codes), mine(torch.ones(n, dtype=torch.int64)), fmt)
+    return exchange, codes, fmt
+
+
+def test_a_fast_senders_push_waits_for_the_slow_ones_so_a_reducer_holds_at_most_a_few_pieces_of_each():
+    """Flow control: a reducer does not read a push that is AHEAD pieces past the first piece it could not sum yet,
+    so a fast sender waits in its transport instead of parking its whole part in the reducer's memory (a reducer
+    node's memory is then bounded by the pieces in flight, not by its senders' parts)."""
+    exchange, codes, fmt = _fast_and_slow(AHEAD + 4)
+    reduction = exchange.reductions[b"g"]
+    sent, seen = {"fast": 0, "slow": 0}, []
+
+    async def both():
+        go_fast, go_slow = asyncio.Event(), asyncio.Event()
+        go_fast.set()
+        fast = asyncio.ensure_future(_paced_push(exchange, "fast", codes["fast"], fmt, go_fast, sent, seen))
+        for _ in range(20):
+            await asyncio.sleep(0.01)
+        assert sent["fast"] == AHEAD and not fast.done()  # it waits for the slow sender's first piece
+        go_slow.set()
+        slow = _paced_push(exchange, "slow", codes["slow"], fmt, go_slow, sent, [])
+        assert await asyncio.gather(fast, slow) == ["", ""]
+        await asyncio.gather(*reduction.summing)
+
+    asyncio.run(both())
+    assert max(seen) <= AHEAD and sent == {"fast": AHEAD + 4, "slow": AHEAD + 4}
+    for index, (a, b) in enumerate(piece_ranges(0, codes["fast"].numel())):
+        assert torch.equal(fmt.decode_sum(reduction.pieces[index].result, b - a), torch.full((b - a,), 0))
+
+
+def test_a_push_waiting_for_a_sender_that_never_comes_goes_on_once_the_wait_is_over():
+    exchange, codes, fmt = _fast_and_slow(AHEAD + 2)
+    reduction = exchange.reductions[b"g"]
+
+    async def alone():
+        go = asyncio.Event()
+        go.set()
+        fast = _paced_push(exchange, "fast", codes["fast"], fmt, go, {"fast": 0}, [])
+        cut = asyncio.ensure_future(reduction.cut_off_after(0.1))
+        assert await asyncio.wait_for(fast, 5.0) == ""
+        await cut
+
+    asyncio.run(alone())
+    assert reduction.ready and reduction.dropped == {"slow": LATE}
