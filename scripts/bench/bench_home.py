@@ -109,6 +109,24 @@ def logged_at(line: str) -> float:
     return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
+def thinned(memory: list, pushes: list) -> list:
+    """The node averager's resident MB, one sample a second from its first (seconds since then), and where a state
+    push began: the memory over the run, to look at."""
+    samples = [(t, a) for t, _, a in memory if a]
+    if not samples:
+        return []
+    t0, out = samples[0][0], {}
+    for t, a in samples:
+        out.setdefault(int(t - t0), round(a / 2 ** 20, 1))
+    return [[k, v] for k, v in sorted(out.items())] + [["push", round(t - t0, 1)] for t in sorted(pushes)]
+
+
+def pushed_from(line: str) -> float:
+    """When a state push began: its log line is written at its end and says how long it took ("... in 78.0 s"),
+    and the node holds the state from the push's first part."""
+    return logged_at(line) - float(line.rsplit(" in ", 1)[1].split(" s", 1)[0])
+
+
 def summarize(log_dir: Path, args, variant: str, codes: list, wall: float, moved: int, memory: list) -> dict:
     names = [f"p{i}" for i in range(1, args.trainers + 1)]
     rounds = {name: of_kind(read_records(log_dir / f"{name}.jsonl"), Round) for name in names}
@@ -122,7 +140,7 @@ def summarize(log_dir: Path, args, variant: str, codes: list, wall: float, moved
               for line in (log_dir / "node.out").read_text().splitlines() if "reduced a part for" in line]
     needed = sum(k * (codec.packed_bytes(n, bits) + codec.packed_bytes(n, codec.sum_width(bits, k))) for k in groups)
     # the state relayed for peers in need: each push comes in, and goes out again to the peer that fetches it
-    pushes = [logged_at(line) for name in names for line in (log_dir / f"{name}.log").read_text().splitlines()
+    pushes = [pushed_from(line) for name in names for line in (log_dir / f"{name}.log").read_text().splitlines()
               if "pushed our state" in line]
     relayed = 2 * len(pushes) * 2 * n * 4
     # what the rounds moved, as every trainer measured it at its averager: the node is the only public member,
@@ -145,7 +163,8 @@ def summarize(log_dir: Path, args, variant: str, codes: list, wall: float, moved
                 node_averager_rss_before=baseline, node_averager_rss_peak=peak,
                 node_averager_extra=peak - baseline if baseline else None,
                 node_averager_extra_before_relay=(max(before_relay) - baseline) if before_relay and baseline else None,
-                one_senders_codes=codec.packed_bytes(n, bits) if n else None)
+                one_senders_codes=codec.packed_bytes(n, bits) if n else None,
+                node_averager_rss_mb_each_second=thinned(memory, pushes))
 
 
 def main():

@@ -105,6 +105,7 @@ def test_clients_get_the_exact_sum_through_a_reducer_node_which_keeps_nothing_on
         assert torch.equal(torch.cat(r.sums).to(torch.int64), codes["a"] + codes["b"] + codes["c"])
     (reduction,) = ex["z"].reductions.values()
     assert reduction.released and all(p.result is None and not p.payloads for p in reduction.pieces.values())
+    assert reduction.held == 0 < reduction.peak_held  # what it held for the round, counted back to nothing
     (_, *shared), codes, _ = exchange_through(["a", "z"])  # a public member takes the first part, z the second
     assert all(torch.equal(torch.cat(r.sums).to(torch.int64), codes["a"] + codes["b"] + codes["c"]) for r in shared)
 
