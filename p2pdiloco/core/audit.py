@@ -75,12 +75,13 @@ class Fingerprints:
     whose bits 0-30 are its residue multiplier, 32-39 its sketch bucket and 40 its sketch sign."""
 
     def __init__(self, seed: int, n: int):
-        raw = np.random.PCG64(seed).random_raw(n)
-        words = torch.from_numpy(raw.view(np.int64))
+        words = torch.from_numpy(np.random.PCG64(seed).random_raw(n).view(np.int64))
         self.n = n
-        self.multipliers = words & MOD
-        self.buckets = ((words >> 32) & (BUCKETS - 1)) + RESIDUES
-        self.signs = ((words >> 40) & 1) * 2 - 1
+        # kept narrow, 7 bytes an element instead of 24: a reducer makes these for every piece it sums, and at
+        # int64 they were most of what a reducer node's rounds cost it in memory (docs/internet.md)
+        self.multipliers = (words & MOD).to(torch.int32)
+        self.buckets = (((words >> 32) & (BUCKETS - 1)) + RESIDUES).to(torch.int16)
+        self.signs = (((words >> 40) & 1) * 2 - 1).to(torch.int8)
 
     def of(self, values: torch.Tensor) -> torch.Tensor:
         """The fingerprint of integer codes (or sums of codes) of the piece (see the module's docstring)."""
@@ -88,11 +89,12 @@ class Fingerprints:
         if v.numel() != self.n:
             raise ValueError(f"{v.numel()} values for fingerprints of {self.n}")
         out = zero()
-        products = v * self.multipliers
+        products = v * self.multipliers  # int64: the narrow draws widen in the product
         whole = self.n - self.n % _CHUNK
         chunks = products[:whole].view(-1, _CHUNK).sum(dim=1).remainder_(MOD)
         out[0] = (int(chunks.sum()) + int(products[whole:].sum())) % MOD
-        out.index_add_(0, self.buckets, v * self.signs)
+        del products, chunks
+        out.index_add_(0, self.buckets.long(), v * self.signs)
         return out
 
 
