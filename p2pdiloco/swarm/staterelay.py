@@ -8,7 +8,8 @@ member there is, the reducer node, which holds none of its own:
    and the node it will fetch from (`want_state`), again at every try;
 2. a holder of that state or a newer one pushes its own to that node (`push_state`, over a connection the holder
    opens: it can dial out): of those holding the same state, the first by peer id (`pusher_of`);
-3. the node keeps the newest state pushed (`HeldState`: twice the model's parameters, while it is wanted) and
+3. the node keeps the newest state pushed (`HeldState`: twice the model's parameters, while it is wanted; one
+   state at a time, the older dropped as a newer push begins) and
    serves its parts as any donor does; the peer, which at each try asks for the newest key its peers announce,
    fetches them and checks them against the key's digest, as from any donor. (The swarm may move on between a
    want and its push: the holders push what they hold, and the next try asks for that.)
@@ -143,6 +144,9 @@ class HeldState:
                 return "no valid pass: this swarm's state goes only to peers that hold its key"
             if self.key is not None and key[0] <= self.key[0]:
                 return "" if key == self.key else f"holds a newer state (v{self.key[0]})"
+            # one state at a time: the older goes as a newer one comes (whoever fetches it asks for the newest
+            # at its next try), so a node holds 8 bytes a parameter for the relay, not 16 while a push is on
+            self.metadata = self.flat = None
             flat = await self._parts(requests)
             if isinstance(flat, str):
                 return flat

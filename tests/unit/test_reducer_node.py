@@ -177,6 +177,33 @@ def test_a_reducer_node_holds_a_pushed_state_and_serves_its_parts_like_a_donor(m
     assert asyncio.run(push_state(PushStub(held), dict(version=5, digest=key[1]), [theta, momentum])) == ""
 
 
+def test_a_reducer_node_drops_the_state_it_holds_as_a_newer_one_is_pushed_so_it_never_holds_two():
+    n = 1700
+    held = HeldState(n)
+    state = [torch.zeros(n), torch.ones(n)]
+    assert asyncio.run(push_state(PushStub(held), dict(version=1, digest="a" * 8), state)) == ""
+    seen = []
+
+    class Watching(PushStub):  # what the node holds once the newer push's first part has come
+        async def rpc_state_push(self, messages):
+            async def watched():
+                async for i, m in _numbered(messages):
+                    if i == 1:  # the first part: the header was read
+                        seen.append(held.flat)
+                    yield m
+            return await super().rpc_state_push(watched())
+
+    assert asyncio.run(push_state(Watching(held), dict(version=2, digest="b" * 8), state)) == ""
+    assert seen == [None] and held.key == (2, "b" * 8)
+
+
+async def _numbered(messages):
+    i = 0
+    async for m in messages:
+        yield i, m
+        i += 1
+
+
 @pytest.mark.parametrize("tensors, why", [
     ([torch.randn(1700), torch.randn(1699)], "incomplete"),
     ([torch.randn(1700), torch.randn(1701)], "wrong size"),
