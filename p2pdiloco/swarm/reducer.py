@@ -52,6 +52,7 @@ log = logging.getLogger("p2pdiloco")
 
 WINDOW = 3.0  # seconds a reducer node's group stays open, from when two trainers look for an island
 LOOK_AGAIN = 0.25  # seconds between reads of the trainers' records while fewer than two look
+RULE_CHECK = 10.0  # seconds between reads of which merge rule the live trainers publish
 STEP_TIMEOUT = WINDOW + 2.0  # one search: too few contributors by then, and the node looks again at once
 LAST_CALLS = 1.0  # seconds a cancelled search's calls to the DHT get before the averager stops
 MAX_PARAMETERS = 1 << 37  # a published model size beyond this is a liar's: hivemind gets one view per 1 MB of it
@@ -85,15 +86,32 @@ class SwarmMergeRule:
                    s["robust_merge"] == "on")
 
 
-def swarm_rule(run_id: str, records: list[PeerRecord]) -> Optional[SwarmMergeRule]:
-    """The merge rule most live trainers publish, or None (no trainer yet, or none with readable settings)."""
+def _rules(run_id: str, records: list[PeerRecord]) -> Counter:
+    """How many live trainers publish each readable merge rule."""
     rules = Counter()
     for record in records:
         try:
             rules[SwarmMergeRule.of(run_id, record.settings)] += 1
         except (KeyError, ValueError):
             continue
+    return rules
+
+
+def swarm_rule(run_id: str, records: list[PeerRecord]) -> Optional[SwarmMergeRule]:
+    """The merge rule most live trainers publish, or None (no trainer yet, or none with readable settings)."""
+    rules = _rules(run_id, records)
     return rules.most_common(1)[0][0] if rules else None
+
+
+def newer_rule(run_id: str, records: list[PeerRecord], current: SwarmMergeRule) -> Optional[SwarmMergeRule]:
+    """The rule a node reducing by `current` should reduce by instead, or None: the one most live trainers publish,
+    once more of them publish it than `current` (the swarm was restarted with other settings, or the node met a
+    misconfigured trainer first). A tie keeps `current`: a node does not flap between the rules of a split swarm."""
+    rules = _rules(run_id, records)
+    if not rules:
+        return None
+    best, count = rules.most_common(1)[0]
+    return best if best != current and count > rules.get(current, 0) else None
 
 
 class ReducerAverager(IslandRounds, DecentralizedAverager):
@@ -200,20 +218,23 @@ def serve_islands(dht: DHT, identity: Identity, cfg: SwarmConfig, name: str, sto
             stop.wait(HEARTBEAT)
     if stop.is_set():
         return
-    log.info("reducing parts for the islands of %s (%d parameters, %s)", rule.prefix, rule.n,
-             "top-k" if rule.topk else f"{rule.bits}-bit codes")
+    _say_rule(rule)
     averager = start_reducer(dht, cfg, rule)
-    peer = str(averager.peer_id)
-    # whom it blames lives in its averager's process, which turns them away from the groups it leads
-    record = dict(peer=peer, name=name, budget=float(averager.allreduce_cap),
-                  **({"pass": averager._passes.of(peer)} if averager._passes else {}))
     announcer = threading.Thread(target=_announce, args=(dht, cfg.run_id, identity, name, stop), daemon=True,
                                  name="reducer-announce")
     announcer.start()
+    check_rule = time.monotonic() + RULE_CHECK
     try:
         while not stop.is_set():
+            if time.monotonic() >= check_rule:
+                check_rule = time.monotonic() + RULE_CHECK
+                newer = newer_rule(cfg.run_id, _records(dht, cfg.run_id), rule)
+                if newer is not None:  # the averager serves one prefix and one size: a new one for the new rule
+                    _say_rule(newer, instead_of=rule)
+                    averager.shutdown()
+                    rule, averager = newer, start_reducer(dht, cfg, newer)
             if _looking(dht, cfg.run_id) >= 2:
-                _one_group(averager, record, stop)
+                _one_group(averager, _gather_record(averager, name), stop)
             else:
                 stop.wait(LOOK_AGAIN)
     finally:
@@ -221,6 +242,27 @@ def serve_islands(dht: DHT, identity: Identity, cfg: SwarmConfig, name: str, sto
         # its last store done before the DHT goes: a call still in the DHT's pipe when this process exits reaches
         # the DHT's process without its reply channel, and hivemind logs a traceback (seen in CI, 2026-11-30)
         announcer.join(DHT_CALL_TIMEOUT)
+
+
+def _say_rule(rule: SwarmMergeRule, instead_of: Optional[SwarmMergeRule] = None) -> None:
+    log.info("reducing parts for the islands of %s (%d parameters, %s)%s", rule.prefix, rule.n,
+             "top-k" if rule.topk else f"{rule.bits}-bit codes",
+             f", which most live trainers now publish, instead of {instead_of.prefix}" if instead_of else "")
+
+
+def _gather_record(averager: ReducerAverager, name: str) -> dict:
+    """What the node says of itself in a group it leads; whom it blames lives in its averager's process, which
+    turns them away from the groups it leads."""
+    peer = str(averager.peer_id)
+    return dict(peer=peer, name=name, budget=float(averager.allreduce_cap),
+                **({"pass": averager._passes.of(peer)} if averager._passes else {}))
+
+
+def _records(dht: DHT, run_id: str) -> list[PeerRecord]:
+    try:
+        return fetch_records(dht, run_id)
+    except Exception:  # the DHT did not answer in time: nothing to go by this time
+        return []
 
 
 def _looking(dht: DHT, run_id: str) -> int:

@@ -30,11 +30,12 @@ def bootstrap(tb: Testbed, tmp_path, *args: str) -> subprocess.Popen:
         stdout=open(tmp_path / "node.out", "w"), stderr=subprocess.STDOUT)
 
 
-def client(tmp_path, i: int, initial: list[str], run_id: str, rounds: int) -> subprocess.Popen:
+def client(tmp_path, i: int, initial: list[str], run_id: str, rounds: int,
+           compression: str = "int4") -> subprocess.Popen:
     """A client-mode trainer on loopback (the cases that need no NAT of their own)."""
     return subprocess.Popen(
         [sys.executable, "-m", "p2pdiloco.cli", "join", *initial, "--client-mode", "--name", f"p{i}", "--model", "tiny",
-         "--threads", "1", "-H", "10", "--eval-every", "0", "--checkpoint-every", "0", "--compression", "int4",
+         "--threads", "1", "-H", "10", "--eval-every", "0", "--checkpoint-every", "0", "--compression", compression,
          "--log-dir", str(tmp_path), "--run-id", run_id, "--max-rounds", str(rounds)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -196,3 +197,33 @@ def test_clients_find_their_only_node_again_after_it_restarts_and_merge_again(tm
     assert len(after) >= 2, [r.reason for r in rounds(tmp_path, "p1")]
     theirs = {r.version: r.digest for r in merged(tmp_path, "p2")}
     assert all(theirs.get(r.version, r.digest) == r.digest for r in after)  # merged together, equal again
+
+
+@pytest.mark.slow  # 70 s: the default suite's budget
+def test_a_reducer_node_reduces_by_the_rule_its_live_trainers_publish_not_the_first_it_met(tmp_path):
+    """Trainers of `--compression none` merge through the node and leave; trainers of int4 come next and merge
+    through the same node, which now reduces by their rule (it kept the first one, and they found no group)."""
+    node = subprocess.Popen([sys.executable, "-m", "p2pdiloco.cli", "bootstrap", "--reduce", "--listen",
+                             "/ip4/127.0.0.1/tcp/0", "--log-dir", str(tmp_path), "--run-id", "rules"],
+                            stdout=open(tmp_path / "node.out", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    procs = [node]
+    try:
+        wait_for(lambda: (tmp_path / "bootstrap.addrs").exists(), 60, "the node's address")
+        address = ["--initial-peers", (tmp_path / "bootstrap.addrs").read_text().split()[0]]
+        first = [client(tmp_path, i, address, "rules", rounds=2, compression="none") for i in (1, 2)]
+        procs += first
+        assert [p.wait(timeout=180) for p in first] == [0, 0]
+        then = [client(tmp_path, i, address, "rules", rounds=3) for i in (3, 4)]
+        procs += then
+        assert [p.wait(timeout=180) for p in then] == [0, 0]
+        node.send_signal(signal.SIGINT)
+        assert node.wait(timeout=60) == 0
+    finally:
+        for p in procs[1:]:
+            if p.poll() is None:
+                p.kill()
+        if node.poll() is None:
+            os.killpg(node.pid, signal.SIGKILL)
+    assert len(merged(tmp_path, "p1")) >= 1, "the first trainers merged nothing through the node"
+    assert len(merged(tmp_path, "p3")) >= 1 and len(merged(tmp_path, "p4")) >= 1, (tmp_path / "node.out").read_text()
+    assert "which most live trainers now publish" in (tmp_path / "node.out").read_text()

@@ -14,7 +14,7 @@ from p2pdiloco.core import codec
 from p2pdiloco.protocol.island import NO_REDUCER, plan_island
 from p2pdiloco.protocol.remote import Expect, parse_island
 from p2pdiloco.swarm.codes import CodesExchange, LateError
-from p2pdiloco.swarm.reducer import SwarmMergeRule, swarm_rule
+from p2pdiloco.swarm.reducer import SwarmMergeRule, newer_rule, swarm_rule
 from p2pdiloco.swarm.staterelay import HELD_SECONDS, HeldState, push_state, pusher_of, serializer
 from p2pdiloco.swarm.wiring import averager_prefix
 from tests.unit.test_codes_transport import LoopbackStub, made
@@ -130,6 +130,28 @@ def test_a_reducer_node_finds_the_swarms_islands_from_what_its_peers_publish():
     assert swarm_rule("r", records) == rule  # the most common readable rule; unreadable ones are skipped, and a
     # size no model has (it would cost the node a view per MB of it), however many records claim it
     assert swarm_rule("r", records[3:]) is None
+
+
+def test_a_reducer_node_follows_the_rule_most_live_trainers_publish_and_keeps_its_own_on_a_tie():
+    """Found running the image by hand: a node that met trainers of `--compression none` first kept reducing by
+    their rule after they had gone, and the int4 trainers that came next never found a group."""
+    from p2pdiloco.protocol.remote import PeerRecord
+
+    def settings(compression):
+        return dict(parameters=str(N), norms="0", **merge_rule(SwarmConfig(run_id="r", compression=compression),
+                                                                OuterConfig()))
+
+    def records(*compressions):
+        return [PeerRecord(peer=f"p{i}", name=f"p{i}", version=0, digest="abcdef", settings=settings(c))
+                for i, c in enumerate(compressions)]
+
+    old, new = (SwarmMergeRule.of("r", settings(c)) for c in ("none", "int4"))
+    assert newer_rule("r", records("int4", "int4"), old) == new  # the first trainers have gone
+    assert newer_rule("r", records("int4", "int4", "none"), old) == new
+    assert newer_rule("r", records("int4", "none"), old) is None  # a tie: it keeps the rule it has
+    assert newer_rule("r", records("none", "int4", "none"), old) is None
+    assert newer_rule("r", [], old) is None  # nobody publishes: nothing to go by
+    assert newer_rule("r", records("int4"), new) is None
 
 
 class PushStub:
