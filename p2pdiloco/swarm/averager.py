@@ -10,6 +10,7 @@ its test in p2pdiloco.swarm.seams; tests/unit/test_averager_seams.py drives the 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,6 +111,7 @@ class ExactAverager(IslandRounds, DecentralizedAverager):
         """hivemind==1.1.12 sets SIGINT to ignored in the *host* process here, before starting the child, so a
         peer would never see Ctrl-C again; the child ignores it in `run` instead (a Ctrl-C is for the peer,
         which leaves in order and shuts us down)."""
+        no_group_is_news()
         self.start()
         if await_ready:
             self.wait_until_ready(timeout)
@@ -163,3 +165,18 @@ def gather_record(peer: str, name: str, version: int, tokens: int, steps: int, s
                 budget=float(budget), norms=[float(x) for x in norms], maxabs=statistics.statistic.numpy().tobytes(),
                 block_norms=statistics.norms.numpy().tobytes(),
                 blame=list(blame), **({"pass": credential} if credential else {}))
+
+
+class _NoGroupIsNews(logging.Filter):
+    """A search that ends without a group is a round's outcome, which the round's own line says: not an error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "could not find a group" not in record.getMessage()
+
+
+def no_group_is_news() -> None:
+    """hivemind logs each search that found no group with its traceback, from the averager's process (which
+    inherits this filter as it forks): a peer alone, or a node between islands, would fill its log with them."""
+    averager_log = logging.getLogger("hivemind.averaging.averager")
+    if not any(isinstance(f, _NoGroupIsNews) for f in averager_log.filters):
+        averager_log.addFilter(_NoGroupIsNews())

@@ -183,17 +183,7 @@ class ReducerAverager(IslandRounds, DecentralizedAverager):
 ReducerAverager.__name__ = ReducerAverager.__qualname__ = ExactAverager.__name__
 
 
-class _NoGroupIsNews(logging.Filter):
-    """A node's search ends without a group whenever fewer than two contributors came: not an error, for it."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "could not find a group" not in record.getMessage()
-
-
 def start_reducer(dht: DHT, cfg: SwarmConfig, rule: SwarmMergeRule) -> ReducerAverager:
-    # hivemind logs each search that found no group, with its traceback, from the averager's process (which
-    # inherits this filter as it forks)
-    logging.getLogger("hivemind.averaging.averager").addFilter(_NoGroupIsNews())
     key = load_swarm_key(cfg.swarm_key_file)
     limits = averager_limits(rule.n, cfg.max_island, cfg.bandwidth_mbps)
     averager = ReducerAverager(

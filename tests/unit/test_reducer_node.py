@@ -336,3 +336,20 @@ def test_a_reducer_node_that_bends_its_sum_within_the_claims_is_caught_by_its_ac
     _, *bent = asyncio.run(everyone())
     expected = "its own codes have a norm" if hide == "own" else "do not add up"
     assert all(isinstance(r, CodesError) and r.culprits == frozenset({"z"}) and expected in str(r) for r in bent), bent
+
+
+def test_a_search_that_found_no_group_is_not_logged_as_an_error_by_any_averager(caplog):
+    """Found running the image: every trainer's log held hivemind's traceback for each round that found no group
+    (a peer alone does that every round); the round's own line says it. Installed once, before the fork."""
+    import logging
+
+    from p2pdiloco.swarm.averager import no_group_is_news
+
+    no_group_is_news()
+    no_group_is_news()
+    log = logging.getLogger("hivemind.averaging.averager")
+    assert sum(type(f).__name__ == "_NoGroupIsNews" for f in log.filters) == 1
+    with caplog.at_level(logging.INFO, logger="hivemind.averaging.averager"):
+        log.error("Averaging step failed: could not find a group")
+        log.error("something else failed")
+    assert [r.getMessage() for r in caplog.records] == ["something else failed"]
