@@ -164,9 +164,11 @@ class Heartbeat:
 
     def publish(self) -> None:
         with self._lock:
-            value = dataclasses.asdict(self.record)
+            if self._stop.is_set():  # we are leaving: a store dated after our withdrawal would outlive it
+                return
+            value, expiration = dataclasses.asdict(self.record), get_dht_time() + TTL
         bounded(self.dht.store(records_key(self.run_id), subkey=self.identity.subkey, value=value,
-                               expiration_time=get_dht_time() + TTL, return_future=True), DHT_CALL_TIMEOUT)
+                               expiration_time=expiration, return_future=True), DHT_CALL_TIMEOUT)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -193,12 +195,16 @@ class Heartbeat:
             if self._stopped:
                 return
             self._stopped = True
-        self._stop.set()
+            self._stop.set()
+            # dated after every store a beat may still send (each dates itself under this lock, before we set
+            # the stop): of two stores of one subkey the DHT keeps the later expiration, so the withdrawal wins
+            # even where a beat's store lands after it
+            expiration = get_dht_time() + TTL
         self._changed.set()
         # withdraw our record so others stop waiting for us at once
         try:
             bounded(self.dht.store(records_key(self.run_id), subkey=self.identity.subkey, value=None,
-                                   expiration_time=get_dht_time() + TTL, return_future=True), WITHDRAW_TIMEOUT)
+                                   expiration_time=expiration, return_future=True), WITHDRAW_TIMEOUT)
         except Exception:  # the DHT is gone (e.g. its daemon took the Ctrl-C too): our record expires by itself
             pass
 

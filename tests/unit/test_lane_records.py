@@ -60,3 +60,17 @@ def test_the_heartbeat_starts_and_withdraws_once_whichever_fragment_asks():
     for lane in lanes:
         lane.stop()
     assert sum(value is None for _, _, value in dht.stored) == 1  # one withdrawal, not one a fragment
+
+
+def test_no_store_a_beat_sends_as_we_leave_outlives_our_withdrawal():
+    """A beat that passed its check of the stop just before we left stored our record again after the
+    withdrawal, dated later, so the DHT (which keeps the later of two stores of a subkey) kept a left peer's record
+    for its lifetime. Now a store is dated under the lock the stop takes, and none is sent once it is set."""
+    dht = StoringDHT()
+    beat = records.Heartbeat(dht, "run", peer_of_three(ME), ME)
+    beat.publish()
+    beat.stop()
+    beat.publish()  # what the beat's thread does next if it had checked the stop a moment before
+    withdrawal = max(e for (_, _, value), e in zip(dht.stored, dht.expirations) if value is None)
+    assert all(e <= withdrawal for (_, _, value), e in zip(dht.stored, dht.expirations) if value is not None)
+    assert dht.stored[-1][2] is None
