@@ -37,6 +37,7 @@ only for coming late is blamed if it is late again soon (protocol.island.Straggl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -215,7 +216,7 @@ class Reduction:
 
     async def room_for(self, index: int) -> None:
         """Until a sender's piece `index` is within AHEAD of the first piece not yet summed, or the wait is moot
-        (the reduction failed, was released or cut off). The push is not read meanwhile, so the sender's stream
+        (the reduction failed, was released, cut off or evicted). The push is not read meanwhile, so the sender's stream
         waits in its transport: the flow control that bounds what a reducer holds by AHEAD pieces per sender."""
         while index >= self.summed_upto + AHEAD and not (self.error or self.released or self.cut_off or self.evicted):
             await self.moved.wait()
@@ -240,12 +241,15 @@ class Reduction:
             return "more pieces than the part has"
         piece = self.piece(index)
         if not (piece.ready.is_set() or piece.settling):  # else summed without it (cut off): not worth keeping
-            before = piece.held()
-            piece.payloads[sender] = data
-            self._changed(piece, before)
+            with self._counting(piece):
+                piece.payloads[sender] = data
         return ""
 
-    def _changed(self, piece: Piece, before: int) -> None:
+    @contextlib.contextmanager
+    def _counting(self, piece: Piece):
+        """Count what a change to `piece` adds to or takes from what we hold."""
+        before = piece.held()
+        yield
         self.held += piece.held() - before
         self.peak_held = max(self.peak_held, self.held)
 
@@ -324,10 +328,9 @@ class Reduction:
 
     def _finish(self, index: int, result: bytes) -> None:
         piece = self.pieces[index]
-        before = piece.held()
-        piece.result = result
-        piece.payloads.clear()  # summed: its contributions are no longer needed
-        self._changed(piece, before)
+        with self._counting(piece):
+            piece.result = result
+            piece.payloads.clear()  # summed: its contributions are no longer needed
         piece.ready.set()
         self._move_on()
 
@@ -363,9 +366,8 @@ class Reduction:
         for task in self.summing:
             task.cancel()
         for piece in self.pieces.values():
-            before = piece.held()
-            piece.payloads.clear()
-            self._changed(piece, before)
+            with self._counting(piece):
+                piece.payloads.clear()
         self.own = None
         self._move_on()
         if not self.ready:
@@ -394,18 +396,16 @@ class Reduction:
         asks for a piece twice: a fetch that breaks fails its round (`_fetch`)."""
         piece = self.pieces[index]
         if piece.taken and self.spec is not None and piece.served >= set(self.spec[0]):
-            before = piece.held()
-            piece.result = None
-            self._changed(piece, before)
+            with self._counting(piece):
+                piece.result = None
 
     def _drop_sums_if_done(self) -> None:
         """Once our round is over and every other sender was served: nobody needs these sums any more (a member
         asking again gets an error, as for a reduction that failed)."""
         if self.released and self.spec is not None and not self.error and self.fetched >= set(self.spec[0]):
             for piece in self.pieces.values():
-                before = piece.held()
-                piece.result = None
-                self._changed(piece, before)
+                with self._counting(piece):
+                    piece.result = None
             self.error = "this part's sums were served to every member and dropped"
 
 

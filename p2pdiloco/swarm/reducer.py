@@ -259,10 +259,7 @@ def _looking(dht: DHT, run_id: str) -> int:
     """How many live trainers look for an island now, as their records say. A group opened before the second
     came would begin with one contributor too few, or run out under one that was a moment late; and a node that
     leads while nobody looks only churns the DHT."""
-    try:
-        return sum(r.ready >= 0 for r in fetch_records(dht, run_id))
-    except Exception:  # the DHT did not answer in time: look again
-        return 0
+    return sum(r.ready >= 0 for r in _records(dht, run_id))
 
 
 def _announce(dht: DHT, run_id: str, identity: Identity, name: str, stop: threading.Event) -> None:
