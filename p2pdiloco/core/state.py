@@ -12,6 +12,7 @@ state.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import threading
 from typing import Iterator, Optional, Sequence
 
@@ -52,6 +53,15 @@ def sharing_priority(version: int, merged_by: int, state_digest: str) -> float:
 
 
 HISTORY = 32  # (version, digest) of the latest states of a lineage, carried with the state
+# the members of the latest merges, carried with the state too: a peer that died with its contribution in flight
+# reads in the state it downloads on restart whether an island merged it (`merged_in`); a restart takes a version
+# or two, so a few merges suffice, and each member goes as a short tag (a state's metadata stays small)
+MERGES, TAG_HEX = 8, 10
+SETTLED_AFTER = 2  # merges past a contribution before a state that does not name it says it was not merged
+
+
+def member_tag(peer: str) -> str:
+    return hashlib.sha256(peer.encode()).hexdigest()[:TAG_HEX]
 
 
 class StateChanged(RuntimeError):
@@ -77,12 +87,12 @@ class GlobalState:
         if theta.data_ptr() != params.data_ptr():
             theta.copy_(params)
         self.outer = OuterOptimizer(theta, lr, momentum, momentum_buffer)
-        self.version = 0
+        self.version, self.last_members = 0, []
         self.tokens = 0  # merged into Θ over its whole lineage: the swarm's progress (the lr schedule's clock)
-        self.last_members: list[str] = []
         self.lock, self._digest = threading.RLock(), None
         self.generation = 0  # counts every change of Θ: a reader that noted it can tell it still reads the same
         self.history: list[tuple[int, str]] = [self.key]
+        self.merges: list[tuple[int, list[str]]] = []  # (version made, its members' tags) of the latest merges
         self.reach = Reach()  # how far a downloaded state may be from ours (p2pdiloco.core.reach)
 
     @property
@@ -121,6 +131,7 @@ class GlobalState:
             self.last_members = members
             self._digest = None
             self.history = (self.history + [self.key])[-HISTORY:]
+            self.merges = (self.merges + [(self.version, [member_tag(m) for m in members])])[-MERGES:]
 
     def snapshot(self, shared: bool = False) -> tuple[dict, list[torch.Tensor]]:
         """A consistent copy of the state. `shared`: the copy is made in shared memory, so handing it to another
@@ -128,7 +139,8 @@ class GlobalState:
         parameter."""
         with self.lock:
             metadata = dict(version=self.version, digest=self.digest, last_members=list(self.last_members),
-                            history=[list(k) for k in self.history], tokens=self.tokens)
+                            history=[list(k) for k in self.history], tokens=self.tokens,
+                            merges=[[v, list(tags)] for v, tags in self.merges])
             if not shared:
                 return metadata, [t.clone() for t in self.outer.state_tensors()]
             return metadata, [torch.empty_like(t).share_memory_().copy_(t) for t in self.outer.state_tensors()]
@@ -174,6 +186,39 @@ class GlobalState:
             self._digest = None
             history = parse_history(metadata.get("history"))
             self.history = (history if history[-1:] == [self.key] else history + [self.key])[-HISTORY:]
+            self.merges = parse_merges(metadata.get("merges"))
+
+
+def parse_merges(raw) -> list[tuple[int, list[str]]]:
+    """A remote peer's latest merges, defensively: anything malformed counts as none known."""
+    if not isinstance(raw, (list, tuple)) or len(raw) > MERGES:
+        return []
+    merges = []
+    for item in raw:
+        if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], int)
+                and isinstance(item[1], (list, tuple)) and all(isinstance(t, str) for t in item[1])):
+            return []
+        merges.append((item[0], list(item[1])))
+    return merges
+
+
+def merged_in(metadata: dict, peer: str, version: int) -> Optional[bool]:
+    """Whether the state of `metadata` holds the contribution `peer` made from `version`: True where a merge after
+    `version` names it; False where the state names every merge since, none names it, and it is at least
+    SETTLED_AFTER merges past (an island that merged it may still be settling a fork at the next version); None
+    where it cannot tell (too few merges named: an older peer's state, or one too far ahead). Only the state's
+    lineage counts: a merge in a fork it does not descend from is not in it. A donor may lie here, as in what it
+    serves: the worst it makes us do is send one contribution of ours twice, or give our progress up (as we did
+    before we could tell)."""
+    target = metadata.get("version")
+    if not (isinstance(target, int) and isinstance(peer, str)) or target <= version:
+        return None
+    merges = dict(parse_merges(metadata.get("merges")))
+    tag = member_tag(peer)
+    if any(tag in tags for v, tags in merges.items() if v > version):
+        return True
+    settled = target >= version + SETTLED_AFTER
+    return False if settled and all(v in merges for v in range(version + 1, target + 1)) else None
 
 
 def parse_tokens(raw) -> int:

@@ -240,7 +240,8 @@ def note_contribution(folder: Path, contribution, inner_step: int, stream_positi
     machine that loses power may lose the last note, and with it this protection for one restart."""
     folder.mkdir(parents=True, exist_ok=True)
     note = dict(version=int(contribution.version), digest=str(contribution.digest), inner_step=int(inner_step),
-                steps=int(contribution.steps), stream_position=stream_position)
+                steps=int(contribution.steps), stream_position=stream_position, peer=str(contribution.peer),
+                seconds=float(contribution.seconds))
     final = contributed_file(folder, fragment)
     tmp = folder / f".{final.name}.tmp"
     tmp.write_text(json.dumps(note))

@@ -38,7 +38,7 @@ import torch
 
 from p2pdiloco.training.inner import InnerTrainer, flat_params, load_flat_params, param_slices
 from p2pdiloco.protocol.outcomes import Committed, Contribution, Kept, Parts, RolledBack, RoundOutcome, Solo
-from p2pdiloco.core.state import GlobalState, contains
+from p2pdiloco.core.state import GlobalState, contains, merged_in
 from p2pdiloco.protocol.timing import RoundClock
 from p2pdiloco.training.checkpoint import Concatenated, Entry, Released
 from p2pdiloco.training.spill import InMemory, OnDisk, assemble
@@ -398,7 +398,7 @@ class DiLoCo:
     def adopt(self, metadata: dict, tensors: list[torch.Tensor]) -> None:
         """Take a global state from a peer between rounds (joining, or behind): rebase unmerged progress."""
         assert self.in_flight is None
-        self._settle_restored(int(metadata["version"]))
+        self._settle_restored(metadata)
         with self.state.lock:
             self._keep_progress(None, Progress.ALL_UNMERGED)
             restored = None
@@ -414,7 +414,7 @@ class DiLoCo:
         flight, self.in_flight = self.in_flight, None
         if flight is None:
             return
-        self.unsettled = dict(version=flight.contribution.version, stream_position=None)
+        self.unsettled = unsettled_by(flight.contribution)
         if flight.origin is not None:
             with self.state.lock:
                 if not self._keep_progress(flight, Progress.ALL_UNMERGED):
@@ -422,15 +422,29 @@ class DiLoCo:
                 self._add_global(None)
         flight.kept.drop()
 
-    def _settle_restored(self, version: int) -> None:
-        """A state past the version our unsettled contribution left from may hold it: give up the progress it
-        carried (θ ← Θ, so the rebase adds nothing), and skip the batches it was trained on."""
+    def _settle_restored(self, metadata: dict) -> None:
+        """A state past the version our unsettled contribution left from may hold it. Where the state names the
+        merges since (`core.state.merged_in`): merged, its steps reached Θ (counted merged now, as the life that
+        made them could not) and θ gives them up; not merged, θ keeps them and they go out again. Where it cannot
+        tell: give the progress it carried up (θ ← Θ, so the rebase adds nothing) and skip its batches."""
         unsettled, self.unsettled = self.unsettled, None
+        version = int(metadata["version"])
         if unsettled is None or version <= unsettled["version"]:
             return
-        log.info("%s: the swarm is at v%d, past our last contribution (from v%d) that our checkpoint predates: its "
-                 "steps may be merged already, so they are not contributed again", self.name, version,
-                 unsettled["version"])
+        merged = merged_in(metadata, unsettled.get("peer"), unsettled["version"])
+        if merged is False:
+            log.info("%s: the swarm is at v%d, and no merge since v%d holds our last contribution (we stopped with "
+                     "it in flight): its steps are contributed again", self.name, version, unsettled["version"])
+            return
+        if merged:
+            self.merged_seconds += _seconds(unsettled.get("seconds"))
+            log.info("%s: the swarm is at v%d, which holds our last contribution (from v%d; we stopped with it in "
+                     "flight): its steps are merged, and not contributed again", self.name, version,
+                     unsettled["version"])
+        else:
+            log.info("%s: the swarm is at v%d, past our last contribution (from v%d) that our checkpoint predates: its "
+                     "steps may be merged already, so they are not contributed again", self.name, version,
+                     unsettled["version"])
         with self.state.lock:
             self._progress_lost()
             self._add_global(None)
@@ -479,9 +493,9 @@ class DiLoCo:
         """What of a checkpoint's metadata is this DiLoCo's own (not the trainer's): Θ's version and lineage, and
         the unmerged counters."""
         flight = self.in_flight
-        unsettled = self.unsettled if flight is None else dict(version=flight.contribution.version,
-                                                               stream_position=None)
+        unsettled = self.unsettled if flight is None else unsettled_by(flight.contribution)
         return dict(version=self.state.version, digest=self.state.digest, history=self.state.history,
+                    merges=self.state.merges,
                     last_members=self.state.last_members, tokens=self.state.tokens,
                     unmerged_tokens=self.unmerged_tokens, unmerged_steps=self.unmerged_steps,
                     unmerged_seconds=self.unmerged_seconds, unsettled=unsettled, settled_step=self.settled_step,
@@ -499,7 +513,8 @@ class DiLoCo:
     def restore_rounds(self, meta: dict, state: list[torch.Tensor], contributed: Optional[dict] = None) -> None:
         """Θ and the momentum (`state`), and `rounds_checkpoint`'s metadata, back."""
         self.state.load(dict(version=meta["version"], digest=meta["digest"], history=meta.get("history", []),
-                             last_members=meta.get("last_members", []), tokens=meta.get("tokens", 0)), state)
+                             last_members=meta.get("last_members", []), tokens=meta.get("tokens", 0),
+                             merges=meta.get("merges")), state)
         self.unmerged_tokens, self.unmerged_steps = meta["unmerged_tokens"], meta["unmerged_steps"]
         self.unmerged_seconds = float(meta.get("unmerged_seconds", 0.0))
         left = meta.get("unsettled")  # left with a round in flight
@@ -507,7 +522,19 @@ class DiLoCo:
         self.settled_step = int(meta.get("settled_step", -1))
         self.swarm_rate = SwarmRate.of(meta)
         if contributed is not None and contributed["inner_step"] > self.settled_step:  # left after we saved
-            self.unsettled = dict(version=contributed["version"], stream_position=contributed.get("stream_position"))
+            self.unsettled = dict(version=contributed["version"], stream_position=contributed.get("stream_position"),
+                                  peer=contributed.get("peer"), seconds=contributed.get("seconds"))
+
+
+def _seconds(raw) -> float:
+    """Seconds read back from our own files: anything but a finite non-negative number counts as none."""
+    return float(raw) if isinstance(raw, (int, float)) and math.isfinite(raw) and raw >= 0 else 0.0
+
+
+def unsettled_by(c: Contribution) -> dict:
+    """What a restart needs of a contribution whose outcome we did not see: where it left from, and who sent it
+    (our peer id may differ next life) with how many inner-step seconds, to tell whether an island merged it."""
+    return dict(version=c.version, stream_position=None, peer=c.peer, seconds=c.seconds)
 
 
 def trainer_checkpoint(trainer: InnerTrainer) -> tuple[dict, dict[str, Entry]]:

@@ -21,7 +21,7 @@ from p2pdiloco.ops.chaos import Chaos, ChaosPlan
 
 DEFAULT_JOIN = ["--model", "tiny", "--threads", "1", "-H", "20", "--eval-every", "0", "--checkpoint-every", "1"]
 SHOWN = ["seconds", "slots", "kills", "kills_by_phase", "freezes", "restarts", "exits", "newcomers", "goodput",
-         "goodput_of_alive_time", "utilization", "uptime", "uptime_window_seconds", "versions",
+         "goodput_of_alive_time", "utilization", "uptime", "uptime_window_seconds", "versions", "model_tokens",
          "longest_stall_seconds", "longest_without_merge_seconds", "join_seconds_median", "join_seconds_max",
          "restart_seconds_median",
          "rounds", "rounds_merged", "rounds_with_fork", "max_fork_distance", "final_fork_distance", "split_islands",
@@ -52,6 +52,10 @@ def main():
     print(f"\n{'':<32}" + "".join(f"{name:>22}" for name in results))
     for key in SHOWN:
         print(f"{key:<32}" + "".join(f"{_fmt(r.get(key)):>22}" for r in results.values()))
+    if "failure-free" in results:  # the goal's figure: chaos over failure-free, side by side
+        free, chaos = results["failure-free"], results["chaos"]
+        for key in ("goodput", "model_tokens"):
+            print(f"{key + ', chaos / failure-free':<32}{chaos[key] / max(free[key], 1e-9):>44.4g}")
     print(f"\nfull report: {a.log_dir / 'report.json'}")
 
 

@@ -113,6 +113,8 @@ def test_a_random_liar_claiming_1000x_its_tokens_is_left_out_by_a_robust_merge(t
         assert not merged_it, [(r.members, r.excluded) for r in merged_it]
 
 
+@pytest.mark.slow  # 50 s; its parts in the default suite: test_averager_seams (turned away at matchmaking,
+# hivemind's reducer RPC takes nothing), test_properties and test_remote_input (no record's bytes raise)
 def test_a_plain_hivemind_averager_gathering_garbage_costs_the_honest_peers_at_most_one_round(tmp_path):
     """The stranger of issue 11 (tests/harness/rogue.py). Its record does not parse, so every island leaves it
     out, and an honest leader then turns it away at matchmaking; the fp32 parts it streams to hivemind's reducer

@@ -5,7 +5,7 @@ died. Restored, the peer must not rebase that progress onto a state that holds i
 import torch
 
 from p2pdiloco.config import InnerConfig
-from p2pdiloco.core.state import GlobalState
+from p2pdiloco.core.state import GlobalState, member_tag
 from p2pdiloco.training import checkpoint
 from p2pdiloco.training.data import BatchStream
 from p2pdiloco.training.diloco import DiLoCo, SoloMerger
@@ -72,6 +72,59 @@ def test_a_peer_killed_after_its_island_merged_what_its_checkpoint_holds_does_no
     assert restored.unmerged_steps == 0 and restored.unmerged_tokens == 0
     original.close()
     restored.close()
+
+
+def others_merged_without_it(d: DiLoCo, merges: int):
+    """The swarm's state after the others merged `merges` times from d's Θ, without d's contribution."""
+    metadata, tensors = d.state.snapshot()
+    others = GlobalState(tensors[0], lr=0.7, momentum=0.9)
+    others.load(metadata, tensors)
+    for _ in range(merges):
+        others.apply(torch.full_like(tensors[0], 1e-3), ["q", "r"])
+    metadata, tensors = others.snapshot()
+    return metadata, [t.clone() for t in tensors]
+
+
+def test_a_peer_killed_with_its_contribution_in_flight_counts_it_merged_if_the_swarms_state_names_it(tmp_path):
+    """Its last life could not log the merge: the restart reads the members of the state's merges, and counts the
+    contribution's inner-step seconds as merged (goodput), once; θ gives the steps up as before."""
+    original = saved_then_contributed(tmp_path)
+    seconds = original.in_flight.contribution.seconds
+    original.wait(10)  # merged at v2, by an island naming "p"
+    restored = restore(tmp_path)
+    assert restored.merged_seconds == 0.0 and restored.unsettled["seconds"] == seconds > 0
+    assert restored.state.merges == [(1, [member_tag("p")])]  # its checkpoint kept the merges its state named
+    restored.adopt(*swarm_state(original))
+    assert restored.merged_seconds == seconds and restored.unmerged_steps == 0
+    assert torch.equal(restored.local_params(), restored.state.params)
+    original.close()
+    restored.close()
+
+
+def test_a_peer_killed_with_its_contribution_in_flight_keeps_its_steps_if_two_merges_since_left_it_out(tmp_path):
+    """Its island failed with it, and the others merged twice without it: the restart rebases what its checkpoint
+    holds onto the swarm's state and contributes it again, once. One merge past is not enough to tell (that island
+    may still be settling a fork): it is given up, as before."""
+    original = saved_then_contributed(tmp_path)
+    original.wait(10)
+    at_v1 = restore(tmp_path)  # its Θ is the v1 the contribution left from
+    saved = checkpoint.load_latest(tmp_path, at_v1.state.params.numel()).tensors
+    progress = saved["local"] - saved["global"]
+    for merges, kept in ((2, True), (1, False)):
+        restored = restore(tmp_path)
+        restored.adopt(*others_merged_without_it(at_v1, merges))
+        assert restored.state.version == 1 + merges and restored.unsettled is None
+        assert restored.unmerged_steps == (2 if kept else 0) and restored.merged_seconds == 0.0
+        moved = restored.local_params() - restored.state.params
+        assert torch.allclose(moved, progress if kept else torch.zeros_like(moved), atol=1e-6)
+        if kept:
+            steps(restored, 1)
+            restored.contribute()
+            assert restored.in_flight.contribution.steps == 3  # the checkpoint's two and one new, once
+            restored.wait(10)
+        restored.close()
+    original.close()
+    at_v1.close()
 
 
 def test_a_peer_whose_last_contribution_was_not_merged_keeps_what_its_checkpoint_holds(tmp_path):

@@ -4,7 +4,8 @@ a merge, what a peer's history and token count may be, who is late twice, what t
 import pytest
 import torch
 
-from p2pdiloco.core.state import HISTORY, contains, lineage_rank, parse_history, parse_tokens, sharing_priority
+from p2pdiloco.core.state import (HISTORY, MERGES, GlobalState, contains, lineage_rank, member_tag, merged_in,
+                                  parse_history, parse_merges, parse_tokens, sharing_priority)
 from p2pdiloco.protocol.island import PenaltyBox, Stragglers
 from p2pdiloco.protocol.outcomes import copy_parts
 from p2pdiloco.protocol.remote import Member
@@ -40,6 +41,35 @@ def test_a_malformed_history_counts_as_none(raw):
 def test_a_well_formed_history_is_kept_in_order():
     assert parse_history([[1, "a"], (2, "b")]) == [(1, "a"), (2, "b")]
     assert len(parse_history([[i, "a"] for i in range(HISTORY)])) == HISTORY
+
+
+def test_a_state_names_its_latest_merges_members_and_a_restart_reads_there_whether_its_contribution_is_in_it():
+    state = GlobalState(torch.zeros(4), lr=0.7, momentum=0.9)
+    for members in (["a", "b"], ["b", "c"], ["c"]):  # v1, v2, v3
+        state.apply(torch.ones(4), members)
+    metadata, _ = state.snapshot()
+    assert parse_merges(metadata["merges"]) == [(1, [member_tag("a"), member_tag("b")]), (2, [member_tag("b"),
+                                                member_tag("c")]), (3, [member_tag("c")])]
+    assert merged_in(metadata, "a", 0) is True  # merged at v1
+    assert merged_in(metadata, "b", 1) is True  # from v1, merged at v2
+    assert merged_in(metadata, "a", 1) is False  # v2 and v3 were merged without it: two merges past
+    assert merged_in(metadata, "a", 2) is None  # v3 alone without it: its island may be settling a fork at v3
+    assert merged_in(metadata, "a", 3) is None and merged_in(metadata, 5, 1) is None  # not past it; not an id
+    assert merged_in(dict(metadata, merges=metadata["merges"][1:]), "d", 0) is None  # v1's members not named
+    assert merged_in(dict(version=3, digest="x"), "a", 0) is None  # an older peer's state names none
+    loaded = GlobalState(torch.zeros(4), lr=0.7, momentum=0.9)
+    loaded.load(metadata, [torch.ones(4), torch.zeros(4)])
+    assert loaded.merges == state.merges  # a state taken from a peer names what the peer's did
+    for i in range(MERGES + 3):
+        state.apply(torch.ones(4), [f"m{i}"])
+    assert len(state.merges) == MERGES and state.merges[-1] == (state.version, [member_tag(f"m{MERGES + 2}")])
+
+
+@pytest.mark.parametrize("raw", [None, "x", [[1, ["a"]], [2]], [[1, "a"]], [[1, [2]]], [["1", ["a"]]], {"1": ["a"]},
+                                 [[1, ["a"]]] * (MERGES + 1)])
+def test_malformed_merges_count_as_none_named(raw):
+    assert parse_merges(raw) == []
+    assert merged_in(dict(version=5, digest="d", merges=raw), "a", 3) is None
 
 
 @pytest.mark.parametrize("raw, tokens", [(5, 5), (0, 0), (-1, 0), (True, 0), (1.5, 0), ("7", 0), (None, 0),
