@@ -12,6 +12,7 @@ from typing import Callable, Optional
 from p2pdiloco.config import ConfigError, PeerConfig
 from p2pdiloco.core.state import StateChanged
 from p2pdiloco.parts.workload import Workload
+from p2pdiloco.protocol.outcomes import Committed, Solo
 from p2pdiloco.runtime import schema
 from p2pdiloco.training import checkpoint
 from p2pdiloco.training.diloco import DiLoCo
@@ -162,6 +163,14 @@ class Checkpoints:
                                          getattr(diloco.trainer.batches, "position", None), fragment)
         except OSError as e:
             log.warning("%s: could not note the contribution in %s: %s", self.name, self.folder, e)
+
+    def note_merged(self, settled, fragment: Optional[int] = None) -> None:
+        """A round that merged the newest contribution: noted beside it (`checkpoint.note_merged`)."""
+        if isinstance(settled.outcome, (Committed, Solo)):
+            try:
+                checkpoint.note_merged(self.folder, fragment)
+            except OSError as e:
+                log.warning("%s: could not note the merge in %s: %s", self.name, self.folder, e)
 
     def _keep_tokenizer(self) -> None:
         """The tokenizer beside our checkpoints, once: `p2pdiloco export` and `sample` read it from there."""

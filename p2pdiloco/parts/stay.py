@@ -115,6 +115,7 @@ class Stay:
             return
         self.log.settled(settled)
         self.membership.publish()
+        self.checkpoints.note_merged(settled)
         merged, cfg = self.log.merged_rounds, self.cfg
         if settled.applied and cfg.checkpoint_every and merged % cfg.checkpoint_every == 0:
             self.checkpoints.save(self.diloco, "periodic")

@@ -292,6 +292,7 @@ class StreamedStay:
         lane, cfg = self.lanes[i], self.cfg
         lane.log.settled(settled)
         lane.membership.publish()
+        self.checkpoints.note_merged(settled, fragment=i)
         merged, every = sum(x.log.merged_rounds for x in self.lanes), len(self.lanes)  # a period: P rounds
         if settled.applied and cfg.checkpoint_every and merged % (cfg.checkpoint_every * every) == 0:
             self.checkpoints.save(self.streams, "periodic")

@@ -242,6 +242,18 @@ def note_contribution(folder: Path, contribution, inner_step: int, stream_positi
     note = dict(version=int(contribution.version), digest=str(contribution.digest), inner_step=int(inner_step),
                 steps=int(contribution.steps), stream_position=stream_position, peer=str(contribution.peer),
                 seconds=float(contribution.seconds))
+    _write_note(folder, note, fragment)
+
+
+def note_merged(folder: Path, fragment: Optional[int] = None) -> None:
+    """The newest contribution's island merged it, and this life counted its seconds merged: a restart that finds
+    it unsettled (its checkpoint is older) must not count them again."""
+    note = last_contribution(folder, fragment)
+    if note is not None and not note.get("merged"):
+        _write_note(folder, dict(note, merged=True), fragment)
+
+
+def _write_note(folder: Path, note: dict, fragment: Optional[int]) -> None:
     final = contributed_file(folder, fragment)
     tmp = folder / f".{final.name}.tmp"
     tmp.write_text(json.dumps(note))

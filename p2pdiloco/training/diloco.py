@@ -522,8 +522,10 @@ class DiLoCo:
         self.settled_step = int(meta.get("settled_step", -1))
         self.swarm_rate = SwarmRate.of(meta)
         if contributed is not None and contributed["inner_step"] > self.settled_step:  # left after we saved
+            # a contribution our last life saw merged was counted merged then (`checkpoint.note_merged`)
             self.unsettled = dict(version=contributed["version"], stream_position=contributed.get("stream_position"),
-                                  peer=contributed.get("peer"), seconds=contributed.get("seconds"))
+                                  peer=contributed.get("peer"),
+                                  seconds=0.0 if contributed.get("merged") else contributed.get("seconds"))
 
 
 def _seconds(raw) -> float:

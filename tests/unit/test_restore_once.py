@@ -101,6 +101,35 @@ def test_a_peer_killed_with_its_contribution_in_flight_counts_it_merged_if_the_s
     restored.close()
 
 
+def test_a_merge_its_last_life_saw_and_counted_is_not_counted_again_on_restart(tmp_path):
+    """Killed after its round merged but before its next checkpoint: the merge is noted beside the contribution
+    (as the peer's round handler does, on a commit only), and the restart gives the steps up without counting
+    their seconds a second time."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from p2pdiloco.config import PeerConfig
+    from p2pdiloco.parts.checkpoints import Checkpoints
+    from p2pdiloco.protocol.outcomes import RolledBack
+
+    checkpoints = Checkpoints(dataclasses.replace(PeerConfig(), checkpoint_dir=tmp_path),
+                              SimpleNamespace(device=torch.device("cpu")), "p", None)
+    folder = checkpoints.folder
+    original = saved_then_contributed(folder)
+    settled = original.wait(10)  # merged, and counted merged by this life
+    checkpoints.note_merged(SimpleNamespace(outcome=RolledBack(reason="a failed round")))
+    assert not checkpoint.last_contribution(folder).get("merged")
+    checkpoints.note_merged(settled)
+    assert checkpoint.last_contribution(folder)["merged"] is True
+    restored = restore(folder)
+    assert restored.unsettled["seconds"] == 0.0
+    restored.adopt(*swarm_state(original))
+    assert restored.merged_seconds == 0.0 and restored.unmerged_steps == 0
+    assert torch.equal(restored.local_params(), restored.state.params)
+    original.close()
+    restored.close()
+
+
 def test_a_peer_killed_with_its_contribution_in_flight_keeps_its_steps_if_two_merges_since_left_it_out(tmp_path):
     """Its island failed with it, and the others merged twice without it: the restart rebases what its checkpoint
     holds onto the swarm's state and contributes it again, once. One merge past is not enough to tell (that island
