@@ -17,6 +17,10 @@ APPLICATIONS = ("delayed", "eager")  # how a peer trains while its round is in f
 MODES = ("decoupled", "sync")
 COMPRESSIONS = ("none", "int8", "int4", "int2")  # p2pdiloco.core.codec
 INNER_OPTIMIZERS = ("adamw", "adamw8bit")  # p2pdiloco.training.inner.make_optimizer
+# timed checkpoints by default (join --checkpoint-seconds): 60 times the last write apart (under 2% of the time;
+# measured with scripts/bench/bench_checkpoint.py), and at least this often apart; the simulator's restart model
+# takes the floor as its default (a small model's peer)
+CHECKPOINT_FACTOR, CHECKPOINT_FLOOR = 60.0, 30.0
 METRICS_SINKS = ("tensorboard", "wandb")  # optional, besides the JSONL every peer writes (p2pdiloco.runtime.metrics)
 
 
@@ -380,8 +384,9 @@ class PeerConfig:
                                    "never).")
     checkpoint_seconds: Optional[float] = option(
         None, "Also checkpoint this peer's own progress every this many seconds, at the next inner step, with a "
-        "round in flight or not: a restart loses at most this much training. Default: every 60 times the last "
-        "write's duration, 30 s at least (the writes then take under 2% of the time: a 88M model's 4 s write "
+        "round in flight or not: a restart loses at most this much training. Default: every "
+        f"{CHECKPOINT_FACTOR:g} times the last write's duration, {CHECKPOINT_FLOOR:g} s at least (the writes then "
+        "take under 2% of the time: a 88M model's 4 s write "
         "every 4 minutes, a small one's every 30 s), unless --checkpoint-every is 0; 0: only by "
         "--checkpoint-every. With --application eager, only between rounds (its steps in flight start from an "
         "estimate).")

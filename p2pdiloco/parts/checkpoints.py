@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from p2pdiloco.config import ConfigError, PeerConfig
+from p2pdiloco.config import CHECKPOINT_FACTOR, CHECKPOINT_FLOOR, ConfigError, PeerConfig
 from p2pdiloco.core.state import StateChanged
 from p2pdiloco.parts.workload import Workload
 from p2pdiloco.protocol.outcomes import Committed, Solo
@@ -18,9 +18,6 @@ from p2pdiloco.training import checkpoint
 from p2pdiloco.training.diloco import DiLoCo
 
 log = logging.getLogger("p2pdiloco")
-# timed checkpoints by default: 60 times the last write apart (under 2% of the time; measured with
-# scripts/bench/bench_checkpoint.py), and at least this often apart
-AUTO_FACTOR, AUTO_FLOOR = 60.0, 30.0
 
 
 def checkpoint_folder(cfg: PeerConfig, name: str) -> Path:
@@ -72,7 +69,7 @@ class Checkpoints:
 
     def interval(self) -> float:
         every = self.cfg.checkpoint_seconds
-        return every if every is not None else max(AUTO_FLOOR, AUTO_FACTOR * self.write_seconds)
+        return every if every is not None else max(CHECKPOINT_FLOOR, CHECKPOINT_FACTOR * self.write_seconds)
 
     def due(self) -> bool:
         return self.timed and time.monotonic() - self.saved_at >= self.interval()

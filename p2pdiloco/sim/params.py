@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from p2pdiloco.config import COMPRESSIONS, ConfigError, SwarmConfig, option
+from p2pdiloco.config import CHECKPOINT_FLOOR, COMPRESSIONS, ConfigError, SwarmConfig, option
 
 YEAR = 365.25 * 24 * 3600.0
 WEEK = 7 * 24 * 3600.0
@@ -41,8 +41,9 @@ class SimParams:
         "data-parallel the paper's 58 % (56 %), and the sources do not split the stall.", group="sim")
     slice_chips: int = option(256, "elastic: chips dropped together when one of them fails.", group="sim")
     checkpoint_seconds: float = option(
-        30.0, "restart: a learner writes its own progress to a local checkpoint this often and keeps it over a "
-        "restart: a peer of a small model does every 30 s by default (join --checkpoint-seconds); 0: never, as "
+        CHECKPOINT_FLOOR, "restart: a learner writes its own progress to a local checkpoint this often and keeps it "
+        f"over a restart: a peer of a small model does every {CHECKPOINT_FLOOR:g} s by default (join "
+        "--checkpoint-seconds); 0: never, as "
         "peers did before 2026-11-29.", group="sim")
     step_seconds: float = option(1.0, "Seconds per inner step of the fastest learner.", group="sim")
     speed_spread: float = option(

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from p2pdiloco.config import ConfigError, SwarmConfig
+from p2pdiloco.config import CHECKPOINT_FLOOR, ConfigError, SwarmConfig
 from p2pdiloco.protocol.round import swarm_rules
 from p2pdiloco.sim.baselines import simulate_elastic, simulate_sync_diloco
 from p2pdiloco.sim.central import simulate_central
@@ -109,6 +109,7 @@ def test_the_simulated_learners_follow_a_peers_round_rules():
     sim_defaults = {f.name: f.default for f in dataclasses.fields(SimParams)}
     assert {n: sim_defaults[n] for n in shared} == {n: getattr(SwarmConfig(), n) for n in shared}
     assert PEER == SwarmConfig()
+    assert sim_defaults["checkpoint_seconds"] == CHECKPOINT_FLOOR  # a small model's peer checkpoints so often
     p = SimParams(chips=100, learners=4, days=0.01, quorum=3, grace_gamma=0.3, max_staleness=1,
                   wait_for_newest=True, wait_for_island=False)
     rules = DecoupledSim(p, Draws(failures=((),) * 4, step_seconds=(1.0,) * 4)).rules

@@ -218,7 +218,8 @@ def test_timed_checkpoints_by_default_take_under_2_percent_of_the_time_and_follo
     import dataclasses
 
     from p2pdiloco.config import PeerConfig
-    from p2pdiloco.parts.checkpoints import AUTO_FACTOR, AUTO_FLOOR, Checkpoints
+    from p2pdiloco.config import CHECKPOINT_FACTOR, CHECKPOINT_FLOOR
+    from p2pdiloco.parts.checkpoints import Checkpoints
 
     def timed(**flags):
         from types import SimpleNamespace
@@ -227,9 +228,9 @@ def test_timed_checkpoints_by_default_take_under_2_percent_of_the_time_and_follo
                            SimpleNamespace(device=torch.device("cpu")), "p", None)
 
     default = timed()
-    assert default.timed and default.interval() == AUTO_FLOOR == 30.0
+    assert default.timed and default.interval() == CHECKPOINT_FLOOR == 30.0
     default.write_seconds = 4.0  # a large model's write: every 4 minutes, 1/60 of the time
-    assert default.interval() == 240.0 and 1 / AUTO_FACTOR < 0.02
+    assert default.interval() == 240.0 and 1 / CHECKPOINT_FACTOR < 0.02
     assert not default.due()  # counted from the start
     default.saved_at -= 241.0
     assert default.due()
