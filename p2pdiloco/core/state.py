@@ -57,6 +57,7 @@ HISTORY = 32  # (version, digest) of the latest states of a lineage, carried wit
 # reads in the state it downloads on restart whether an island merged it (`merged_in`); a restart takes a version
 # or two, so a few merges suffice, and each member goes as a short tag (a state's metadata stays small)
 MERGES, TAG_HEX = 8, 10
+MAX_TAGS = 4096  # members one merge may name in a state we read (a bound on what a donor makes us hold)
 SETTLED_AFTER = 2  # merges past a contribution before a state that does not name it says it was not merged
 
 
@@ -196,7 +197,8 @@ def parse_merges(raw) -> list[tuple[int, list[str]]]:
     merges = []
     for item in raw:
         if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], int)
-                and isinstance(item[1], (list, tuple)) and all(isinstance(t, str) for t in item[1])):
+                and isinstance(item[1], (list, tuple)) and len(item[1]) <= MAX_TAGS
+                and all(isinstance(t, str) and len(t) == TAG_HEX for t in item[1])):
             return []
         merges.append((item[0], list(item[1])))
     return merges

@@ -4,8 +4,8 @@ a merge, what a peer's history and token count may be, who is late twice, what t
 import pytest
 import torch
 
-from p2pdiloco.core.state import (HISTORY, MERGES, GlobalState, contains, lineage_rank, member_tag, merged_in,
-                                  parse_history, parse_merges, parse_tokens, sharing_priority)
+from p2pdiloco.core.state import (HISTORY, MAX_TAGS, MERGES, GlobalState, contains, lineage_rank, member_tag,
+                                  merged_in, parse_history, parse_merges, parse_tokens, sharing_priority)
 from p2pdiloco.protocol.island import PenaltyBox, Stragglers
 from p2pdiloco.protocol.outcomes import copy_parts
 from p2pdiloco.protocol.remote import Member
@@ -65,10 +65,14 @@ def test_a_state_names_its_latest_merges_members_and_a_restart_reads_there_wheth
     assert len(state.merges) == MERGES and state.merges[-1] == (state.version, [member_tag(f"m{MERGES + 2}")])
 
 
-@pytest.mark.parametrize("raw", [None, "x", [[1, ["a"]], [2]], [[1, "a"]], [[1, [2]]], [["1", ["a"]]], {"1": ["a"]},
-                                 [[1, ["a"]]] * (MERGES + 1)])
+TAG = member_tag("a")
+
+
+@pytest.mark.parametrize("raw", [None, "x", [[1, [TAG]], [2]], [[1, TAG]], [[1, [2]]], [["1", [TAG]]], {"1": [TAG]},
+                                 [[1, [TAG]]] * (MERGES + 1), [[1, ["a"]]], [[1, [TAG] * (MAX_TAGS + 1)]]])
 def test_malformed_merges_count_as_none_named(raw):
     assert parse_merges(raw) == []
+    assert parse_merges([[1, [TAG] * MAX_TAGS]]) == [(1, [TAG] * MAX_TAGS)]  # the bound itself is well formed
     assert merged_in(dict(version=5, digest="d", merges=raw), "a", 3) is None
 
 
