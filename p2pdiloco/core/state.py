@@ -209,9 +209,9 @@ def merged_in(metadata: dict, peer: str, version: int) -> Optional[bool]:
     `version` names it; False where the state names every merge since, none names it, and it is at least
     SETTLED_AFTER merges past (an island that merged it may still be settling a fork at the next version); None
     where it cannot tell (too few merges named: an older peer's state, or one too far ahead). Only the state's
-    lineage counts: a merge in a fork it does not descend from is not in it. A donor may lie here, as in what it
-    serves: the worst it makes us do is send one contribution of ours twice, or give our progress up (as we did
-    before we could tell)."""
+    lineage counts: a merge in a fork it does not descend from is not in it (should that fork win later, our
+    contribution counts twice: docs/architecture.md). A donor may lie here, as in what it serves: the worst it
+    makes us do is send one contribution of ours twice, or give our progress up (as we did before we could tell)."""
     target = metadata.get("version")
     if not (isinstance(target, int) and isinstance(peer, str)) or target <= version:
         return None
