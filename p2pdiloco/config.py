@@ -386,8 +386,8 @@ class PeerConfig:
         None, "Also checkpoint this peer's own progress every this many seconds, at the next inner step, with a "
         "round in flight or not: a restart loses at most this much training. Default: every "
         f"{CHECKPOINT_FACTOR:g} times the last write's duration, {CHECKPOINT_FLOOR:g} s at least (the writes then "
-        "take under 2% of the time: a 88M model's 4 s write "
-        "every 4 minutes, a small one's every 30 s), unless --checkpoint-every is 0; 0: only by "
+        f"take under 2% of the time: a 88M model's 4 s write every 4 minutes, a small one's every "
+        f"{CHECKPOINT_FLOOR:g} s), unless --checkpoint-every is 0; 0: only by "
         "--checkpoint-every. With --application eager, only between rounds (its steps in flight start from an "
         "estimate).")
     checkpoint_background: Optional[bool] = option(

@@ -83,6 +83,12 @@ def goodput(lives: list[Life], start: float, end: float) -> dict:
                 lost_other=(alive - joining - compute) / max(allocated, 1e-9))
 
 
+def model_tokens(rounds: list[Round]) -> int:
+    """The tokens merged into the most advanced Θ any peer applied: the work that reached the model, whatever time
+    it took (on a shared machine a dead peer's cores go to the live ones, which goodput's seconds do not see)."""
+    return max((r.swarm_tokens or 0 for r in rounds if r.applied), default=0)
+
+
 def advances(lives: list[Life]) -> list[float]:
     """Times at which the global model reached a new highest version (any peer's merged round)."""
     rounds = sorted((r.time, r.version) for life in lives for r in life.of_kind("round") if r.applied)
@@ -224,9 +230,7 @@ def summarize(lives: list[Life], start: float, end: float, step_window: int) -> 
         **goodput(lives, start, end),
         uptime=uptime(times, start, end, window), uptime_window_seconds=window,
         versions=max((r.version for r in rounds), default=0),
-        # the tokens merged into the most advanced Θ: the work that reached the model, whatever time it took (on a
-        # shared machine, a dead peer's cores go to the live ones, which goodput's seconds do not see)
-        model_tokens=max((r.swarm_tokens or 0 for r in rounds if r.applied), default=0),
+        model_tokens=model_tokens(rounds),
         **longest_stalls(lives, step_window),
         join_seconds_max=max(joins, default=0.0),
         join_seconds_median=statistics.median(joins) if joins else 0.0,

@@ -3,7 +3,7 @@
 import pytest
 
 from p2pdiloco.ops.swarmreport import (val_by_version, val_rises, advances, goodput, islands_disagreeing, longest_stalls, split_lives,
-                                   startup_phases, unresolved_forks, uptime)
+                                   model_tokens, startup_phases, unresolved_forks, uptime)
 from p2pdiloco.runtime.schema import from_dict
 
 
@@ -46,6 +46,14 @@ def test_uptime_is_the_share_of_windows_in_which_the_global_model_advanced():
     times = advances(lives)
     assert times == [5, 15, 25, 65, 75]  # a second merge at one version is no advance
     assert uptime(times, start=0, end=100, window=10) == pytest.approx(0.5)
+
+
+def test_the_models_tokens_are_the_most_any_applied_round_merged_into_its_state():
+    rounds = [rec("round", 1, version=1, applied=True, swarm_tokens=100),
+              rec("round", 2, version=2, applied=True, swarm_tokens=250),
+              rec("round", 3, version=3, applied=False, swarm_tokens=900),  # rolled back: never in Θ
+              rec("round", 4, version=2, applied=True, swarm_tokens=None)]
+    assert model_tokens(rounds) == 250 and model_tokens([]) == 0
 
 
 def test_stalls_exclude_frozen_time_and_count_time_without_a_merge():
