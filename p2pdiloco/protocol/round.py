@@ -6,7 +6,8 @@ against the real swarm; the simulator (p2pdiloco.sim) runs the same object on a 
 
 Decoupled mode (the default), no global barrier:
 1. catch up first only if needed: a live peer holds a higher state at our version (a fork: everyone moves to
-   the highest `lineage_rank`) or is more than `max_staleness` versions ahead;
+   the highest `lineage_rank`; also where it shows only while we wait for quorum) or is more than
+   `max_staleness` versions ahead;
 2. quorum: wait until K−1 other peers are looking for an island (K=1: no wait); with `wait_for_newest`, while
    peers on a newer state than ours train and none of them looks, wait for them too (up to 1.5 τ steps): an
    island without them would fork; with `wait_for_island` (the default), while an island merges from a state at
@@ -184,6 +185,7 @@ class Round:
         self.state_before: Optional[StateTuple] = None
         self.quorum_started = self.quorum_seconds = self.other_wait = 0.0  # other: not for quorum (below)
         self.waited_for_island = False
+        self.catch_up_tried = False
         self.others: list[PeerRecord] = []
         self.island: Optional[FormIsland] = None
         self.no_island_reason = ""
@@ -192,16 +194,21 @@ class Round:
     # ---- events -----------------------------------------------------------------------------------------
     def start(self, peers: Sequence[PeerRecord], now: float) -> Decision:
         self._expect(Phase.NEW)
-        others = self._others(peers)
-        if others:
-            best = max(others, key=lambda r: r.rank)
-            behind_limit = 0 if self.rules.mode == "sync" else self.rules.max_staleness
-            fork = best.version == self.c.version and best.rank > lineage_rank(self.c.version, self.c.merged_by,
-                                                                              self.c.digest)
-            if fork or best.version > self.c.version + behind_limit:
-                self.phase = Phase.CATCH_UP
-                return Download(best.version, "fork" if fork else "behind")
-        return self._wait_for_quorum(now)
+        return self._catch_up(self._others(peers)) or self._wait_for_quorum(now)
+
+    def _catch_up(self, others: list[PeerRecord], forks_only: bool = False) -> Optional[Download]:
+        """Download first where a live peer holds a higher state at our version (a fork) or is too far ahead;
+        once a round: a download that failed is not retried at every poll."""
+        if not others or self.catch_up_tried:
+            return None
+        best = max(others, key=lambda r: r.rank)
+        behind_limit = 0 if self.rules.mode == "sync" else self.rules.max_staleness
+        fork = best.version == self.c.version and best.rank > lineage_rank(self.c.version, self.c.merged_by,
+                                                                          self.c.digest)
+        if not fork and (forks_only or best.version <= self.c.version + behind_limit):
+            return None
+        self.phase, self.catch_up_tried = Phase.CATCH_UP, True
+        return Download(best.version, "fork" if fork else "behind")
 
     def on_state(self, state: Optional[StateTuple], now: float) -> Decision:
         if self.phase == Phase.ADOPT:
@@ -227,6 +234,12 @@ class Round:
             return self._solo(now)  # everyone else left while we looked
         self._expect(Phase.QUORUM)
         self.others = self._others(peers)
+        # a state that outranks ours at our version may show only now: the records at our start can be a heartbeat
+        # old, and an island that merged our version elsewhere a moment before ours would otherwise fork on for
+        # another round (a peer ahead is the quorum's business here: the sync barrier counts it as arrived)
+        caught_up = self._catch_up(self.others, forks_only=True)
+        if caught_up is not None:
+            return caught_up
         if not self._quorum_reached(now):
             return self._waiting(now)
         if self.waited_for_island and self._newest_not_ready():

@@ -166,6 +166,30 @@ def test_at_one_version_the_state_more_members_merged_wins_whatever_the_digests(
     assert adopted.c.merged_by == 4  # what we now contribute from ranks as the state it is
 
 
+def test_a_fork_that_shows_only_while_we_wait_for_quorum_is_settled_before_the_island():
+    """Our start read records a heartbeat old; an island that merged our version elsewhere a moment before ours
+    shows while we wait. Forming our island then would carry the fork into another round (seen in a chaos run:
+    a pair's v17 beside three peers' v17, and both merged a v18). Once a round: a download that failed is not
+    retried at every poll."""
+    pair = contribution(digest="ffffff", merged_by=2)
+    rnd = new_round(c=pair, quorum=2)
+    assert isinstance(rnd.start([record("b", version=2)], 100.0), WaitForPeers)
+    three = record("b", digest="000000", merged_by=3)
+    assert rnd.on_peers([three], 100.5) == Download(3, "fork")
+    assert isinstance(rnd.on_state((dict(version=3, digest="000000", last_members=["b", "c", "d"]), []), 101.0),
+                      WaitForPeers)
+    assert (rnd.c.digest, rnd.c.merged_by) == ("000000", 3)
+    assert isinstance(rnd.on_peers([dataclasses.replace(three, ready=3)], 101.5), FormIsland)
+    failed = new_round(c=pair, quorum=3)
+    failed.start([], 100.0)
+    assert failed.on_peers([three], 100.5) == Download(3, "fork")
+    assert isinstance(failed.on_state(None, 101.0), WaitForPeers)
+    assert isinstance(failed.on_peers([three], 101.5), WaitForPeers)  # not a second download
+    lower = new_round(c=pair, quorum=3)
+    lower.start([], 100.0)
+    assert isinstance(lower.on_peers([record("b", digest="000000", merged_by=1)], 100.5), WaitForPeers)
+
+
 def test_behind_more_than_max_staleness_catches_up_first_and_within_it_contributes_stale():
     assert new_round(max_staleness=2).start([record("b", version=6)], 100.0) == Download(6, "behind")
     assert isinstance(new_round(max_staleness=2).start([record("b", version=5)], 100.0), WaitForPeers)
