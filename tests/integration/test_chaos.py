@@ -34,7 +34,8 @@ def test_chaos_never_stops_training_never_mixes_a_round_and_forks_heal(tmp_path)
     # consensus distance returns to 0: no fork outlives two of its peer's rounds, and once faults stop every
     # peer still training reports zero disagreement at its version
     rounds = {f"{life.slot}@{life.spawned}": life.of_kind("round") for life in lives}
-    assert not swarmreport.unresolved_forks(rounds, within_rounds=2), report
+    stuck = swarmreport.unresolved_forks(rounds, within_rounds=2)
+    assert not stuck, (stuck, _around(rounds, stuck), report)
     quiet_from = chaos.start + PLAN.seconds - PLAN.quiet_tail
     for life in lives:
         # a round cut short by the run's end says nothing of agreement (a peer restarted just before the quiet
@@ -46,3 +47,12 @@ def test_chaos_never_stops_training_never_mixes_a_round_and_forks_heal(tmp_path)
     # last merge (goodput proper also pays for restarts, ~3 CPU-seconds of imports each, so it depends on how
     # oversubscribed the machine is: scripts/ops/chaos.py reports it with its breakdown)
     assert report["merged_seconds"] >= 0.75 * report["compute_seconds"], report
+
+
+def _around(rounds: dict, stuck: list) -> list:
+    """What CI's log needs to tell how a fork lived on (the run's logs do not outlive CI): each stuck round and the
+    two after it, as its peer logged them."""
+    fields = ("time", "round", "version", "from_version", "digest", "applied", "adopted", "fork_distance", "members",
+              "reason")
+    return [[{f: getattr(r, f) for f in fields} for r in rounds[name] if number <= r.round <= number + 2]
+            for name, number in stuck]
