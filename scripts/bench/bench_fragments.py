@@ -68,18 +68,20 @@ def run_variant(tb: Testbed, fragments: int, args, log_dir: Path) -> dict:
     peaks = [peak_rate(samples, i + 1, 1.0) for i in range(args.peers)]
     fast = [r for i in range(args.peers - 1 if args.slow_peer else args.peers)
             for r in of_kind(read_records(log_dir / f"p{i}.jsonl"), Round) if r.applied and len(r.members) > 1]
-    return dict(fragments=fragments, exit_codes=[p.returncode for p in peers], wall_seconds=round(wall, 1),
-                peak_bytes_per_s=peaks, peak_mean=statistics.mean(peaks),
-                mean_bytes_per_s=[mean_rate(samples, i + 1) for i in range(args.peers)],
-                merged_rounds=sum(r.applied for r in rounds), rounds=len(rounds),
-                island_sizes=sorted({len(r.members) for r in rounds if r.applied}),
-                # the other peers' merged rounds: the all-reduce's time (with a slow peer: its transfer), and
-                # ready → settled
-                sync_seconds=median([r.sync_seconds for r in fast]),
-                round_seconds=median([r.round_seconds for r in fast]),
-                utilization=statistics.mean(s.utilization for s in summaries) if summaries else None,
-                final_val=statistics.mean(s.final_val for s in summaries) if summaries else None,
-                trace=trace(samples, 1, 0.25))
+    result = dict(fragments=fragments, exit_codes=[p.returncode for p in peers], wall_seconds=round(wall, 1),
+                  peak_bytes_per_s=peaks, peak_mean=statistics.mean(peaks),
+                  mean_bytes_per_s=[mean_rate(samples, i + 1) for i in range(args.peers)],
+                  merged_rounds=sum(r.applied for r in rounds), rounds=len(rounds),
+                  island_sizes=sorted({len(r.members) for r in rounds if r.applied}),
+                  # the other peers' merged rounds: the all-reduce's time (with a slow peer: its transfer), and
+                  # ready → settled
+                  sync_seconds=median([r.sync_seconds for r in fast]),
+                  round_seconds=median([r.round_seconds for r in fast]),
+                  utilization=statistics.mean(s.utilization for s in summaries) if summaries else None,
+                  final_val=statistics.mean(s.final_val for s in summaries) if summaries else None,
+                  trace=trace(samples, 1, 0.25))
+    result["floor_bytes_per_s"] = floor_rate(result["trace"])
+    return result
 
 
 def median(values: list):
@@ -96,6 +98,12 @@ def peak_rate(samples: list, column: int, window: float) -> float:
         if samples[end][0] - samples[start][0] >= window * 0.9:
             best = max(best, (samples[end][column] - samples[start][column]) / (samples[end][0] - samples[start][0]))
     return best
+
+
+def floor_rate(binned: list[tuple[float, float]]) -> float:
+    """Peer 0's median send rate over 0.25 s bins: between bursts, what its control traffic (records, matchmaking)
+    keeps the link at."""
+    return statistics.median(rate for _, rate in binned) if binned else 0.0
 
 
 def mean_rate(samples: list, column: int) -> float:
@@ -157,7 +165,8 @@ def main() -> None:
         for fragments in variants:
             results[f"P{fragments}"] = r = run_variant(tb, fragments, args, args.log_dir / f"P{fragments}")
             print(f"--fragments {fragments}: peak {r['peak_mean'] * 8 / 1e6:.2f} Mbit/s (mean of the peers' 1 s "
-                  f"peaks), utilization {r['utilization']}, final val {r['final_val']}, {r['merged_rounds']} merged "
+                  f"peaks; peer 0's median over 0.25 s bins {r['floor_bytes_per_s'] * 8 / 1e6:.2f}), "
+                  f"utilization {r['utilization']}, final val {r['final_val']}, {r['merged_rounds']} merged "
                   f"rounds, islands {r['island_sizes']}, the others' all-reduce {r['sync_seconds']} s and round "
                   f"{r['round_seconds']} s (medians), {r['wall_seconds']} s, exit {r['exit_codes']}", flush=True)
     base = results.get("P1")
