@@ -102,6 +102,13 @@ def imbalance(fragments: Sequence[Fragment]) -> float:
     return max(sizes) / (sum(sizes) / len(sizes))
 
 
+def fragment_overlap(h: int, fragments: int, in_flight: int) -> int:
+    """τ of a fragment's grace window (Eq. 3), in inner steps: its round should end before the τ in flight hold the
+    next ones back, τ·H/P steps after it left (with H, as for P = 1, rounds of 27 steps held fragments due every
+    6). P = 1: H, the next contribution's due step."""
+    return h if fragments == 1 else max(1, in_flight * h // fragments)
+
+
 @dataclass(frozen=True)
 class Stagger:
     """When each fragment's round leaves: fragment i every H steps, first after (i + 1)·H/P of them, so the P
@@ -126,6 +133,14 @@ class Stagger:
         """Whether fragment i should leave, `steps_since` inner steps after its last round left (or after the
         start, if it has none)."""
         return self.overdue(i, steps_since, sent_before) >= 0
+
+    def joins_early(self, steps_since: int) -> bool:
+        """Whether a fragment whose peers are looking for an island for it now goes along before its own due step:
+        with at least H/2 steps to give (a contribution of half a round), rather than miss their island. A peer
+        restarted out of phase with the swarm otherwise looks for its own islands at its own steps, where nobody
+        else is, round after round: a fragment's grace window (τ·H/P steps) is too short to bridge the gap, as
+        P = 1's (H steps) is."""
+        return self.fragments > 1 and steps_since >= self.h / 2
 
     def overdue(self, i: int, steps_since: int, sent_before: bool) -> int:
         """How many steps past due fragment i is (negative: not due yet)."""

@@ -17,7 +17,7 @@ import torch
 
 from p2pdiloco.config import PeerConfig
 from p2pdiloco.core.exact import digest
-from p2pdiloco.core.fragments import Fragment, Stagger, split
+from p2pdiloco.core.fragments import Fragment, Stagger, fragment_overlap, split
 from p2pdiloco.core.state import GlobalState
 from p2pdiloco.faults.plan import FaultPlan
 from p2pdiloco.faults.seams import seams_for
@@ -86,9 +86,8 @@ def start_fragment_helpers(cfg: PeerConfig, workload: Workload, fragments: tuple
     dht = node.start_dht(cfg.swarm, identity, leaving=leaving)
     averagers = []
     try:
-        # τ of the grace window (Eq. 3): a fragment's round should end before the τ in flight hold the next ones
-        # back, τ·H/P steps after it left (with H, as for P = 1, rounds of 27 steps held fragments due every 6)
-        overlap = cfg.swarm.overlap_steps or max(1, cfg.swarm.fragments_in_flight * cfg.inner.steps // len(fragments))
+        overlap = cfg.swarm.overlap_steps or fragment_overlap(cfg.inner.steps, len(fragments),
+                                                             cfg.swarm.fragments_in_flight)
         peer = node.peer_id(dht)
         settings = tuple(merge_settings(fragment_config(cfg.swarm, f.index, len(fragments)), cfg.outer, f.size, [],
                                         overlap, peer) for f in fragments)
@@ -230,7 +229,7 @@ class StreamedStay:
         self.first.start(initial_val, self.workload.data.description, cfg.swarm.mode, self.startup.seconds)
         train_streams(self.streams, self._should_leave, self._on_step, self._on_round,
                       final_wait=self._round_wait_on_leaving, on_contribute=self._on_contribute,
-                      ready=self._may_contribute)
+                      ready=self._may_contribute, looking=self._others_looking)
         if cfg.checkpoint_every or self.checkpoints.timed:
             self.checkpoints.save(self.streams, "leaving", wait=True)
             if self.checkpoints.error:
@@ -250,6 +249,12 @@ class StreamedStay:
         rounds: its peers, done with theirs, would not be there to merge another)."""
         done = self.cfg.max_rounds is not None and self.lanes[i].log.rounds >= self.cfg.max_rounds
         return not done and all(lane.membership.joined for lane in self.lanes)
+
+    def _others_looking(self, i: int) -> bool:
+        """Other peers look for an island for fragment i: their records as last fetched (no DHT request)."""
+        beat = self.lanes[i].merger.heartbeat
+        me = beat.record.peer
+        return any(r.peer != me and r.ready >= 0 for r in beat.records())
 
     def _evaluate_global(self) -> float:
         """Validation loss of Θ whole, from the fragments' parts (each at its own version)."""

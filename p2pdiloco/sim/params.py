@@ -72,13 +72,21 @@ class SimParams:
     wait_for_island: bool = option(PEER.wait_for_island, "decoupled: a learner that finds an island merging from "
                                    "its state without it waits for that island and takes its state "
                                    "(join --wait-for-island).", group="sim")
+    fragments: int = option(PEER.fragments, "decoupled: Streaming DiLoCo's P (join --fragments): each learner merges "
+                            "the model as P fragments, each in rounds of its own on a peer's stagger and with 1/P of "
+                            "the bytes; a failure takes all of a learner's fragments down.", group="sim")
+    fragments_in_flight: int = option(PEER.fragments_in_flight, "decoupled: τ of --fragments, the most fragments' "
+                                      "rounds a learner has out at once (join --fragments-in-flight).", group="sim")
     days: float = option(7.0, "Simulated days.", group="sim")
     seed: int = option(0, "Failure times and learner speeds are drawn from this seed.", group="sim")
 
     def __post_init__(self):
-        for name in ("chips", "learners", "inner_steps", "slice_chips", "quorum", "model_params"):
+        for name in ("chips", "learners", "inner_steps", "slice_chips", "quorum", "model_params", "fragments",
+                     "fragments_in_flight"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', ' ')} must be a positive integer")
+        if self.fragments > self.inner_steps:  # as a peer: a fragment's round at most once a step
+            raise ConfigError(f"fragments ({self.fragments}) cannot exceed H ({self.inner_steps})")
         if self.learners > self.chips:
             raise ConfigError(f"learners ({self.learners}) cannot exceed chips ({self.chips})")
         for name in ("mtbi_years", "step_seconds", "days"):
@@ -115,7 +123,8 @@ class SimParams:
         """The peer configuration the simulated learners run: the round rules come from it, as a peer's do."""
         return SwarmConfig(quorum=self.quorum, grace_gamma=self.grace_gamma, max_staleness=self.max_staleness,
                            wait_for_newest=self.wait_for_newest, wait_for_island=self.wait_for_island,
-                           compression=self.compression)
+                           compression=self.compression, fragments=self.fragments,
+                           fragments_in_flight=self.fragments_in_flight)
 
     def learner_chips(self, i: int) -> int:
         """Chips of learner i: an equal split, the remainder spread over the first learners."""

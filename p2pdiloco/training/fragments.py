@@ -153,16 +153,22 @@ class Streams:
     def in_flight(self) -> list[int]:
         return [i for i, part in enumerate(self.parts) if part.in_flight is not None]
 
-    def due(self, allowed: Callable[[int], bool] = lambda i: True) -> list[int]:
+    def due(self, allowed: Callable[[int], bool] = lambda i: True,
+            looking: Callable[[int], bool] = lambda i: False) -> list[int]:
         """The fragments whose rounds should leave now, τ in flight at most: the longest overdue first (in
         fragment order among equals), so that a fragment held back by τ is not passed over by the others'
-        next rounds. `allowed(i)`: whether fragment i may contribute at all now."""
+        next rounds; then those whose peers are `looking(i)` for an island for them, with half a round of steps
+        to give (`Stagger.joins_early`: a peer out of phase falls back in). `allowed(i)`: whether fragment i may
+        contribute at all now."""
         overdue = []
         for i, part in enumerate(self.parts):
             if part.in_flight is None and allowed(i):
-                late = self.stagger.overdue(i, self.trainer.total_steps - self._since(i), self.left_at[i] is not None)
+                since = self.trainer.total_steps - self._since(i)
+                late = self.stagger.overdue(i, since, self.left_at[i] is not None)
                 if late >= 0:
                     overdue.append((-late, i))
+                elif self.stagger.joins_early(since) and looking(i):
+                    overdue.append((1, i))
         room = self.stagger.in_flight - len(self.in_flight)
         return [i for _, i in sorted(overdue)[:max(0, room)]]
 
@@ -272,14 +278,16 @@ def train_streams(streams: Streams, should_leave: Callable[[], bool],
                   on_round: Callable[[int, Settled], None] = lambda i, s: None,
                   final_wait: Callable[[], float] = lambda: 120.0,
                   on_contribute: Callable[[int, Contribution], None] = lambda i, c: None,
-                  ready: Callable[[int], bool] = lambda i: True) -> None:
+                  ready: Callable[[int], bool] = lambda i: True,
+                  looking: Callable[[int], bool] = lambda i: False) -> None:
     """`training.diloco.train` for fragments: inner steps until `should_leave()`, each fragment's round leaving
-    when the stagger says and `ready(i)` (a restarted peer contributes once it has joined; a fragment that has
+    when the stagger says, or early where others are `looking(i)` for an island for it (`Streams.due`), and
+    `ready(i)` (a restarted peer contributes once it has joined; a fragment that has
     done its rounds stops, rather than look for an island its peers, done too, have left), outcomes applied
     between steps as they arrive; at the end, the rounds in flight may finish within `final_wait()`, and are
     abandoned otherwise (their steps stay unmerged)."""
     while not should_leave():
-        for i in streams.due(ready):
+        for i in streams.due(ready, looking):
             streams.contribute(i)
             on_contribute(i, streams.parts[i].in_flight.contribution)
         loss, seconds = streams.inner_step()

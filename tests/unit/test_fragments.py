@@ -328,3 +328,23 @@ def test_a_fragment_not_ready_sends_no_round_and_the_others_go_on():
                   ready=lambda i: i != 1)  # fragment 1 has done its rounds (--max-rounds), say
     assert 1 not in rounds and {0, 2} <= set(rounds)
     assert streams.versions[1] == 0 and streams.parts[1].unmerged_steps == 12
+
+
+def test_a_fragment_goes_along_with_its_peers_island_once_it_has_half_a_round_of_steps():
+    """A peer restarted out of phase with the swarm would look for each fragment's islands at its own steps, where
+    nobody else is; where the others are looking for an island for fragment i, i goes with half a round or more
+    (after every overdue fragment, and within τ)."""
+    base = make_diloco(SoloMerger())
+    gates = [Gate() for _ in range(4)]
+    streams = Streams(base.trainer, base.state, lambda i, clock, state: gates[i], Stagger(4, 8, in_flight=2), "me", "me")
+    for _ in range(3):
+        streams.inner_step()
+    assert streams.due(looking=lambda i: i == 3) == [0]  # 0 is due at 2; 3 has 3 steps, under H/2
+    streams.inner_step()
+    assert streams.due(looking=lambda i: i == 3) == [0, 1]  # overdue first (1 is due at 4); τ: no room for 3
+    streams.contribute(0)
+    assert streams.due(looking=lambda i: i == 3) == [1]
+    assert streams.due(allowed=lambda i: i != 1, looking=lambda i: i == 3) == [3]  # early, 4 steps in
+    assert streams.due(allowed=lambda i: i != 1) == []  # nobody looking: 3 waits for its step 8
+    for gate in gates:
+        gate.open.set()
