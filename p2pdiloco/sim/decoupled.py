@@ -185,11 +185,10 @@ class DecoupledSim:
         (`Stagger.joins_early`), then are next due H steps on, as a peer's; P = 1 never does."""
         if self.p.fragments == 1:
             return
-        looking = {x.lane for x in self.learners if x.up and x.seen()[3] >= 0}
+        looking = {x.lane for x in self.learners if x.up and x.seen()[3] >= 0}  # never x itself: it has no round
         for x in self.learners:
             if (x.lane in looking and x.up and x.round is None and not x.due
                     and self._in_flight(x.index) < self.p.fragments_in_flight
-                    and any(y is not x and y.up and y.seen()[3] >= 0 for y in self._swarm(x.lane))
                     and self.stagger.joins_early(x.steps_in([(x.anchor, t)]))):
                 x.schedule += 1
                 self._next_contribution(t, x)
@@ -239,7 +238,7 @@ class DecoupledSim:
             else:
                 island.members.remove(learner)  # left during matchmaking: the others go on without it
             learner.island = None
-        self._push(learner.work.next_start(t), "restart", learner, learner.life)  # its contributions' life is over
+        self._push(learner.work.next_start(t), "restart", learner, learner.life)
 
     def _on_restart(self, t: float, learner: Learner, life: int) -> None:
         if life != learner.life:
