@@ -151,9 +151,14 @@ class Learner:
     diloco: DiLoCo
 
 
+# the learners of a synchronous row train one after another, so the first one's round waits at the barrier for the
+# others' H steps each: 10 minutes were not enough for 3 learners of 27 M parameters at 2 s a step on a CPU
+SYNC_WAIT = 24 * 3600.0
+
+
 def sync_rules(h: int, wire: Optional[Wire] = None) -> RoundRules:
     """Synchronous rounds: everyone waits for everyone at the same version, then one island merges them all."""
-    return RoundRules(mode="sync", sync_wait=600.0, overlap_steps=h, grace=GracePolicy(floor=30.0, cap=60.0),
+    return RoundRules(mode="sync", sync_wait=SYNC_WAIT, overlap_steps=h, grace=GracePolicy(floor=30.0, cap=60.0),
                       poll=0.05, rda_segments=wire.rda_segments if wire else ())
 
 
