@@ -251,10 +251,7 @@ class StreamedStay:
         return not done and all(lane.membership.joined for lane in self.lanes)
 
     def _others_looking(self, i: int) -> bool:
-        """Other peers look for an island for fragment i: their records as last fetched (no DHT request)."""
-        beat = self.lanes[i].merger.heartbeat
-        me = beat.record.peer
-        return any(r.peer != me and r.ready >= 0 for r in beat.records())
+        return self.lanes[i].merger.heartbeat.others_looking()
 
     def _evaluate_global(self) -> float:
         """Validation loss of Θ whole, from the fragments' parts (each at its own version)."""

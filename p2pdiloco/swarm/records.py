@@ -238,6 +238,11 @@ class LaneBeat:
     def fetch(self) -> list[PeerRecord]:
         return self._lanes(self.beat.fetch(max_age=SHARED_FETCH_AGE))
 
+    def others_looking(self) -> bool:
+        """Another peer looks for an island for this fragment (its `ready`), as last fetched: no DHT request."""
+        me = self.beat.record.peer
+        return any(r.peer != me and r.ready >= 0 for r in self.records())
+
     def start(self) -> "LaneBeat":
         self.beat.start()
         return self

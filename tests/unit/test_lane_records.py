@@ -51,6 +51,17 @@ def test_fragments_polling_side_by_side_make_one_fetch_and_each_sees_its_own_fra
     assert fetches == ["run", "run"]
 
 
+def test_a_fragment_sees_whether_another_peer_looks_for_an_island_for_it(monkeypatch):
+    """What lets a restarted peer's fragment go along with its peers' island (`Streams.due(looking=…)`): another
+    peer's `ready` in that fragment's lane, never our own, and none of another fragment's."""
+    them = peer_of_three(THEM)
+    them = dataclasses.replace(them, lanes=[them.lanes[0], {**them.lanes[1], "ready": 7}])
+    monkeypatch.setattr(records, "fetch_records", lambda dht, run_id: [them, peer_of_three(ME, ready=3)])
+    beat = records.Heartbeat(None, "run", peer_of_three(ME, ready=3), ME)
+    beat.fetch()
+    assert [records.LaneBeat(beat, i).others_looking() for i in range(3)] == [False, False, True]
+
+
 def test_the_heartbeat_starts_and_withdraws_once_whichever_fragment_asks():
     dht = StoringDHT()  # its fetches fail (it has no get): the beat goes on, as with a DHT that is down
     beat = records.Heartbeat(dht, "run", peer_of_three(ME), ME)
