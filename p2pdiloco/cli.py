@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import tomllib
 import types
@@ -153,8 +154,6 @@ def config_or_usage_error(options: dict) -> PeerConfig:
 def launch_ranks(nproc: int) -> typing.NoReturn:
     """This process becomes torchrun, which starts `nproc` ranks of this same command (less --nproc): the same pid,
     so a signal to it reaches the ranks as torchrun's would."""
-    import os
-
     from p2pdiloco.ops.launcher import ranks_command, without_option
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -176,24 +175,48 @@ def cli():
 @click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
               help="Train as one member of this many local processes (torchrun's ranks: one per GPU of a box, or "
               "CPU processes), as `torchrun --standalone --nproc-per-node N -m p2pdiloco.cli join ...` does.")
-def join(nproc: int, **options):
+@click.option("--restarts", type=click.IntRange(min=0), default=5, show_default=True,
+              help="Restart the peer at once after a crash (a signal such as SIGKILL or the out-of-memory killer, "
+              "or an unhandled error), forked from a process that has imported its code already: it resumes from "
+              "its checkpoint in about a second. This many failed starts in a row (lives that never trained) "
+              "end it. 0: no supervisor.")
+def join(nproc: int, restarts: int, **options):
     """Join a swarm (or start one, without --initial-peers) and train."""
     cfg = config_or_usage_error(options)
     if nproc > 1:
         launch_ranks(nproc)
-    from p2pdiloco.training.data import DataError
-    from p2pdiloco.peer import log_file, run_peer
+    from p2pdiloco.runtime import supervise
+
+    supervisor = None
+    if restarts > 0 and supervise.supported() and "WORLD_SIZE" not in os.environ:  # torchrun restarts its ranks
+        supervisor = supervise.Supervisor(supervise.RestartRule(failed_starts=restarts))
+    from p2pdiloco.peer import log_file, preload, run_peer
     from p2pdiloco.runtime.logs import configure_logging
-    from p2pdiloco.swarm.node import SwarmConnectError
-    from p2pdiloco.training.checkpoint import CheckpointWriteError
 
     configure_logging(log_file(cfg))
+    life = supervisor.fork_lives(preload=lambda: preload(cfg)) if supervisor is not None else None
+    _run_peer_or_exit(cfg, run_peer, life)
+
+
+def _run_peer_or_exit(cfg: PeerConfig, run_peer, life) -> None:
+    """One-line errors that need the user exit 1 (click's way); any other error is a crash, which a supervisor
+    restarts."""
+    from p2pdiloco.runtime.supervise import EXIT_CRASH
+    from p2pdiloco.swarm.node import SwarmConnectError
+    from p2pdiloco.training.checkpoint import CheckpointWriteError
+    from p2pdiloco.training.data import DataError
+
     try:
-        run_peer(cfg)
+        run_peer(cfg, life)
     except (SwarmConnectError, DataError, CheckpointWriteError, ConfigError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
         sys.exit(130)
+    except Exception:
+        import traceback
+
+        traceback.print_exc()
+        sys.exit(EXIT_CRASH)
 
 
 @cli.command()

@@ -15,7 +15,9 @@ from p2pdiloco.parts.follower import run_follower
 from p2pdiloco.parts.startup import start
 from p2pdiloco.parts.streamed import start_streamed
 from p2pdiloco.parts.workload import pick_device
+from p2pdiloco.training.model import import_model_code
 from p2pdiloco.runtime.signals import on_stop_signals
+from p2pdiloco.runtime.supervise import Life
 from p2pdiloco.training.ranks import follows_rank_0
 
 __all__ = ["Peer", "pick_device", "run_peer"]
@@ -25,12 +27,15 @@ log = logging.getLogger("p2pdiloco")
 class Peer:
     """The lifecycle, and the one thing a signal handler may touch: the stop."""
 
-    def __init__(self, cfg: PeerConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: PeerConfig, life: Optional[Life] = None):
+        self.cfg, self.life = cfg, life
         self.stop = threading.Event()
 
     def run(self) -> dict:
-        stay = (start_streamed if self.cfg.swarm.fragments > 1 else start)(self.cfg, self.stop)
+        since = self.life.began if self.life is not None else None  # a supervisor's first life: its imports too
+        stay = (start_streamed if self.cfg.swarm.fragments > 1 else start)(self.cfg, self.stop, since)
+        if self.life is not None:  # its supervisor counts it as a life that started
+            self.life.trained()
         try:
             return stay.train()
         finally:
@@ -49,10 +54,16 @@ def log_file(cfg: PeerConfig) -> Optional[Path]:
     return cfg.log_dir / (f"{cfg.name}.log" if not follows_rank_0() else f"{cfg.name}-rank{os.environ['RANK']}.log")
 
 
-def run_peer(cfg: PeerConfig) -> dict:
+def preload(cfg: PeerConfig) -> None:
+    """Import what a peer's start would (this module did the rest): a supervisor forks its peers after this."""
+    import_model_code(cfg.model)
+
+
+def run_peer(cfg: PeerConfig, life: Optional[Life] = None) -> dict:
+    """`life`: this process is one life of a supervised peer (`runtime.supervise`)."""
     if follows_rank_0():  # torchrun's other ranks of this member: they train beside rank 0, the peer
         return run_follower(cfg)
-    peer = Peer(cfg)
+    peer = Peer(cfg, life)
     on_stop_signals(peer.request_stop)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack to stderr
     try:

@@ -29,9 +29,10 @@ from p2pdiloco.training.ranks import Ranks, ranks_from_env
 from p2pdiloco.training.spill import OnDisk
 
 
-def start(cfg: PeerConfig, stop: threading.Event) -> Stay:
-    """Everything up to the first inner step; what it started is stopped again should a later part fail."""
-    clock = Stopwatch()
+def start(cfg: PeerConfig, stop: threading.Event, since: Optional[float] = None) -> Stay:
+    """Everything up to the first inner step; what it started is stopped again should a later part fail. `since`:
+    when the start began, if not at this process's start (a supervisor's first life: its supervisor's)."""
+    clock = Stopwatch(since)
     clock.mark("imports")
     seams = seams_for(FaultPlan.parse(cfg.swarm.fault_plan))
     warm = resumes_warm(cfg)  # read before the fork: the metadata only

@@ -111,9 +111,9 @@ class Lane:
     log: RoundLog
 
 
-def start_streamed(cfg: PeerConfig, stop: threading.Event) -> "StreamedStay":
+def start_streamed(cfg: PeerConfig, stop: threading.Event, since: Optional[float] = None) -> "StreamedStay":
     """Everything up to the first inner step, in the order `parts.startup.start` follows."""
-    clock = Stopwatch()
+    clock = Stopwatch(since)
     clock.mark("imports")
     seams = seams_for(FaultPlan.parse(cfg.swarm.fault_plan))
     warm = resumes_warm(cfg)

@@ -103,6 +103,20 @@ def resolve_config(model: str, vocab_size: int, max_positions: int = MIN_POSITIO
     return config
 
 
+def import_model_code(model: str) -> None:
+    """Import the `transformers` classes that build --model (lazy imports, seconds each) without building it: a
+    preset's, or a local config's. A hub id is left to the peer (it may need the network), as is any error."""
+    import transformers
+
+    try:
+        config = preset_config(model_preset(model), 256) if model in MODEL_PRESETS else \
+            _load_config(model) if Path(model).exists() else None
+        if config is not None:
+            transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except (ModelError, KeyError, ValueError):
+        pass
+
+
 def _causal_types() -> set[str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 

@@ -96,7 +96,8 @@ def test_sigkill_during_allreduce_leaves_survivors_equal_and_training(tmp_path):
     with local_swarm(tmp_path, "kill") as swarm:
         for name in names[:3]:
             swarm.start_peer(name, "-H", "12", "--max-rounds", "6")
-        swarm.start_peer("victim", "-H", "12", "--max-rounds", "6", env={FAULTS_ENV: "die_in_allreduce@1"})
+        swarm.start_peer("victim", "-H", "12", "--max-rounds", "6", "--restarts", "0",  # a death, not a crash
+                         env={FAULTS_ENV: "die_in_allreduce@1"})
         deadline = time.monotonic() + 300
         victim_tree = {}
         while swarm.procs["victim"].poll() is None and time.monotonic() < deadline:

@@ -255,7 +255,7 @@ def test_a_peer_that_has_left_ignores_sigterm_while_its_interpreter_exits(monkey
     from p2pdiloco import peer as peer_module
 
     class Finished:
-        def __init__(self, cfg):
+        def __init__(self, cfg, life=None):
             self.asked = 0
 
         def request_stop(self, *_):
@@ -299,11 +299,12 @@ def test_a_first_ctrl_c_asks_the_peer_to_leave_after_its_step_and_a_second_leave
     with pytest.raises(KeyboardInterrupt):
         peer_module.Peer.request_stop(stub)
 
-    def interrupted(cfg):
+    def interrupted(cfg, life=None):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(peer_module, "run_peer", interrupted)
-    result = CliRunner().invoke(cli, ["join", "--model", "tiny", "--eval-every", "0"])
+    # --restarts 0: no supervisor, which would fork this test process
+    result = CliRunner().invoke(cli, ["join", "--model", "tiny", "--eval-every", "0", "--restarts", "0"])
     assert result.exit_code == 130 and "Traceback" not in result.output
 
 
@@ -322,6 +323,19 @@ def test_join_help_lists_its_options_by_config_section():
     assert "--inner-lr" in sections["Inner steps"] and "--outer-lr" in sections["Outer step"]
     assert "--initial-peers" in sections["Meeting the swarm"]
     assert "--compression" in sections["Rounds, islands and the wire"]
-    assert sections["Other options"] == ["--profile", "--nproc"] and "-h, --help" in result.output
+    assert sections["Other options"] == ["--profile", "--nproc", "--restarts"] and "-h, --help" in result.output
     listed = [option for options in sections.values() for option in options]
     assert len(listed) == len(set(listed)) > 60
+
+
+def test_an_unhandled_error_in_a_peer_is_a_crash_that_a_supervisor_restarts(monkeypatch):
+    """Not a one-line error for the user (exit 1, left alone) but sysexits' EX_SOFTWARE, with its traceback."""
+    from p2pdiloco import peer as peer_module
+    from p2pdiloco.runtime.supervise import EXIT_CRASH
+
+    def broken(cfg, life=None):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(peer_module, "run_peer", broken)
+    result = CliRunner().invoke(cli, ["join", "--model", "tiny", "--restarts", "0"])
+    assert result.exit_code == EXIT_CRASH == 70
