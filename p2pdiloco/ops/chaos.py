@@ -21,12 +21,13 @@ from pathlib import Path
 from typing import Optional
 
 from p2pdiloco.ops.launcher import join_command, start_bootstrap, start_process, stop_tree
-from p2pdiloco.runtime.lifeline import descendants
+from p2pdiloco.runtime.lifeline import children, descendants
 from p2pdiloco.runtime.metrics import read_jsonl
 from p2pdiloco.runtime.schema import Record, parse_records, read_records
 from p2pdiloco.ops.swarmreport import Life, split_lives, summarize
 
 PHASES = ("training", "in_round", "joining")
+KILL_TARGETS = ("peer", "worker")
 STEP_WINDOW = 10  # inner steps per `window` record (peer.WINDOW, kept here to avoid importing torch)
 
 
@@ -38,6 +39,10 @@ class ChaosPlan:
     freeze_every: float = 90.0  # SIGSTOP a whole peer tree for `freeze_seconds`; 0: never
     freeze_seconds: tuple[float, float] = (5.0, 20.0)
     restart_after: tuple[float, float] = (2.0, 10.0)  # a killed peer comes back (same name, own checkpoint)
+    # what a kill takes: "peer", the whole process tree (a machine lost: it comes back after `restart_after`);
+    # "worker", the supervised peer's own process and its helpers (a crash: its supervisor forks the next life);
+    # "mixed", either, drawn at each kill
+    kill: str = "peer"
     add_every: float = 150.0  # a newcomer joins; 0: never
     max_peers: int = 6  # slots, newcomers included
     min_alive: int = 2  # never kill or freeze below this many running, unfrozen peers
@@ -179,19 +184,37 @@ class Chaos:
         if not pool:
             return False
         victim = self.rng.choice(pool)
-        self._kill(victim, self.phase(victim), wanted=want)
-        return True
+        return self._kill(victim, self.phase(victim), wanted=want)
 
     def _candidates(self) -> list[Slot]:
         return [s for s in self.slots.values() if s.available]
 
-    def _kill(self, slot: Slot, phase: str, wanted: str) -> None:
+    def _kill(self, slot: Slot, phase: str, wanted: str) -> bool:
+        target = self.rng.choice(KILL_TARGETS) if self.plan.kill == "mixed" else self.plan.kill
+        if target == "worker":
+            return self._kill_worker(slot, phase, wanted)
         tree = {slot.proc.pid: 0, **descendants(slot.proc.pid)}
         for pid in tree:
             _signal(pid, signal.SIGKILL)
         slot.proc.wait()
         slot.restart_at = time.time() + self.rng.uniform(*self.plan.restart_after)
-        self._event("kill", slot.name, phase=phase, wanted=wanted)
+        self._event("kill", slot.name, phase=phase, wanted=wanted, target="peer")
+        return True
+
+    def _kill_worker(self, slot: Slot, phase: str, wanted: str) -> bool:
+        """SIGKILL the life its supervisor forked, and that life's helpers: the supervisor forks the next one at
+        once, so the next life is counted from the kill."""
+        workers = children(slot.proc.pid)
+        if not workers:  # between two lives
+            return False
+        for worker in workers:
+            for pid in {worker: 0, **descendants(worker)}:
+                _signal(pid, signal.SIGKILL)
+        self._event("kill", slot.name, phase=phase, wanted=wanted, target="worker")
+        slot.spawns.append(time.time())
+        slot.started = False
+        self._event("spawn", slot.name, via="supervisor")
+        return True
 
     def _freeze(self) -> bool:
         candidates = [s for s in self._candidates() if self.phase(s) != "joining"]
@@ -281,6 +304,7 @@ def report_from_logs(log_dir: Path, planned_peers: int) -> dict:
     return dict(
         seconds=round(end - start, 1), slots=len(slots),
         kills=len(kills), kills_by_phase={p: sum(e["phase"] == p for e in kills) for p in PHASES},
+        kills_by_target={t: sum(e.get("target", "peer") == t for e in kills) for t in KILL_TARGETS},
         freezes=sum(e["event"] == "freeze" for e in events),
         restarts=sum(e["event"] == "spawn" for e in events) - len(slots),
         exits=sum(e["event"] == "exit" for e in events),

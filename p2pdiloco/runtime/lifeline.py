@@ -42,6 +42,12 @@ def descendants(root: int) -> dict[int, int]:
     return found
 
 
+def children(parent: int) -> list[int]:
+    """The live processes whose parent is `parent` (a supervisor's: its peer's current life)."""
+    return sorted(int(e) for e in os.listdir("/proc")
+                  if e.isdigit() and (st := _stat(int(e))) is not None and st[0] == parent)
+
+
 SHM = Path("/dev/shm")
 
 

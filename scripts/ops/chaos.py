@@ -8,7 +8,8 @@ validation loss of the global model. Run it inside a loopback-only namespace:
 
     unshare -n bash -c 'ip link set lo up && .venv/bin/python scripts/ops/chaos.py --seconds 600'
 
-Usage: python scripts/ops/chaos.py [--peers 5] [--seconds 600] [--kill-every 30] [--no-baseline] [-- join flags]
+Usage: python scripts/ops/chaos.py [--peers 5] [--seconds 600] [--kill-every 30] [--kill peer|worker|mixed]
+                                  [--no-baseline] [-- join flags]
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from pathlib import Path
 from p2pdiloco.ops.chaos import Chaos, ChaosPlan
 
 DEFAULT_JOIN = ["--model", "tiny", "--threads", "1", "-H", "20", "--eval-every", "0", "--checkpoint-every", "1"]
-SHOWN = ["seconds", "slots", "kills", "kills_by_phase", "freezes", "restarts", "exits", "newcomers", "goodput",
-         "goodput_of_alive_time", "utilization", "uptime", "uptime_window_seconds", "versions", "model_tokens",
-         "longest_stall_seconds", "longest_without_merge_seconds", "join_seconds_median", "join_seconds_max",
-         "restart_seconds_median",
+SHOWN = ["seconds", "slots", "kills", "kills_by_phase", "kills_by_target", "freezes", "restarts", "exits",
+         "newcomers", "goodput", "goodput_of_alive_time", "utilization", "uptime", "uptime_window_seconds", "versions",
+         "model_tokens", "longest_stall_seconds", "longest_without_merge_seconds", "join_seconds_median",
+         "join_seconds_max", "restart_seconds_median",
          "rounds", "rounds_merged", "rounds_with_fork", "max_fork_distance", "final_fork_distance", "split_islands",
          "final_val_median", "final_val", "loss_per_kill_seconds_max", "loss_per_kill_seconds_median"]
 
@@ -33,6 +34,10 @@ def main():
     parser.add_argument("--peers", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=600)
     parser.add_argument("--kill-every", type=float, default=30)
+    parser.add_argument("--kill", choices=["peer", "worker", "mixed"], default="peer",
+                        help="peer: SIGKILL a peer's whole process tree, restarted after 2-10 s (a machine lost); "
+                        "worker: its supervised process only, which its supervisor restarts at once (a crash); "
+                        "mixed: either, drawn at each kill")
     parser.add_argument("--freeze-every", type=float, default=90)
     parser.add_argument("--add-every", type=float, default=150)
     parser.add_argument("--max-peers", type=int, default=6)
@@ -42,8 +47,8 @@ def main():
     parser.add_argument("join", nargs="*", help="`p2pdiloco join` flags for every peer (after --)")
     a = parser.parse_args()
     join = a.join or DEFAULT_JOIN
-    plan = ChaosPlan(peers=a.peers, seconds=a.seconds, kill_every=a.kill_every, freeze_every=a.freeze_every,
-                     add_every=a.add_every, max_peers=a.max_peers, seed=a.seed)
+    plan = ChaosPlan(peers=a.peers, seconds=a.seconds, kill_every=a.kill_every, kill=a.kill,
+                     freeze_every=a.freeze_every, add_every=a.add_every, max_peers=a.max_peers, seed=a.seed)
     results = {}
     if not a.no_baseline:
         results["failure-free"] = Chaos(plan.failure_free, a.log_dir / "failure-free", join).run()
