@@ -49,7 +49,12 @@ def measured(run_dir: Path) -> dict:
                 checkpoint_seconds=statistics.median(gaps) if gaps else CHECKPOINT_FLOOR,
                 join_seconds=report["join_seconds_median"], seconds=report["seconds"], goodput=report["goodput"],
                 goodput_of_alive_time=report["goodput_of_alive_time"], utilization=report["utilization"],
-                kills=report["kills"])
+                kills=report["kills"], peer_kills=report.get("kills_by_target", {}).get("peer", report["kills"]))
+
+
+def restart_delay(m: dict, plan: ChaosPlan) -> float:
+    """The chaos tool's mean wait before it restarts a killed peer; a killed worker's supervisor waits for nothing."""
+    return sum(plan.restart_after) / 2 * m["peer_kills"] / max(1, m["kills"])
 
 
 def chaos_params(m: dict, plan: ChaosPlan, h: int, restart: float) -> SimParams:
@@ -58,7 +63,7 @@ def chaos_params(m: dict, plan: ChaosPlan, h: int, restart: float) -> SimParams:
     often as the run's peers wrote one)."""
     per_peer_mtbi = plan.kill_every * plan.peers  # kills land on one of the live peers, uniformly
     return SimParams(chips=plan.peers, learners=plan.peers, mtbi_years=per_peer_mtbi / YEAR, failure="restart",
-                     repair_seconds=sum(plan.restart_after) / 2 + restart, step_seconds=m["step_seconds"],
+                     repair_seconds=restart_delay(m, plan) + restart, step_seconds=m["step_seconds"],
                      inner_steps=h, sync_seconds=m["sync_seconds"], model_params=1, days=m["seconds"] / 86400,
                      checkpoint_seconds=m["checkpoint_seconds"], seed=0)
 
@@ -74,7 +79,7 @@ def main():
     m, plan = measured(a.run_dir), ChaosPlan()
     here = chaos_params(m, plan, a.H, restart=m["join_seconds"])
     solo = a.solo_step or here.step_seconds
-    own = replace(here, repair_seconds=sum(plan.restart_after) / 2 + a.restart, step_seconds=solo,
+    own = replace(here, repair_seconds=restart_delay(m, plan) + a.restart, step_seconds=solo,
                   checkpoint_seconds=here.checkpoint_seconds * solo / here.step_seconds)  # a merge every H steps
     own_no_delay = replace(own, repair_seconds=a.restart)
     print(f"measured: {json.dumps(m)}")
