@@ -113,12 +113,12 @@ class Supervisor:
             log.warning(f"supervisor: the peer {death.describe()}; life {self.lives + 1} starts"
                         + (f" in {delay:.0f} s ({failed} failed starts in a row)" if delay else " now"))
             self._pause(delay)
-        sys.exit(130)
+        sys.exit(0)  # asked to stop between two lives: nothing ran, nothing to save
 
     def _wait(self, pid: int, ready_r: int) -> Death:
         _, status = os.waitpid(pid, 0)  # a stop signal runs _forward and the wait resumes (PEP 475)
         self.child = None
-        trained = len(os.read(ready_r, 1)) > 0  # EOF without a byte: it never trained
+        trained = _has_byte(ready_r)
         os.close(ready_r)
         if os.WIFSIGNALED(status):
             return Death(None, os.WTERMSIG(status), trained, self.stopping)
@@ -166,6 +166,15 @@ class Life:
             os.write(self._ready, b"1")
             os.close(self._ready)
             self._ready = None
+
+
+def _has_byte(fd: int) -> bool:
+    """Whether the life wrote its byte. Never waits: the helpers it forked hold the pipe's other end a while."""
+    os.set_blocking(fd, False)
+    try:
+        return len(os.read(fd, 1)) > 0
+    except BlockingIOError:
+        return False
 
 
 def _die_with(parent: int) -> None:

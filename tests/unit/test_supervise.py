@@ -30,6 +30,11 @@ LIVES = textwrap.dedent("""
     if act.startswith("train"):
         life.trained()
         act = act[len("train-"):]
+    if act == "helper-kill":  # a forked helper outlives it a while, holding what it inherited
+        if os.fork() == 0:
+            time.sleep(8)
+            os._exit(0)
+        act = "kill"
     if act == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if act == "crash":
@@ -68,6 +73,12 @@ def test_a_killed_or_crashed_life_is_followed_at_once_by_a_fork_of_the_superviso
 def test_an_exit_that_a_restart_cannot_help_ends_the_supervisor_with_its_code(tmp_path, script, code):
     proc, journal = supervise(script, tmp_path)
     assert len(lives(journal)) == 1 and proc.returncode == code
+
+
+def test_a_life_whose_helper_outlives_it_is_followed_without_waiting_for_the_helper(tmp_path):
+    proc, journal = supervise("helper-kill,0", tmp_path)
+    (_, _, _, first), (_, _, _, second) = lives(journal)
+    assert proc.returncode == 0 and float(second) - float(first) < 4.0
 
 
 def test_failed_starts_back_off_and_end_it(tmp_path):
