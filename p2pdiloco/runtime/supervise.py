@@ -104,6 +104,8 @@ class Supervisor:
                 os.close(ready_r)
                 return Life(self.pid, ready_w, self.lives, self.started if self.lives == 1 else None)
             self.child = pid
+            if self.stopping:  # a stop signal came between the fork and the line above: it was not passed on
+                os.kill(pid, signal.SIGTERM)
             os.close(ready_w)
             death = self._wait(pid, ready_r)
             failed = 0 if death.trained else failed + 1
