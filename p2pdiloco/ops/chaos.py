@@ -41,7 +41,7 @@ class ChaosPlan:
     restart_after: tuple[float, float] = (2.0, 10.0)  # a killed peer comes back (same name, own checkpoint)
     # what a kill takes: "peer", the whole process tree (a machine lost: it comes back after `restart_after`);
     # "worker", the supervised peer's own process and its helpers (a crash: its supervisor forks the next life);
-    # "mixed", either, drawn at each kill
+    # "mixed", the two in turn
     kill: str = "peer"
     add_every: float = 150.0  # a newcomer joins; 0: never
     max_peers: int = 6  # slots, newcomers included
@@ -86,6 +86,7 @@ class Chaos:
         self.bootstrap: Optional[subprocess.Popen] = None
         self.address = ""
         self.events_path = log_dir / "chaos-events.jsonl"
+        self.kills = 0
 
     # ---- the run ---------------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -190,9 +191,12 @@ class Chaos:
         return [s for s in self.slots.values() if s.available]
 
     def _kill(self, slot: Slot, phase: str, wanted: str) -> bool:
-        target = self.rng.choice(KILL_TARGETS) if self.plan.kill == "mixed" else self.plan.kill
-        if target == "worker":
-            return self._kill_worker(slot, phase, wanted)
+        target = KILL_TARGETS[self.kills % len(KILL_TARGETS)] if self.plan.kill == "mixed" else self.plan.kill
+        killed = (self._kill_worker if target == "worker" else self._kill_peer)(slot, phase, wanted)
+        self.kills += killed
+        return killed
+
+    def _kill_peer(self, slot: Slot, phase: str, wanted: str) -> bool:
         tree = {slot.proc.pid: 0, **descendants(slot.proc.pid)}
         for pid in tree:
             _signal(pid, signal.SIGKILL)
