@@ -83,7 +83,7 @@ def main():
                   checkpoint_seconds=here.checkpoint_seconds * solo / here.step_seconds)  # a merge every H steps
     own_no_delay = replace(own, repair_seconds=a.restart)
     print(f"measured: {json.dumps(m)}")
-    for label, p in (("this machine (as measured)", here), ("own machine, chaos restart delay", own),
+    for label, p in (("this machine (as measured)", here), ("own machine, the run's restart delay", own),
                      ("own machine, restarted at once", own_no_delay)):
         goodputs = [simulate(replace(p, seed=s), "decoupled").goodput for s in range(a.seeds)]
         calm = statistics.mean(simulate(replace(p, seed=s, mtbi_years=FAILURE_FREE), "decoupled").goodput
