@@ -15,9 +15,9 @@ from p2pdiloco.parts.follower import run_follower
 from p2pdiloco.parts.startup import start
 from p2pdiloco.parts.streamed import start_streamed
 from p2pdiloco.parts.workload import pick_device
-from p2pdiloco.training.model import import_model_code
 from p2pdiloco.runtime.signals import on_stop_signals
 from p2pdiloco.runtime.supervise import Life
+from p2pdiloco.training.model import import_model_code
 from p2pdiloco.training.ranks import follows_rank_0
 
 __all__ = ["Peer", "pick_device", "run_peer"]

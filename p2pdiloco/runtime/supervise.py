@@ -1,16 +1,16 @@
 """A peer that starts again by itself, in about a second, after it crashes.
 
-A restarted peer used to spend most of its restart importing torch, transformers and hivemind again (19.6 s of a
-median 20 s in a chaos run on 2 shared cores, 4.9 s of 5.7 s alone: docs/simulator.md). Here the command's
+A restarted peer used to spend most of its restart importing torch, transformers and hivemind again (16.4 s of a
+median 19.6 s in a chaos run on 2 shared cores, 4.9 s of 5.7 s alone: docs/simulator.md). Here the command's
 process becomes a supervisor: it imports that code once, then forks the peer from itself, and forks a new one
-the moment the old one dies. The child returns from `supervise` and runs exactly the code an unsupervised peer
-runs, so it exits the way one does; it resumes from its own checkpoint, as any restart does.
+the moment the old one dies. The child returns from `Supervisor.fork_lives` and runs exactly the code an
+unsupervised peer runs, so it exits the way one does; it resumes from its own checkpoint, as any restart does.
 
 What is restarted: a peer that died by a signal (SIGKILL, the kernel's out-of-memory killer, a segfault) or of an
 unhandled error (EXIT_CRASH). What is not: a clean exit, one of the one-line errors that need the user (exit 1:
 bad data, no peer reachable, a disk that cannot take a checkpoint), a stop the user asked for. A life that died
-before it trained is a failed start: those back off (1, 2, 4 … 60 s) and `failed_starts` of them in a row end
-the supervisor, so a peer that cannot start does not spin.
+before it reached its first inner step is a failed start: those back off (at once, then 1, 2, 4 … 60 s), and
+`failed_starts` of them in a row end the supervisor, so a peer that cannot start does not spin.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ class Supervisor:
 
 
 class Life:
-    """One life of a supervised peer, in the child: it tells the supervisor once it trains."""
+    """One life of a supervised peer, in the child: it tells the supervisor once it reaches its first inner step."""
 
     def __init__(self, supervisor: int, ready_fd: int, number: int, began: Optional[float]):
         self.number, self._ready = number, ready_fd

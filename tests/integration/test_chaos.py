@@ -47,7 +47,8 @@ def test_chaos_never_stops_training_never_mixes_a_round_and_forks_heal(tmp_path)
             assert any(r.fork_distance == 0.0 for r in tail), (life.slot, tail)
     # a crashed process's supervisor forks the next life from its own imports: it does not import torch again
     supervised = {e["time"] for e in read_jsonl(tmp_path / "chaos-events.jsonl") if e.get("via") == "supervisor"}
-    forked = [life.of_kind("start")[0].startup for life in lives if life.spawned in supervised and life.of_kind("start")]
+    forked = [life.of_kind("start")[0].startup for life in lives
+              if life.spawned in supervised and life.of_kind("start")]
     assert forked and all(startup["imports"] < 1.5 for startup in forked), forked
 
     # most of the inner-step time peers computed reached the global model: kills cost only the work since the
