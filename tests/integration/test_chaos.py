@@ -25,9 +25,12 @@ def test_chaos_never_stops_training_never_mixes_a_round_and_forks_heal(tmp_path)
         assert not slot.running and not alive(slot.proc.pid)
     lives = chaos.lives()
 
-    # training never stops: the global model advanced in every 30 s slice of the run
+    # training never stops: the global model advanced in every 30 s slice from the first inner step on (the cold
+    # start before it, four peers importing and tokenizing at once on 2 cores, took 16-25 s: a first slice from the
+    # run's start then held a merge or not by a second or two, as CI saw)
     times = swarmreport.advances(lives)
-    assert swarmreport.uptime(times, chaos.start, chaos.end, window=30.0) == 1.0, (times, report)
+    began = min(life.training_from for life in lives if life.training_from is not None)
+    assert swarmreport.uptime(times, began, chaos.end, window=30.0) == 1.0, (times, began, report)
     assert report["versions"] >= 8
 
     # no live peer ever applied a mixed or partial round: every island's members ended it with one state
