@@ -14,8 +14,8 @@ def config_fields():
 
 def test_every_join_option_is_a_config_field_with_the_same_default_and_help():
     fields = config_fields()
-    # --profile and --nproc (which starts torchrun) act before a config exists: the launch's, not the peer's
-    params = {p.name: p for p in cli.commands["join"].params if p.name not in ("profile", "nproc", "help")}
+    # --profile, --nproc (which starts torchrun) and --restarts (the supervisor) act around the peer: the launch's
+    params = {p.name: p for p in cli.commands["join"].params if p.name not in ("profile", "nproc", "restarts", "help")}
     assert params.keys() == fields.keys()
     for name, param in params.items():
         f = fields[name]
@@ -27,7 +27,7 @@ def test_every_join_option_is_a_config_field_with_the_same_default_and_help():
 
 def test_the_options_defaults_build_the_config_defaults():
     params = {p.name: (tuple(p.default) if p.multiple else p.default) for p in cli.commands["join"].params
-              if p.name not in ("profile", "nproc", "help")}
+              if p.name not in ("profile", "nproc", "restarts", "help")}
     assert build_config(params) == PeerConfig()
 
 
