@@ -30,7 +30,6 @@ from p2pdiloco.runtime.stopwatch import process_started
 log = logging.getLogger("p2pdiloco")
 
 EXIT_CRASH = 70  # sysexits' EX_SOFTWARE: an unhandled error, worth a restart
-RESTARTED_ON = frozenset({EXIT_CRASH})
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 PR_SET_PDEATHSIG = 1
 
@@ -45,7 +44,7 @@ class Death:
 
     @property
     def crashed(self) -> bool:
-        return self.signal is not None or self.code in RESTARTED_ON
+        return self.signal is not None or self.code == EXIT_CRASH
 
     @property
     def exit_code(self) -> int:

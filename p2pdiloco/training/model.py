@@ -108,11 +108,11 @@ def import_model_code(model: str) -> None:
     preset's, or a local config's. A hub id is left to the peer (it may need the network), as is any error."""
     import transformers
 
+    if model not in MODEL_PRESETS and not Path(model).exists():
+        return
     try:
-        config = preset_config(model_preset(model), 256) if model in MODEL_PRESETS else \
-            _load_config(model) if Path(model).exists() else None
-        if config is not None:
-            transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        config = preset_config(model_preset(model), 256) if model in MODEL_PRESETS else _load_config(model)
+        transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # the lookup imports the class's module
     except (ModelError, KeyError, ValueError):
         pass
 
