@@ -5,16 +5,23 @@ process dying, and a dead trainer's averager keeps joining rounds. This tiny pro
 outside its process tree's fate) snapshots the peer's descendants every `period` seconds and, once the peer
 is gone, kills exactly those PIDs (checking their start times, so a reused PID is never hit). It does the same
 after a normal exit, so a helper that did not stop within the peer's leave bound goes too. Linux only.
+
+Its cost is the peer's own tree, not the machine's: it walks the tree through each thread's `children` file and
+learns of the peer's death from a pidfd. Scanning every process's /proc/PID/stat four times a second took 1.1 %
+of a core beside 120 processes and 8.5 % beside 520 (a desktop's count), for every peer on the machine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 
 def _stat(pid: int) -> tuple[int, int] | None:
@@ -26,8 +33,32 @@ def _stat(pid: int) -> tuple[int, int] | None:
     return int(fields[1]), int(fields[19])
 
 
-def descendants(root: int) -> dict[int, int]:
-    """{pid: start time} of every live descendant of `root`."""
+def _children_files() -> bool:
+    """Whether the kernel lists each thread's children (CONFIG_PROC_CHILDREN, on in every major distribution)."""
+    return Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists()
+
+
+CHILDREN_FILES = _children_files()
+
+
+def _children_by_threads(pid: int) -> list[int]:
+    """pid's children, as its threads' children files list them (a child is listed under the thread that forked
+    it, or under the thread it passed to when that one ended)."""
+    kids: list[int] = []
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return kids
+    for tid in threads:
+        try:
+            kids += map(int, Path(f"/proc/{pid}/task/{tid}/children").read_text().split())
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            pass  # the thread ended meanwhile
+    return kids
+
+
+def _descendants_by_scan(root: int) -> dict[int, int]:
+    """The same by every process's parent: a cost of the machine's process count (kernels without the files)."""
     children: dict[int, list[int]] = {}
     starts: dict[int, int] = {}
     for entry in os.listdir("/proc"):
@@ -39,6 +70,19 @@ def descendants(root: int) -> dict[int, int]:
         for child in children.get(todo.pop(), []):
             found[child] = starts[child]
             todo.append(child)
+    return found
+
+
+def descendants(root: int) -> dict[int, int]:
+    """{pid: start time} of every live descendant of `root`."""
+    if not CHILDREN_FILES:
+        return _descendants_by_scan(root)
+    found, todo = {}, [root]
+    while todo:
+        for child in _children_by_threads(todo.pop()):
+            if child not in found and (st := _stat(child)) is not None:
+                found[child] = st[1]
+                todo.append(child)
     return found
 
 
@@ -89,18 +133,35 @@ def refresh(snapshot: dict[int, int], found: dict[int, int]) -> dict[int, int]:
     return {**kept, **found}
 
 
+@contextlib.contextmanager
+def _exit_of(pid: int) -> Iterator[Callable[[float], bool]]:
+    """A wait of at most so many seconds that returns True as soon as `pid` has exited (a pidfd turns readable);
+    where there are no pidfds (Linux before 5.3), a plain sleep that returns False."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # the pid gone already is the loop's to see
+        yield lambda seconds: time.sleep(seconds) or False
+        return
+    try:
+        yield lambda seconds: bool(select.select([fd], [], [], seconds)[0])
+    finally:
+        os.close(fd)
+
+
 def watch(parent: int, period: float = 0.25) -> None:
     parent_start = _stat(parent)
     if parent_start is None:
         return
     me = os.getpid()
     snapshot: dict[int, int] = {}
-    while (st := _stat(parent)) is not None and st[1] == parent_start[1] and st[0] != 0:
-        if os.getppid() != parent:  # we were reparented: the parent is gone even if its PID lingers
-            break
-        snapshot = refresh(snapshot, descendants(parent))
-        snapshot.pop(me, None)
-        time.sleep(period)
+    with _exit_of(parent) as exited:
+        while (st := _stat(parent)) is not None and st[1] == parent_start[1] and st[0] != 0:
+            if os.getppid() != parent:  # we were reparented: the parent is gone even if its PID lingers
+                break
+            snapshot = refresh(snapshot, descendants(parent))
+            snapshot.pop(me, None)
+            if exited(period):
+                break
     snapshot.update({pid: start for root in list(snapshot) for pid, start in descendants(root).items()})
     snapshot.pop(me, None)
     kill_snapshot(snapshot)
