@@ -88,6 +88,8 @@ def descendants(root: int) -> dict[int, int]:
 
 def children(parent: int) -> list[int]:
     """The live processes whose parent is `parent` (a supervisor's: its peer's current life)."""
+    if CHILDREN_FILES:
+        return sorted(pid for pid in set(_children_by_threads(parent)) if _stat(pid) is not None)
     return sorted(int(e) for e in os.listdir("/proc")
                   if e.isdigit() and (st := _stat(int(e))) is not None and st[0] == parent)
 

@@ -176,3 +176,21 @@ def test_a_peers_shared_tensors_leave_nothing_to_leak_and_need_no_manager(overri
         assert int(files) >= 1 and manager == "True", out.stdout
     else:
         assert int(files) == 0 and manager == "False", out.stdout
+
+
+def test_children_are_a_processs_own_not_its_grandchildren():
+    from p2pdiloco.runtime.lifeline import children
+
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                               "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+                               "print('up', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout.readline().strip() == "up"
+        assert parent.pid in children(os.getpid())
+        grandchildren = children(parent.pid)
+        assert len(grandchildren) == 1 and grandchildren[0] not in children(os.getpid())
+    finally:
+        for pid in descendants(parent.pid):
+            os.kill(pid, signal.SIGKILL)
+        parent.kill()
+        parent.wait()
