@@ -43,23 +43,32 @@ time.sleep(60)
 """
 
 
-def test_helpers_of_a_sigkilled_process_die_within_a_second():
-    peer = subprocess.Popen([sys.executable, "-c", PEER], stdout=subprocess.PIPE, text=True)
+def sigkill_and_see_its_tree_go(script: str, why: str) -> None:
+    """Run `script` (it prints its helper's pid, its watchdog beside it), SIGKILL it once the watchdog has
+    looked, and see the helper and the watchdog gone within 5 s."""
+    peer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         helper = int(peer.stdout.readline())
-        time.sleep(1.0)  # the lifeline has scanned at least once
+        deadline = time.monotonic() + 10
+        while len(descendants(peer.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
         tree = descendants(peer.pid)
-        assert helper in tree and len(tree) == 2  # the helper and the lifeline
+        assert helper in tree and len(tree) == 2, tree  # the helper and the watchdog
+        time.sleep(1.0)  # the watchdog's first snapshot (its imports, then one look)
         peer.send_signal(signal.SIGKILL)
         peer.wait()
         deadline = time.monotonic() + 5
         while any(alive(pid) for pid in tree) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not [pid for pid in tree if alive(pid)], "the helper (or the lifeline) outlived its peer"
+        assert not [pid for pid in tree if alive(pid)], why
     finally:
         for pid in descendants(peer.pid):
             os.kill(pid, signal.SIGKILL)
         peer.kill()
+
+
+def test_helpers_of_a_sigkilled_process_die_within_a_second():
+    sigkill_and_see_its_tree_go(PEER, "the helper (or the lifeline) outlived its peer")
 
 
 THREADED_PEER = """
@@ -79,25 +88,7 @@ time.sleep(60)
 
 
 def test_the_watchdog_finds_a_helper_whose_forking_thread_ended_and_wakes_when_its_peer_dies():
-    peer = subprocess.Popen([sys.executable, "-c", THREADED_PEER], stdout=subprocess.PIPE, text=True)
-    try:
-        helper = int(peer.stdout.readline())
-        deadline = time.monotonic() + 10
-        while len(descendants(peer.pid)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        tree = descendants(peer.pid)
-        assert helper in tree and len(tree) == 2, tree  # the helper and the watchdog
-        time.sleep(1.0)  # the watchdog's first snapshot (its imports, then one walk)
-        peer.send_signal(signal.SIGKILL)
-        peer.wait()
-        deadline = time.monotonic() + 5
-        while any(alive(pid) for pid in tree) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not [pid for pid in tree if alive(pid)], "the watchdog slept through its peer's death"
-    finally:
-        for pid in descendants(peer.pid):
-            os.kill(pid, signal.SIGKILL)
-        peer.kill()
+    sigkill_and_see_its_tree_go(THREADED_PEER, "the watchdog slept through its peer's death")
 
 
 def test_a_scan_reads_the_peers_tree_not_every_process_on_the_machine(monkeypatch):
