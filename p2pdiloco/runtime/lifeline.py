@@ -8,7 +8,7 @@ after a normal exit, so a helper that did not stop within the peer's leave bound
 
 Its cost is the peer's own tree, not the machine's: it walks the tree through each thread's `children` file and
 learns of the peer's death from a pidfd. Scanning every process's /proc/PID/stat four times a second took 1.1 %
-of a core beside 120 processes and 8.5 % beside 520 (a desktop's count), for every peer on the machine.
+of a core beside 120 processes and 5.8 % beside 520 (a desktop's count), for every peer on the machine.
 """
 
 from __future__ import annotations
