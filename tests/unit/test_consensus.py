@@ -54,5 +54,10 @@ def test_every_element_counts_once_with_a_sign_in_its_bucket_across_chunks():
         signs.add(s[bucket])
     assert signs == {1.0, -1.0}
     read = []
-    sketch(torch.ones(n), let_go=read.append)
+    sketch(torch.ones(n), let_go=read.append)  # bucket by bucket, each piece once, in order
+    assert [(r.start, r.stop) for r in read] == [(i * n // 64 + (i * n % 64 > 0), (i + 1) * n // 64
+                                                  + ((i + 1) * n % 64 > 0)) for i in range(64)]
+    read = []
+    one = sketch(torch.ones(n), k=1, let_go=read.append)  # a bucket longer than the signs' draw: in pieces
     assert read == [slice(0, consensus._CHUNK), slice(consensus._CHUNK, n)]
+    assert one == [float(consensus._signs().sum() + consensus._signs()[:1000].sum())]
