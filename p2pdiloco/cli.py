@@ -205,10 +205,11 @@ def _run_peer_or_exit(cfg: PeerConfig, run_peer, life) -> None:
     from p2pdiloco.swarm.node import SwarmConnectError
     from p2pdiloco.training.checkpoint import CheckpointWriteError
     from p2pdiloco.training.data import DataError
+    from p2pdiloco.training.tokenizer import TokenizerError
 
     try:
         run_peer(cfg, life)
-    except (SwarmConnectError, DataError, CheckpointWriteError, ConfigError) as e:
+    except (SwarmConnectError, DataError, TokenizerError, CheckpointWriteError, ConfigError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
         sys.exit(130)

@@ -339,3 +339,18 @@ def test_an_unhandled_error_in_a_peer_is_a_crash_that_a_supervisor_restarts(monk
     monkeypatch.setattr(peer_module, "run_peer", broken)
     result = CliRunner().invoke(cli, ["join", "--model", "tiny", "--restarts", "0"])
     assert result.exit_code == EXIT_CRASH == 70
+
+
+@pytest.mark.parametrize("tokenizer", ["tok.json", "./missing"])
+def test_a_tokenizer_that_cannot_load_is_one_clear_line_not_a_crash_to_restart(tmp_path, monkeypatch, tokenizer):
+    """A bad --tokenizer is found as the peer prepares its data, after the supervisor forked it: a crash there
+    was restarted five times, each with its traceback."""
+    from p2pdiloco import peer as peer_module
+    from p2pdiloco.training.tokenizer import load_tokenizer
+
+    (tmp_path / "tok.json").write_text('{"not": "a tokenizer"}')
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(peer_module, "run_peer", lambda cfg, life=None: load_tokenizer(cfg.tokenizer))
+    result = CliRunner().invoke(cli, ["join", "--model", "tiny", "--tokenizer", tokenizer, "--restarts", "0"])
+    assert result.exit_code == 1, result.output
+    assert f"--tokenizer {tokenizer}" in result.output and "Traceback" not in result.output
