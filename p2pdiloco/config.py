@@ -376,6 +376,9 @@ class PeerConfig:
     eval_every: int = option(1, "Evaluate after every N merged rounds (0: only at the end).")
     throttle: float = option(1.0, "Slow each inner step by this factor (emulates a slower machine).")
     threads: int = option(0, "torch threads (0: torch's default).")
+    nice: int = option(0, "Train at this CPU niceness (0-19) once started: the machine's own work comes first (a "
+                       "laptop stays responsive), and a peer restarting beside others starts at full speed. The "
+                       "swarm's helper processes, which serve the rounds, keep theirs.")
     device: str = option("auto", "auto, cpu, cuda or cuda:N.")
     log_dir: Path = option(Path("runs/logs"), "Where logs, metrics (JSONL) and address files go.", group="connect")
     checkpoint_dir: Path = option(Path("runs/checkpoints"),
@@ -428,6 +431,8 @@ class PeerConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"{name} must be positive, got {value}")
+        if not isinstance(self.nice, int) or not 0 <= self.nice <= 19:
+            raise ConfigError(f"nice must be an integer from 0 to 19, got {self.nice!r}")
         if self.throttle < 1.0 or not math.isfinite(self.throttle):
             raise ConfigError(f"throttle must be a finite factor >= 1, got {self.throttle}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -15,6 +15,7 @@ from p2pdiloco.parts.follower import run_follower
 from p2pdiloco.parts.startup import start
 from p2pdiloco.parts.streamed import start_streamed
 from p2pdiloco.parts.workload import pick_device
+from p2pdiloco.runtime.priority import train_at_niceness
 from p2pdiloco.runtime.signals import on_stop_signals
 from p2pdiloco.runtime.supervise import Life
 from p2pdiloco.training.model import import_model_code
@@ -36,6 +37,7 @@ class Peer:
         stay = (start_streamed if self.cfg.swarm.fragments > 1 else start)(self.cfg, self.stop, since)
         if self.life is not None:  # its supervisor counts it as a life that started
             self.life.trained()
+        train_at_niceness(self.cfg.nice)
         try:
             return stay.train()
         finally:
