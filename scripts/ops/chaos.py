@@ -44,9 +44,10 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-baseline", action="store_true", help="skip the failure-free run")
     parser.add_argument("--log-dir", type=Path, default=Path("runs/chaos"))
-    parser.add_argument("join", nargs="*", help="`p2pdiloco join` flags for every peer (after --)")
+    parser.add_argument("join", nargs="*", help="`p2pdiloco join` flags for every peer (after --), after the "
+                        f"defaults ({' '.join(DEFAULT_JOIN)}): a flag given again wins")
     a = parser.parse_args()
-    join = a.join or DEFAULT_JOIN
+    join = DEFAULT_JOIN + a.join  # not instead of them: `-- --nice 10` alone once ran `small` at H = 100
     plan = ChaosPlan(peers=a.peers, seconds=a.seconds, kill_every=a.kill_every, kill=a.kill,
                      freeze_every=a.freeze_every, add_every=a.add_every, max_peers=a.max_peers, seed=a.seed)
     results = {}
