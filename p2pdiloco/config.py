@@ -376,9 +376,10 @@ class PeerConfig:
     eval_every: int = option(1, "Evaluate after every N merged rounds (0: only at the end).")
     throttle: float = option(1.0, "Slow each inner step by this factor (emulates a slower machine).")
     threads: int = option(0, "torch threads (0: torch's default).")
-    nice: int = option(0, "Train at this CPU niceness (0-19) once started: the machine's own work comes first (a "
-                       "laptop stays responsive), and a peer restarting beside others starts at full speed. The "
-                       "swarm's helper processes, which serve the rounds, keep theirs.")
+    nice: int = option(0, "Train at this CPU niceness (0-19) once started (every rank of a member): the machine's "
+                       "own work comes first, and a peer restarting beside others starts at full speed. The "
+                       "swarm's helper processes, which serve the rounds, keep theirs, and take more CPU: five "
+                       "peers sharing two cores trained a third fewer tokens at 10 (docs/simulator.md).")
     device: str = option("auto", "auto, cpu, cuda or cuda:N.")
     log_dir: Path = option(Path("runs/logs"), "Where logs, metrics (JSONL) and address files go.", group="connect")
     checkpoint_dir: Path = option(Path("runs/checkpoints"),

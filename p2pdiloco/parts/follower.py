@@ -8,6 +8,7 @@ import signal
 
 from p2pdiloco.config import PeerConfig
 from p2pdiloco.parts.workload import member_stream, prepare
+from p2pdiloco.runtime.priority import train_at_niceness
 from p2pdiloco.training.inner import InnerTrainer
 from p2pdiloco.training.model import build_model
 from p2pdiloco.training.ranks import follow, ranks_from_env
@@ -24,6 +25,7 @@ def run_follower(cfg: PeerConfig) -> dict:
     # the stream's seed, θ and the optimizer's state come from rank 0 before the first step
     trainer = InnerTrainer(model, member_stream(cfg, workload, 0, ranks), cfg.inner, workload.device, cfg.throttle,
                            ranks)
+    train_at_niceness(cfg.nice)  # as rank 0 does: ranks in lockstep at one priority
     steps = follow(trainer)
     log.info("rank %d of %d: trained %d steps beside rank 0, which has left", ranks.rank, ranks.world, steps)
     return dict(rank=ranks.rank, steps=steps)

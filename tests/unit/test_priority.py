@@ -49,3 +49,23 @@ def test_nice_zero_changes_nothing_and_bad_values_are_refused():
     for bad in (-1, 20, 2.5):
         with pytest.raises(ConfigError, match="nice must be an integer from 0 to 19"):
             PeerConfig(nice=bad)
+
+
+def test_a_peer_lowers_its_priority_after_its_start_up_and_before_its_first_step(monkeypatch):
+    """The start-up (imports, helpers, checkpoint) at the priority the peer was started with; then the steps."""
+    from p2pdiloco import peer as peer_module
+
+    calls = []
+
+    class Stay:
+        def train(self):
+            calls.append("train")
+            return {}
+
+        def close(self):
+            calls.append("close")
+
+    monkeypatch.setattr(peer_module, "start", lambda cfg, stop, since: calls.append("start") or Stay())
+    monkeypatch.setattr(peer_module, "train_at_niceness", lambda nice: calls.append(f"nice {nice}"))
+    peer_module.Peer(PeerConfig(nice=5)).run()
+    assert calls == ["start", "nice 5", "train", "close"]
