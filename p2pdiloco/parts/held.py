@@ -32,13 +32,14 @@ class Tensors:
         if self.mirror is not None:
             self.mirror.let_go()
 
-    def park(self) -> None:
+    def park(self, give_back: bool = True) -> None:
         """Θ and the momentum are cold until a round starts or ends, an evaluation, a checkpoint or a joiner
         reads them (nothing to do where they are kept in memory). What the round's work freed goes back to the
-        kernel too (`runtime.heap`)."""
+        kernel too (`runtime.heap`), unless `give_back` is False."""
         self.vectors.let_go()
         self.let_go_of_model()
-        give_back_free_heap()
+        if give_back:
+            give_back_free_heap()
 
 
 def materialize(cfg: PeerConfig, workload: Workload) -> Tensors:

@@ -166,7 +166,7 @@ class Heartbeat:
         with self._lock:
             if self._stop.is_set():  # we are leaving: a store dated after our withdrawal would outlive it
                 return
-            value, expiration = dataclasses.asdict(self.record), get_dht_time() + TTL
+            value, expiration = self.record.value(), get_dht_time() + TTL
         bounded(self.dht.store(records_key(self.run_id), subkey=self.identity.subkey, value=value,
                                expiration_time=expiration, return_future=True), DHT_CALL_TIMEOUT)
 

@@ -18,6 +18,8 @@ import json
 import time
 from pathlib import Path
 
+from hivemind.utils.serializer import MSGPackSerializer
+
 from p2pdiloco.config import SwarmConfig
 from p2pdiloco.core.consensus import SKETCH_DIM
 from p2pdiloco.protocol.remote import PeerRecord
@@ -55,6 +57,7 @@ def main() -> int:
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--poll", type=float, default=0.25)
+    parser.add_argument("--fragments", type=int, default=1, help="records as a peer of P fragments publishes them")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     base = SwarmConfig(run_id="bench-records", connect_timeout=30.0)
@@ -65,9 +68,12 @@ def main() -> int:
             identity = Identity.fresh()
             dht = node.start_dht(cfg, identity)
             dhts.append(dht)
+            lanes = [dict(version=12, digest=f"{j:016x}", merged_by=4, sketch=[0.123456789] * SKETCH_DIM, rounds=12,
+                          island=4, bytes_sent=12345678) for j in range(1, args.fragments)]
             record = PeerRecord(peer=identity.peer_id, name=f"p{i}", version=12, digest="0123456789abcdef",
-                                sketch=[0.123456789] * SKETCH_DIM, settings=SETTINGS, inner_step=1234,
-                                tokens_per_s=5678.9, loss=2.5, rounds=12, island=4, bytes_sent=123456789)
+                                sketch=[0.123456789] * SKETCH_DIM, settings=dict(SETTINGS, fragments=str(args.fragments)),
+                                inner_step=1234, tokens_per_s=5678.9, loss=2.5, rounds=12, island=4,
+                                bytes_sent=123456789, merged_by=4, lanes=lanes)
             beats.append(Heartbeat(dht, cfg.run_id, record, identity))
         time.sleep(3)
         dht_only, _ = measure(args.seconds)  # the DHT's own upkeep
@@ -80,9 +86,9 @@ def main() -> int:
         time.sleep(3)
         idle, _ = measure(args.seconds)  # heartbeats: a store and a fetch every beat
         polling, gets = measure(args.seconds, lambda: fetch_records(dhts[1], cfg.run_id), args.poll)
-        size = len(json.dumps(dataclasses.asdict(beats[0].record)))
+        size = len(MSGPackSerializer.dumps(beats[0].record.value()))
         per_peer = (lambda rate: round(rate / args.peers))
-        result = dict(peers=args.peers, seconds=args.seconds, poll=args.poll, record_json_bytes=size,
+        result = dict(peers=args.peers, seconds=args.seconds, poll=args.poll, fragments=args.fragments, record_bytes=size,
                       dht_upkeep_bytes_per_s=round(dht_only), stores_bytes_per_s=round(stores),
                       heartbeats_bytes_per_s=round(idle), polling_bytes_per_s=round(polling), fetches=gets,
                       bytes_per_fetch=round((polling - idle) * args.seconds / max(1, gets)),

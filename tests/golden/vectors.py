@@ -107,7 +107,7 @@ def payloads() -> dict[str, bytes]:
         "topk-part.bin": expand(topk.encode(made["topk-part.bin"][0], selected)),
         "topk-sum.bin": expand(topk.encode_sum(made["topk-sum.bin"][0])),
         "member-record.msgpack": MSGPackSerializer.dumps(member),
-        "peer-record.msgpack": MSGPackSerializer.dumps(dataclasses.asdict(record)),
+        "peer-record.msgpack": MSGPackSerializer.dumps(record.value()),
         "account.msgpack": MSGPackSerializer.dumps(account(expand(dense.encode_sum(made["int4-sum.bin"][0])))),
         "tables.json": ("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in sorted(tables().items()))
                         + "\n}\n").encode(),

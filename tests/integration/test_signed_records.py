@@ -33,7 +33,7 @@ def test_records_forged_in_an_honest_peers_name_are_ignored_and_cannot_replace_o
         assert node.peer_id(started[0]) == honest_id.peer_id  # the key that signs is the libp2p identity
 
         Heartbeat(started[0], BASE.run_id, PeerRecord(honest_id.peer_id, "a", 3, DIGEST), honest_id).publish()
-        lie = dataclasses.asdict(PeerRecord(honest_id.peer_id, "a", 99, DIGEST, ready=98))
+        lie = PeerRecord(honest_id.peer_id, "a", 99, DIGEST, ready=98).value()
         key, until = records_key(BASE.run_id), get_dht_time() + TTL
         raw_forger.store(key, subkey=honest_id.subkey, value=lie, expiration_time=until)  # unsigned, its subkey
         raw_forger.store(key, subkey=honest_id.subkey, value=None, expiration_time=until + 1)  # a withdrawal

@@ -7,18 +7,21 @@ import math
 import pytest
 
 from p2pdiloco.core.consensus import SKETCH_DIM, consensus_distance
-from p2pdiloco.protocol.remote import WIRE_VERSION, parse_peer_record as parse_record
+from p2pdiloco.protocol.remote import WIRE_VERSION, pack_sketch, parse_peer_record as parse_record
 from p2pdiloco.protocol.timing import agreed_deadline
 from p2pdiloco.swarm.signing import Identity
 
 ME = Identity.fresh()
-GOOD = dict(peer=ME.peer_id, name="a", version=3, digest="abcdef0123456789", ready=-1, sketch=[0.5] * SKETCH_DIM,
-            wire=WIRE_VERSION)
+GOOD = dict(peer=ME.peer_id, name="a", version=3, digest="abcdef0123456789", ready=-1,
+            sketch=pack_sketch([0.5] * SKETCH_DIM), wire=WIRE_VERSION)
 
 
 @pytest.mark.parametrize("change", [
     dict(version="3"), dict(digest=None), dict(digest=""), dict(ready=1.5), dict(peer=7),
-    dict(sketch=["x"] * 4), dict(sketch=[math.nan]), dict(sketch=[1.0] * (SKETCH_DIM + 1)), dict(sketch="abc"),
+    dict(sketch=["x"] * 4), dict(sketch=pack_sketch([math.nan])), dict(sketch=pack_sketch([math.inf, 1.0])),
+    dict(sketch=pack_sketch([1.0] * (SKETCH_DIM + 1))), dict(sketch="abc"), dict(sketch=b"abc"),
+    dict(sketch=[0.5] * SKETCH_DIM),  # a list of numbers: wire version 5's sketch, twice the bytes
+    dict(lanes=[dict(version=1, digest="abcdef", sketch=[0.5])]),
     dict(unexpected_field=1), dict(merging=-2), dict(merging="3"), dict(merging=True),
     dict(merged_by=-1), dict(merged_by=1 << 20), dict(lanes="x"), dict(lanes=[dict(version=1)]),
     dict(lanes=[dict(version=1, digest="abcdef", loss=2.0)]), dict(lanes=[dict(version=1, digest="abcdef", ready=-2)]),
@@ -29,7 +32,8 @@ def test_a_malformed_record_is_dropped(change):
 
 
 def test_well_formed_records_parse_and_give_a_distance():
-    a, b = parse_record(GOOD), parse_record({**GOOD, "digest": "ffffff0000000000", "sketch": [1.5] * SKETCH_DIM})
+    a, b = parse_record(GOOD), parse_record({**GOOD, "digest": "ffffff0000000000",
+                                               "sketch": pack_sketch([1.5] * SKETCH_DIM)})
     assert a is not None and b is not None and parse_record(None) is None and parse_record([1, 2]) is None
     assert a.merging == -1 and parse_record({**GOOD, "merging": 3}).merging == 3
     assert consensus_distance([(a.version, a.digest, a.sketch), (b.version, b.digest, b.sketch)]) == pytest.approx(8.0)
@@ -49,7 +53,7 @@ def test_heartbeat_never_makes_the_caller_wait_on_the_dht_and_keeps_a_view_of_pe
     import time
     from types import SimpleNamespace
 
-    from p2pdiloco.swarm.records import Heartbeat, PeerRecord
+    from p2pdiloco.swarm.records import Heartbeat
 
     class SlowDHT:
         def __init__(self):
@@ -67,7 +71,7 @@ def test_heartbeat_never_makes_the_caller_wait_on_the_dht_and_keeps_a_view_of_pe
                 return done(SimpleNamespace(value=dict(self.table)))
 
     dht = SlowDHT()
-    beat = Heartbeat(dht, "run", PeerRecord(**GOOD), ME).start()
+    beat = Heartbeat(dht, "run", parse_record(GOOD), ME).start()
     try:
         started = time.monotonic()
         beat.update(version=9)

@@ -93,7 +93,7 @@ class TableDHT:
 
 
 def test_a_record_in_another_peers_name_is_ignored():
-    honest = dataclasses.asdict(PeerRecord(HONEST.peer_id, "a", 3, "abcdef0123456789"))
+    honest = PeerRecord(HONEST.peer_id, "a", 3, "abcdef0123456789").value()
     lie = dict(honest, version=99, ready=98)
     table = {HONEST.subkey: honest,
              HONEST.peer_id: lie,  # unsigned, under the honest peer's id (how records were stored before)
