@@ -20,6 +20,14 @@ DHT_CALL_TIMEOUT = 10.0  # one get or store; the DHT answers in well under a sec
 WITHDRAW_TIMEOUT = 2.0  # withdrawing our record when we leave: the leave has a bound of its own
 REJOIN_EVERY = 5.0  # seconds between pings of our initial peers while we see no other peer
 SHARED_FETCH_AGE = 0.2  # a peer's fragments polling within this share one fetch (a round polls every 0.25 s)
+# A round's poll takes a view of the records whose newest was stored at most POLL_LAG ago, not every replica's copy
+# merged. hivemind keeps each key on its 5 nearest nodes, and stores reach them as they are made: where our node is
+# one (every node, in a swarm of 5), its own copy is current and answers the poll with no request, our own beat
+# keeping it inside the lag. Elsewhere the poll reads our node's cache of the last fetch, which our own stores
+# refresh (hivemind's cache_on_store) and the beat's fetch of every copy renews: at most about a beat behind. A
+# fetch of every copy was ~30 KB at P = 1 and ~90 KB at P = 8 on 4 peers, four times a second while a round waits
+# (docs/fragments.md).
+POLL_LAG = HEARTBEAT
 
 
 def records_key(run_id: str) -> str:
@@ -65,15 +73,21 @@ def bounded(future, timeout: float):
         raise
 
 
-def fetch_records(dht: DHT, run_id: str, timeout: float = DHT_CALL_TIMEOUT) -> list[PeerRecord]:
-    return [record for record, _ in fetch_records_seen(dht, run_id, timeout)]
+def fetch_records(dht: DHT, run_id: str, timeout: float = DHT_CALL_TIMEOUT,
+                  lag: Optional[float] = None) -> list[PeerRecord]:
+    return [record for record, _ in fetch_records_seen(dht, run_id, timeout, lag)]
 
 
-def fetch_records_seen(dht: DHT, run_id: str,
-                       timeout: float = DHT_CALL_TIMEOUT) -> list[tuple[PeerRecord, Optional[float]]]:
+def fetch_records_seen(dht: DHT, run_id: str, timeout: float = DHT_CALL_TIMEOUT,
+                       lag: Optional[float] = None) -> list[tuple[PeerRecord, Optional[float]]]:
     """Every live, well-formed peer record, signed by the peer it names, with the seconds since its peer last
-    published it (None: unknown)."""
-    found = bounded(dht.get(records_key(run_id), latest=True, return_future=True), timeout)
+    published it (None: unknown). From every replica's copy, merged; or, with `lag`, from any copy (our node's own
+    first) whose newest record was stored at most `lag` seconds ago (POLL_LAG)."""
+    if lag is None:
+        fresh = dict(latest=True)
+    else:  # a copy's expiration is its newest record's: stored at expiration − TTL
+        fresh = dict(latest=False, sufficient_expiration_time=get_dht_time() + TTL - lag)
+    found = bounded(dht.get(records_key(run_id), return_future=True, **fresh), timeout)
     if found is None or not isinstance(found.value, dict):
         return []
     now, seen = get_dht_time(), []
@@ -111,7 +125,7 @@ class Heartbeat:
         self._lock, self._fetching = threading.Lock(), threading.Lock()
         self._stop, self._changed = threading.Event(), threading.Event()
         self._records: list[PeerRecord] = []
-        self._fetched_at = float("-inf")
+        self._fetched_at = self._fetched_every_copy_at = float("-inf")
         self._started = self._stopped = False
         self._thread = threading.Thread(target=self._loop, daemon=True, name="heartbeat")
 
@@ -154,13 +168,22 @@ class Heartbeat:
         return list(self._records)
 
     def fetch(self, max_age: float = 0.0) -> list[PeerRecord]:
-        """Every live peer's record, fetched now, or as any caller fetched it within `max_age` seconds (so the
-        fragments of a peer, polling side by side, make one DHT request, not P); `records` gives the same view."""
+        """Every live peer's record, fetched now (within POLL_LAG), or as any caller fetched it within `max_age`
+        seconds (so the fragments of a peer, polling side by side, make one DHT request, not P); `records` gives
+        the same view."""
         with self._fetching:
             if time.monotonic() - self._fetched_at > max_age:
-                self._records = fetch_records(self.dht, self.run_id)
+                self._records = fetch_records(self.dht, self.run_id, lag=POLL_LAG)
                 self._fetched_at = time.monotonic()
             return list(self._records)
+
+    def _fetch_every_copy(self) -> None:
+        """Every replica's copy, merged, at most once in half a beat (updates wake the loop more often): what a
+        poll's one copy missed is seen within a beat."""
+        with self._fetching:
+            if time.monotonic() - self._fetched_every_copy_at > HEARTBEAT / 2:
+                self._records = fetch_records(self.dht, self.run_id)
+                self._fetched_at = self._fetched_every_copy_at = time.monotonic()
 
     def publish(self) -> None:
         with self._lock:
@@ -176,7 +199,7 @@ class Heartbeat:
             try:
                 self.publish()
                 if not self._changed.is_set():  # an update that came during the store goes out first
-                    self.fetch(max_age=HEARTBEAT / 2)  # none while a round polls: its fetches are as fresh
+                    self._fetch_every_copy()
                     self._rejoin_if_alone()
             except Exception:  # the DHT may be shutting down; the next beat retries
                 pass

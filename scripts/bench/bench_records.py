@@ -6,7 +6,8 @@ records as a peer's do (signed, with a sketch and the join settings).
 
 Phases, each `--seconds` long: the DHT's upkeep alone; each peer storing its record every heartbeat, with no
 fetch; the heartbeats (a store and a fetch every beat); then one peer also fetching the records every `--poll`
-seconds (a round waiting for peers: `RoundRules.poll`).
+seconds (a round waiting for peers: `RoundRules.poll`), first from every replica's copy, then as a round polls
+(`records.POLL_LAG`: our node's own copy while it is fresh).
 Issue 50: a peer of P fragments runs P such lanes, so P times this traffic.
 """
 
@@ -24,7 +25,7 @@ from p2pdiloco.config import SwarmConfig
 from p2pdiloco.core.consensus import SKETCH_DIM
 from p2pdiloco.protocol.remote import PeerRecord
 from p2pdiloco.swarm import node
-from p2pdiloco.swarm.records import HEARTBEAT, Heartbeat, fetch_records
+from p2pdiloco.swarm.records import HEARTBEAT, POLL_LAG, Heartbeat, fetch_records
 from p2pdiloco.swarm.signing import Identity
 
 SETTINGS = dict(model="tiny", tokenizer="bytes", compression="int4", data="0123456789abcdef", merge_rule="tokens2",
@@ -57,6 +58,7 @@ def main() -> int:
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--poll", type=float, default=0.25)
+    parser.add_argument("--poll-lag", type=float, default=POLL_LAG, help="the polls' lag (records.POLL_LAG)")
     parser.add_argument("--fragments", type=int, default=1, help="records as a peer of P fragments publishes them")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -86,12 +88,17 @@ def main() -> int:
         time.sleep(3)
         idle, _ = measure(args.seconds)  # heartbeats: a store and a fetch every beat
         polling, gets = measure(args.seconds, lambda: fetch_records(dhts[1], cfg.run_id), args.poll)
+        # as a round polls (records.POLL_LAG): our node's own copy while its newest record is recent enough
+        polling_lag, lag_gets = measure(args.seconds, lambda: fetch_records(dhts[1], cfg.run_id, lag=args.poll_lag),
+                                        args.poll)
         size = len(MSGPackSerializer.dumps(beats[0].record.value()))
         per_peer = (lambda rate: round(rate / args.peers))
         result = dict(peers=args.peers, seconds=args.seconds, poll=args.poll, fragments=args.fragments, record_bytes=size,
                       dht_upkeep_bytes_per_s=round(dht_only), stores_bytes_per_s=round(stores),
                       heartbeats_bytes_per_s=round(idle), polling_bytes_per_s=round(polling), fetches=gets,
                       bytes_per_fetch=round((polling - idle) * args.seconds / max(1, gets)),
+                      poll_lag=args.poll_lag, polling_lag_bytes_per_s=round(polling_lag), polls=lag_gets,
+                      bytes_per_poll=round((polling_lag - idle) * args.seconds / max(1, lag_gets)),
                       bytes_per_store=round((stores - dht_only) * HEARTBEAT / args.peers),
                       heartbeat_bytes_per_peer_per_s=per_peer(idle - dht_only),
                       of_which_stores_per_peer_per_s=per_peer(stores - dht_only))

@@ -35,7 +35,7 @@ def test_each_fragment_reads_and_writes_its_own_fields_of_the_one_record():
 
 def test_fragments_polling_side_by_side_make_one_fetch_and_each_sees_its_own_fragment(monkeypatch):
     fetches = []
-    monkeypatch.setattr(records, "fetch_records", lambda dht, run_id: fetches.append(run_id) or [peer_of_three(THEM)])
+    monkeypatch.setattr(records, "fetch_records", lambda dht, run_id, **_: fetches.append(run_id) or [peer_of_three(THEM)])
     monkeypatch.setattr(records, "SHARED_FETCH_AGE", 60.0)  # "side by side", however slowly the threads start
     beat = records.Heartbeat(None, "run", peer_of_three(ME), ME)
     lanes = [records.LaneBeat(beat, i) for i in range(3)]
@@ -56,7 +56,7 @@ def test_a_fragment_sees_whether_another_peer_looks_for_an_island_for_it(monkeyp
     peer's `ready` in that fragment's lane, never our own, and none of another fragment's."""
     them = peer_of_three(THEM)
     them = dataclasses.replace(them, lanes=[them.lanes[0], {**them.lanes[1], "ready": 7}])
-    monkeypatch.setattr(records, "fetch_records", lambda dht, run_id: [them, peer_of_three(ME, ready=3)])
+    monkeypatch.setattr(records, "fetch_records", lambda dht, run_id, **_: [them, peer_of_three(ME, ready=3)])
     beat = records.Heartbeat(None, "run", peer_of_three(ME, ready=3), ME)
     beat.fetch()
     assert [records.LaneBeat(beat, i).others_looking() for i in range(3)] == [False, False, True]
