@@ -176,7 +176,7 @@ def peer_heartbeat(cfg: PeerConfig, workload: Workload, helpers: FragmentHelpers
     others' its `lanes` (each fragment's merger fills its own before the heartbeat starts)."""
     unknown = dict(version=0, digest="unknown")
     record = PeerRecord(peer=helpers.peer_id, name=name, version=0, digest="unknown", settings=workload.settings(cfg),
-                        lanes=[unknown] * (len(helpers.settings) - 1))
+                        client_mode=cfg.swarm.client_mode, lanes=[unknown] * (len(helpers.settings) - 1))
     rejoin = functools.partial(node.rejoin, helpers.dht, cfg.swarm.initial_peers) if cfg.swarm.initial_peers else None
     return Heartbeat(helpers.dht, cfg.swarm.run_id, record, helpers.identity, rejoin)
 

@@ -125,7 +125,7 @@ class Heartbeat:
         self._lock, self._fetching = threading.Lock(), threading.Lock()
         self._stop, self._changed = threading.Event(), threading.Event()
         self._records: list[PeerRecord] = []
-        self._fetched_at = self._fetched_every_copy_at = float("-inf")
+        self._fetched_at = self._polled_at = float("-inf")
         self._started = self._stopped = False
         self._thread = threading.Thread(target=self._loop, daemon=True, name="heartbeat")
 
@@ -168,22 +168,27 @@ class Heartbeat:
         return list(self._records)
 
     def fetch(self, max_age: float = 0.0) -> list[PeerRecord]:
-        """Every live peer's record, fetched now (within POLL_LAG), or as any caller fetched it within `max_age`
-        seconds (so the fragments of a peer, polling side by side, make one DHT request, not P); `records` gives
-        the same view."""
-        with self._fetching:
-            if time.monotonic() - self._fetched_at > max_age:
-                self._records = fetch_records(self.dht, self.run_id, lag=POLL_LAG)
-                self._fetched_at = time.monotonic()
-            return list(self._records)
+        """Every live peer's record from every replica's copy, fetched now, or as any caller fetched it within
+        `max_age` seconds (so the fragments of a peer, polling side by side, make one DHT request, not P); `records`
+        gives the same view."""
+        return self._read(max_age, lag=None)
 
-    def _fetch_every_copy(self) -> None:
-        """Every replica's copy, merged, at most once in half a beat (updates wake the loop more often): what a
-        poll's one copy missed is seen within a beat."""
+    def poll(self, max_age: float = 0.0) -> list[PeerRecord]:
+        """As `fetch`, for a round waiting for peers (four times a second): from our node's own copy while it holds a
+        record stored within POLL_LAG. A node in client mode holds no replica, and reads every copy."""
+        return self._read(max_age, lag=None if self.record.client_mode else POLL_LAG)
+
+    def _read(self, max_age: float, lag: Optional[float]) -> list[PeerRecord]:
         with self._fetching:
-            if time.monotonic() - self._fetched_every_copy_at > HEARTBEAT / 2:
-                self._records = fetch_records(self.dht, self.run_id)
-                self._fetched_at = self._fetched_every_copy_at = time.monotonic()
+            # a poll may reuse a fetch of every copy; a fetch of every copy never reuses a poll
+            last = self._fetched_at if lag is None else max(self._fetched_at, self._polled_at)
+            if time.monotonic() - last > max_age:
+                self._records = fetch_records(self.dht, self.run_id, lag=lag)
+                if lag is None:
+                    self._fetched_at = time.monotonic()
+                else:
+                    self._polled_at = time.monotonic()
+            return list(self._records)
 
     def publish(self) -> None:
         with self._lock:
@@ -199,7 +204,7 @@ class Heartbeat:
             try:
                 self.publish()
                 if not self._changed.is_set():  # an update that came during the store goes out first
-                    self._fetch_every_copy()
+                    self.fetch(max_age=HEARTBEAT / 2)  # every copy: what a poll's one copy missed, within a beat
                     self._rejoin_if_alone()
             except Exception:  # the DHT may be shutting down; the next beat retries
                 pass
@@ -260,6 +265,9 @@ class LaneBeat:
 
     def fetch(self) -> list[PeerRecord]:
         return self._lanes(self.beat.fetch(max_age=SHARED_FETCH_AGE))
+
+    def poll(self) -> list[PeerRecord]:
+        return self._lanes(self.beat.poll(max_age=SHARED_FETCH_AGE))
 
     def others_looking(self) -> bool:
         """Another peer looks for an island for this fragment (its `ready`), as last fetched: no DHT request."""

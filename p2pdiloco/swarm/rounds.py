@@ -133,7 +133,7 @@ class SwarmMerger:
         while True:
             if self.stop.is_set():
                 return rnd.on_leaving(time.monotonic())
-            decision = rnd.on_peers(self.live_others(), time.monotonic())
+            decision = rnd.on_peers(self.live_others(poll=True), time.monotonic())
             if not isinstance(decision, WaitForPeers):
                 return decision
             time.sleep(max(0.0, min(decision.poll, decision.until - time.monotonic())))
@@ -142,11 +142,12 @@ class SwarmMerger:
         """Live peers of another wire version, by version (p2pdiloco.protocol.compat.wire_mismatch)."""
         return other_wires(self.dht, self.cfg.run_id)
 
-    def live_others(self) -> list[PeerRecord]:
+    def live_others(self, poll: bool = False) -> list[PeerRecord]:
         """Every other live peer's record, but those announcing a state we refused: not donors, and no reason to
-        catch up or wait."""
+        catch up or wait. `poll`: as a round waiting for peers reads them (`Heartbeat.poll`)."""
         refused = self.refused.active(time.monotonic())
-        return [r for r in self.heartbeat.fetch() if r.peer != self.peer and r.key not in refused]
+        records = self.heartbeat.poll() if poll else self.heartbeat.fetch()
+        return [r for r in records if r.peer != self.peer and r.key not in refused]
 
     def _start_in(self, island: FormIsland) -> float:
         """When we offer to begin the all-reduce, in seconds from now. hivemind's followers join only leaders that

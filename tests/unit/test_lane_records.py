@@ -107,3 +107,38 @@ def test_a_peer_of_eight_fragments_publishes_its_sketches_in_fp32_and_its_lanes_
     for i in range(8):
         assert back.lane(i).sketch == [float(np.float32(x)) for x in sketch]
         assert dataclasses.replace(back.lane(i), sketch=sketch) == record.lane(i)
+
+
+def test_a_rounds_poll_reads_our_nodes_own_copy_but_every_other_read_asks_every_replica(monkeypatch):
+    """Only the poll of a round waiting for peers may take a copy as fresh as POLL_LAG (records.POLL_LAG); joins,
+    downloads and the beat read every replica's copy, and a node in client mode, which holds no replica, always
+    does: a late joiner in client mode once polled its own copy at join and saw no live peer ahead of it."""
+    import concurrent.futures
+    from types import SimpleNamespace
+
+    class GetDHT:
+        def __init__(self):
+            self.gets = []
+
+        def get(self, key, return_future=False, **fresh):
+            self.gets.append(fresh)
+            future = concurrent.futures.Future()
+            future.set_result(SimpleNamespace(value={}))
+            return future
+
+    every_copy = dict(latest=True)
+    dht = GetDHT()
+    beat = records.Heartbeat(dht, "run", peer_of_three(ME), ME)
+    beat.poll()
+    assert dht.gets[-1]["latest"] is False and "sufficient_expiration_time" in dht.gets[-1]
+    beat.fetch(max_age=60.0)  # a poll's view never stands in for every copy
+    assert dht.gets[-1] == every_copy and len(dht.gets) == 2
+    beat.poll(max_age=60.0)  # every copy stands in for a poll
+    assert len(dht.gets) == 2
+    monkeypatch.setattr(records, "SHARED_FETCH_AGE", 60.0)  # "side by side", however slowly this runs
+    lane = records.LaneBeat(beat, 1)
+    lane.fetch(), lane.poll()
+    assert len(dht.gets) == 2  # both within SHARED_FETCH_AGE of a read that may stand in for them
+    client = records.Heartbeat(dht, "run", peer_of_three(ME, client_mode=True), ME)
+    client.poll()
+    assert dht.gets[-1] == every_copy
