@@ -23,6 +23,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from p2pdiloco.config import SwarmConfig
 from p2pdiloco.core.consensus import SKETCH_DIM
+from p2pdiloco.ops.testbed import loopback_bytes_sent
 from p2pdiloco.protocol.remote import PeerRecord
 from p2pdiloco.swarm import node
 from p2pdiloco.swarm.records import HEARTBEAT, POLL_LAG, Heartbeat, fetch_records
@@ -33,24 +34,15 @@ SETTINGS = dict(model="tiny", tokenizer="bytes", compression="int4", data="01234
                 stale_factor="0.5", max_influence_ratio="1", robust_merge="on", fragments="1")
 
 
-def lo_bytes() -> int:
-    """Bytes sent on this namespace's loopback (/proc/net/dev is per namespace; /sys/class/net is not remounted)."""
-    for line in Path("/proc/net/dev").read_text().splitlines():
-        name, _, counters = line.partition(":")
-        if name.strip() == "lo":
-            return int(counters.split()[8])
-    raise RuntimeError("no loopback interface")
-
-
 def measure(seconds: float, each=None, every: float = 0.0) -> tuple[float, int]:
     """Loopback bytes per second over `seconds`, and how many times `each` ran (every `every` s)."""
-    start, t0, calls = lo_bytes(), time.monotonic(), 0
+    start, t0, calls = loopback_bytes_sent(), time.monotonic(), 0
     while time.monotonic() - t0 < seconds:
         if each is not None:
             each()
             calls += 1
         time.sleep(every if each is not None else 0.5)
-    return (lo_bytes() - start) / (time.monotonic() - t0), calls
+    return (loopback_bytes_sent() - start) / (time.monotonic() - t0), calls
 
 
 def main() -> int:

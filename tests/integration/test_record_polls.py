@@ -5,11 +5,11 @@ no request. Four polls a second of every replica's copy were most of a peer's by
 
 import dataclasses
 import time
-from pathlib import Path
 
 import pytest
 
 from p2pdiloco.config import SwarmConfig
+from p2pdiloco.ops.testbed import loopback_bytes_sent
 from p2pdiloco.protocol.remote import PeerRecord
 from p2pdiloco.swarm import node
 from p2pdiloco.swarm.records import POLL_LAG, Heartbeat, fetch_records
@@ -20,21 +20,12 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
 BASE = SwarmConfig(run_id="polls", connect_timeout=20.0)
 
 
-def loopback_bytes() -> int:
-    """Bytes sent on this namespace's loopback: the swarm tests run in a namespace of their own."""
-    for line in Path("/proc/net/dev").read_text().splitlines():
-        name, _, counters = line.partition(":")
-        if name.strip() == "lo":
-            return int(counters.split()[8])
-    raise RuntimeError("no loopback interface")
-
-
 def bytes_of(calls: int, fetch) -> int:
-    before = loopback_bytes()
+    before = loopback_bytes_sent()
     for _ in range(calls):
         fetch()
         time.sleep(0.05)
-    return loopback_bytes() - before
+    return loopback_bytes_sent() - before
 
 
 def test_a_poll_sees_a_new_record_at_once_and_asks_no_replica_while_our_copy_is_fresh():
