@@ -29,8 +29,9 @@ def sketch(x: torch.Tensor, k: int = SKETCH_DIM, let_go: LetGo = hold) -> list[f
     The signs of a bucket's elements are one fixed draw of _CHUNK signs, repeated every _CHUNK elements of the
     bucket, so that a piece is one dot product with no random numbers drawn: a peer sketches Θ after every
     round on its training thread, and drawing a sign per element cost 20-25 ns an element (1.99 s at 100M
-    parameters, one thread: scripts/bench/bench_round_thread.py; now 0.13 s). Within a bucket of up to _CHUNK elements (every bucket of a model under 64M parameters) the
-    signs are independent, and the squared distance is unbiased as before."""
+    parameters, one thread: scripts/bench/bench_round_thread.py; now 0.13 s). Within a bucket of up to _CHUNK
+    elements (every bucket of a model under 64M parameters) the signs are independent, and the squared distance
+    is unbiased as before."""
     n, signs = x.numel(), _signs()
     out = torch.zeros(k, dtype=torch.float64)
     for b in range(k):

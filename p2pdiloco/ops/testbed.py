@@ -37,16 +37,6 @@ from p2pdiloco.ops.launcher import stop_tree, wait_for_file
 # probe interfaces beyond the testbed's (swarm.node.dht_kwargs turns them off the same way for peers)
 NO_NAT_PROBING = dict(nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False)
 TUN = "tbdelay"
-
-
-def loopback_bytes_sent() -> int:
-    """Bytes sent on the loopback of the network namespace we run in (/proc/net/dev is per namespace): what a swarm
-    on a private loopback puts on the wire, where nothing else uses it."""
-    for line in Path("/proc/net/dev").read_text().splitlines():
-        name, _, counters = line.partition(":")
-        if name.strip() == "lo":
-            return int(counters.split()[8])
-    raise RuntimeError("no loopback interface")
 FLOWS = [sys.executable, "-m", "p2pdiloco.ops.flows"]  # plain TCP between peers: the calibrations
 ROUTE_TABLE = "100"
 
@@ -64,6 +54,16 @@ class Link:
     def __post_init__(self):
         if not self.rate_mbit > 0 or self.delay_ms < 0 or not 0 <= self.loss < 1:
             raise TestbedError(f"bad link {self}: rate > 0, delay >= 0, loss in [0, 1)")
+
+
+def loopback_bytes_sent() -> int:
+    """Bytes sent on the loopback of the network namespace we run in (/proc/net/dev is per namespace): what a swarm
+    on a private loopback puts on the wire, where nothing else uses it."""
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        name, _, counters = line.partition(":")
+        if name.strip() == "lo":
+            return int(counters.split()[8])
+    raise RuntimeError("no loopback interface")
 
 
 def sh(*args: str, check: bool = True, stdin: Optional[str] = None) -> subprocess.CompletedProcess:

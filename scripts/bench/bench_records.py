@@ -65,7 +65,8 @@ def main() -> int:
             lanes = [dict(version=12, digest=f"{j:016x}", merged_by=4, sketch=[0.123456789] * SKETCH_DIM, rounds=12,
                           island=4, bytes_sent=12345678) for j in range(1, args.fragments)]
             record = PeerRecord(peer=identity.peer_id, name=f"p{i}", version=12, digest="0123456789abcdef",
-                                sketch=[0.123456789] * SKETCH_DIM, settings=dict(SETTINGS, fragments=str(args.fragments)),
+                                sketch=[0.123456789] * SKETCH_DIM,
+                                settings=dict(SETTINGS, fragments=str(args.fragments)),
                                 inner_step=1234, tokens_per_s=5678.9, loss=2.5, rounds=12, island=4,
                                 bytes_sent=123456789, merged_by=4, lanes=lanes)
             beats.append(Heartbeat(dht, cfg.run_id, record, identity))
@@ -85,7 +86,8 @@ def main() -> int:
                                         args.poll)
         size = len(MSGPackSerializer.dumps(beats[0].record.value()))
         per_peer = (lambda rate: round(rate / args.peers))
-        result = dict(peers=args.peers, seconds=args.seconds, poll=args.poll, fragments=args.fragments, record_bytes=size,
+        result = dict(peers=args.peers, seconds=args.seconds, poll=args.poll, fragments=args.fragments,
+                      record_bytes=size,
                       dht_upkeep_bytes_per_s=round(dht_only), stores_bytes_per_s=round(stores),
                       heartbeats_bytes_per_s=round(idle), polling_bytes_per_s=round(polling), fetches=gets,
                       bytes_per_fetch=round((polling - idle) * args.seconds / max(1, gets)),

@@ -11,7 +11,6 @@ a part is pinned as its expanded payload, and parsed as sent raw.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from pathlib import Path

@@ -65,7 +65,6 @@ def test_a_record_of_another_wire_version_is_counted_not_parsed_and_named_at_joi
 
 def test_the_swarm_driver_counts_the_other_wire_versions_it_finds_on_the_dht():
     import concurrent.futures
-    import dataclasses
     from types import SimpleNamespace
 
     from p2pdiloco.protocol.remote import WIRE_VERSION
@@ -75,7 +74,8 @@ def test_the_swarm_driver_counts_the_other_wire_versions_it_finds_on_the_dht():
     a, b, c, d, x = (Identity.fresh() for _ in range(5))
     mine = live(SWARM, a.peer_id).value()
     table = {a.subkey: mine, b.subkey: dict(mine, peer=b.peer_id, wire=WIRE_VERSION + 1),
-             c.subkey: dict(mine, peer=c.peer_id, wire=WIRE_VERSION + 9), d.subkey: dict(mine, peer=d.peer_id, wire=WIRE_VERSION + 1),
+             c.subkey: dict(mine, peer=c.peer_id, wire=WIRE_VERSION + 9),
+             d.subkey: dict(mine, peer=d.peer_id, wire=WIRE_VERSION + 1),
              "e": "not a record",
              # a flood of unsigned records, or records in another's name, claiming another version: not counted, or
              # anyone could stop every peer that joins ("most live peers speak another version")
@@ -113,8 +113,9 @@ def test_a_wire_mismatch_needs_more_peers_of_the_other_version_than_of_ours():
     from p2pdiloco.protocol.remote import WIRE_VERSION
 
     assert wire_mismatch(Counter({WIRE_VERSION + 1: 2}), live=2) is None  # a tie: stay with ours
-    assert "3 of 4 live peers speak wire version" in wire_mismatch(Counter({WIRE_VERSION + 1: 3, WIRE_VERSION + 9: 1}), live=0)
-    assert wire_mismatch(Counter({WIRE_VERSION + 1: 3, WIRE_VERSION + 9: 1}), live=0).count(f"{WIRE_VERSION + 1}") >= 1
+    mixed = Counter({WIRE_VERSION + 1: 3, WIRE_VERSION + 9: 1})
+    assert "3 of 4 live peers speak wire version" in wire_mismatch(mixed, live=0)
+    assert wire_mismatch(mixed, live=0).count(f"{WIRE_VERSION + 1}") >= 1
     assert "speak an unreadable version: the swarm runs an older p2pdiloco" in wire_mismatch(Counter({-1: 1}), 0)
     said = wire_mismatch(Counter({0: 1}), live=0)  # peers from before versions were published
     assert "speak wire version 0: the swarm runs an older p2pdiloco: run the same release" in said

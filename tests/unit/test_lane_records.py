@@ -35,7 +35,8 @@ def test_each_fragment_reads_and_writes_its_own_fields_of_the_one_record():
 
 def test_fragments_polling_side_by_side_make_one_fetch_and_each_sees_its_own_fragment(monkeypatch):
     fetches = []
-    monkeypatch.setattr(records, "fetch_records", lambda dht, run_id, **_: fetches.append(run_id) or [peer_of_three(THEM)])
+    monkeypatch.setattr(records, "fetch_records",
+                        lambda dht, run_id, **_: fetches.append(run_id) or [peer_of_three(THEM)])
     monkeypatch.setattr(records, "SHARED_FETCH_AGE", 60.0)  # "side by side", however slowly the threads start
     beat = records.Heartbeat(None, "run", peer_of_three(ME), ME)
     lanes = [records.LaneBeat(beat, i) for i in range(3)]
@@ -99,7 +100,8 @@ def test_a_peer_of_eight_fragments_publishes_its_sketches_in_fp32_and_its_lanes_
     lanes = [dict(version=12, digest=f"{j:016x}", merged_by=4, sketch=sketch, rounds=12, island=4, bytes_sent=1 << 23)
              for j in range(1, 8)]
     record = PeerRecord(peer=ME.peer_id, name="p0", version=12, digest="0123456789abcdef", sketch=sketch, merged_by=4,
-                        rounds=12, island=4, bytes_sent=1 << 26, lanes=lanes, settings=dict(model="tiny", fragments="8"))
+                        rounds=12, island=4, bytes_sent=1 << 26, lanes=lanes,
+                        settings=dict(model="tiny", fragments="8"))
     sent = MSGPackSerializer.dumps(record.value())
     assert len(sent) < 0.55 * len(MSGPackSerializer.dumps(dataclasses.asdict(record)))
     assert all("ready" not in lane and "merging" not in lane for lane in record.value()["lanes"])  # at -1: left out
