@@ -4,6 +4,7 @@ processes forked: a child forked after them keeps its own copy of every page the
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -18,6 +19,7 @@ from p2pdiloco.training.inner import flat_params
 from p2pdiloco.training.model import build_model
 from p2pdiloco.training.parked import Held, Parked, global_vectors, parked_parameters
 
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Tensors:
@@ -46,11 +48,14 @@ def materialize(cfg: PeerConfig, workload: Workload) -> Tensors:
     # with --fsdp this is rank 0's mirror of θ, kept in host memory: the device holds only this rank's shard
     model = build_model(workload.model_config, cfg.seed, cfg.init_from).to(
         torch.device("cpu") if cfg.inner.fsdp else workload.device)
-    vectors = global_vectors(workload.n_params, parking_folder(cfg))
+    folder = parking_folder(cfg, workload.n_params)
+    if folder is not None and cfg.global_state_on_disk is None:  # chosen for the user: say so, and how to undo it
+        log.info("the global state (%.2f GB) waits in files under %s while not in use, as this machine's memory "
+                 "suggests (--no-global-state-on-disk keeps it in memory)", 8 * workload.n_params / 1e9, folder)
+    vectors = global_vectors(workload.n_params, folder)
     theta = flat_params(model, out=vectors.theta)  # no staging copy beside it, from a GPU either
     state = GlobalState(theta, cfg.outer.lr, cfg.outer.momentum, storage=(theta, vectors.momentum),
                         let_go=vectors.let_go)
-    folder = parking_folder(cfg)
     mirror = parked_parameters(model, folder) if cfg.inner.fsdp and folder is not None else None
     tensors = Tensors(model, vectors, state, mirror)
     tensors.park()

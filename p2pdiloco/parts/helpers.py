@@ -47,7 +47,7 @@ def start_helpers(cfg: PeerConfig, workload: Workload, share_state: Callable,
         overlap = cfg.swarm.overlap_steps or cfg.inner.steps  # the next contribution is due H steps later
         settings = merge_settings(cfg.swarm, cfg.outer, workload.n_params, workload.segments, overlap,
                                   node.peer_id(dht))
-        averager = start_averager(settings, dht, share_state, parking_folder(cfg), make_averager)
+        averager = start_averager(settings, dht, share_state, parking_folder(cfg, workload.n_params), make_averager)
     except BaseException:
         node.shutdown(dht)
         raise

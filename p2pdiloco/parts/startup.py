@@ -84,7 +84,7 @@ def _merger(cfg: PeerConfig, workload: Workload, helpers: Helpers, state, name: 
                           functools.partial(node.rejoin, helpers.dht, cfg.swarm.initial_peers)
                           if cfg.swarm.initial_peers else None)
     return build_merger(helpers.settings, helpers.dht, helpers.averager, heartbeat, state.why_not_adopt, stop,
-                        RoundClock(), parking_folder(cfg), seams.merger)
+                        RoundClock(), parking_folder(cfg, workload.n_params), seams.merger)
 
 
 def _diloco(cfg: PeerConfig, workload: Workload, helpers: Helpers, tensors, merger, name: str, seams: Seams,

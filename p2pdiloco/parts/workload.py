@@ -11,6 +11,7 @@ import torch
 
 from p2pdiloco.config import ConfigError, PeerConfig
 from p2pdiloco.core.outer import Segment
+from p2pdiloco.runtime.paging import machine_memory_bytes
 from p2pdiloco.training.data import (BatchStream, TrainingData, bits_per_byte_factor, load_data, order_seed,
                                      validation_batches)
 from p2pdiloco.training.inner import bitsandbytes
@@ -88,7 +89,22 @@ def member_stream(cfg: PeerConfig, workload: Workload, seed: int, ranks: Optiona
     return stream if ranks is None else Strided(stream, ranks)
 
 
-def parking_folder(cfg: PeerConfig) -> Optional[Path]:
+# By default the global state waits on disk where Θ and the momentum (8 bytes a parameter) would hold more than this
+# share of the machine's memory: there the saving matters (a 1B model's 8 GB), and it costs no throughput measured
+# (docs/hardware.md); below it a run writes nothing to disk that it does not need to
+PARK_SHARE = 1 / 16
+
+
+def parks_global_state(setting: Optional[bool], n_params: int, fragments: int, machine_bytes: int) -> bool:
+    """`--global-state-on-disk` as set, or by default (None) where the state is large for the machine: not with
+    fragments, whose rounds do not run on it yet."""
+    if setting is not None:
+        return setting
+    return fragments == 1 and 8 * n_params > PARK_SHARE * machine_bytes
+
+
+def parking_folder(cfg: PeerConfig, n_params: int) -> Optional[Path]:
     """Where Θ, the momentum and the averaging buffer wait in files (`--global-state-on-disk`; None: memory).
     The files go away with us; the run's folder, as an unnamed peer's own is not known before its DHT starts."""
-    return cfg.checkpoint_dir / cfg.swarm.run_id if cfg.global_state_on_disk else None
+    parks = parks_global_state(cfg.global_state_on_disk, n_params, cfg.swarm.fragments, machine_memory_bytes())
+    return cfg.checkpoint_dir / cfg.swarm.run_id if parks else None

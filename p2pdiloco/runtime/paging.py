@@ -124,3 +124,13 @@ class PagedStore:
 
 def _inside(view: torch.Tensor, file: FileVectors) -> bool:
     return file.address <= view.data_ptr() < file.address + file.nbytes
+
+
+def machine_memory_bytes(cgroup: Path = Path("/sys/fs/cgroup/memory.max")) -> int:
+    """The memory this process may use: the machine's, or its cgroup's limit where lower (a container)."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = cgroup.read_text().strip()
+    except OSError:
+        return physical
+    return min(physical, int(limit)) if limit.isdigit() else physical

@@ -1,5 +1,6 @@
 """Θ and the outer momentum parked in a file (`--global-state-on-disk`): the same bits, out of memory between uses."""
 
+import dataclasses
 import errno
 import logging
 import mmap
@@ -7,9 +8,11 @@ import os
 
 import torch
 
-from p2pdiloco.config import InnerConfig
+from p2pdiloco.config import InnerConfig, PeerConfig
 from p2pdiloco.core.consensus import sketch
 from p2pdiloco.core.state import GlobalState
+from p2pdiloco.parts.workload import parking_folder, parks_global_state
+from p2pdiloco.runtime.paging import machine_memory_bytes
 from p2pdiloco.training import checkpoint
 from p2pdiloco.training.diloco import DiLoCo, SoloMerger
 from p2pdiloco.training.inner import InnerTrainer, flat_params
@@ -141,3 +144,36 @@ def test_evaluating_a_parked_global_state_lets_each_modules_pages_go_once_it_ran
     assert loss == evaluate(held.trainer.model, batches, torch.device("cpu"), params=held.state.params)
     assert most[0] < theta_bytes / 4, f"{most[0] / MB:.0f} MB of Θ's {theta_bytes / MB:.0f} MB resident at once"
     assert vectors.resident_bytes() < theta_bytes / 4
+
+
+def test_the_state_is_parked_by_default_only_where_it_is_large_for_the_machine():
+    gb = 1 << 30
+    assert parks_global_state(None, 1_000_000_000, 1, 24 * gb)  # a 1B model's 8 GB on a volunteer's 24 GB
+    assert not parks_global_state(None, 1_000_000_000, 1, 256 * gb)  # a server holds it without a thought
+    assert not parks_global_state(None, 10_000_000, 1, 24 * gb)  # the demo's: no disk traffic for 80 MB
+    assert parks_global_state(None, 210_000_000, 1, 24 * gb) and not parks_global_state(None, 190_000_000, 1, 24 * gb)
+    assert not parks_global_state(None, 1_000_000_000, 8, 24 * gb)  # fragments do not run on it yet
+    assert parks_global_state(True, 10_000_000, 1, 256 * gb) and not parks_global_state(False, 10**9, 1, gb)
+
+
+def test_the_machines_memory_is_its_containers_limit_where_that_is_lower(tmp_path):
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = tmp_path / "memory.max"
+    assert machine_memory_bytes(tmp_path / "absent") == physical
+    limit.write_text("max\n")  # cgroup v2: no limit
+    assert machine_memory_bytes(limit) == physical
+    limit.write_text(f"{1 << 30}\n")
+    assert machine_memory_bytes(limit) == min(physical, 1 << 30)
+    limit.write_text(f"{physical * 2}\n")
+    assert machine_memory_bytes(limit) == physical
+
+
+def test_a_peers_parking_folder_follows_the_default_and_the_flag(tmp_path):
+    cfg = PeerConfig(checkpoint_dir=tmp_path)
+    run = tmp_path / cfg.swarm.run_id
+    assert parking_folder(cfg, 1000) is None
+    assert parking_folder(cfg, 10**13) == run  # 80 TB of state: larger than a sixteenth of any machine here
+    assert parking_folder(cfg.replace(global_state_on_disk=False), 10**13) is None
+    assert parking_folder(cfg.replace(global_state_on_disk=True), 1000) == run
+    streamed = cfg.replace(swarm=dataclasses.replace(cfg.swarm, fragments=2))
+    assert parking_folder(streamed, 10**13) is None
