@@ -34,6 +34,10 @@ def dht_kwargs(cfg: SwarmConfig) -> dict:
         auto_nat=cfg.nat_traversal,
         use_relay=cfg.nat_traversal,
         use_auto_relay=cfg.nat_traversal,
+        # a read our node's copy answered (a round's poll, a beat) would otherwise schedule hivemind's refresh of
+        # that cached copy: a search of the swarm a second later for a newer one, which our polls and beats do not
+        # need (they fetch every copy themselves where their own is not current; docs/bandwidth.md)
+        cache_refresh_before_expiry=0,
     )
     if cfg.announce:
         kwargs["announce_maddrs"] = list(cfg.announce)

@@ -20,14 +20,15 @@ DHT_CALL_TIMEOUT = 10.0  # one get or store; the DHT answers in well under a sec
 WITHDRAW_TIMEOUT = 2.0  # withdrawing our record when we leave: the leave has a bound of its own
 REJOIN_EVERY = 5.0  # seconds between pings of our initial peers while we see no other peer
 SHARED_FETCH_AGE = 0.2  # a peer's fragments polling within this share one fetch (a round polls every 0.25 s)
-# A round's poll takes a view of the records whose newest was stored at most POLL_LAG ago, not every replica's copy
-# merged. hivemind keeps each key on its 5 nearest nodes, and stores reach them as they are made: where our node is
-# one (every node, in a swarm of 5), its own copy is current and answers the poll with no request, our own beat
-# keeping it inside the lag. Elsewhere the poll reads our node's cache of the last fetch, which our own stores
-# refresh (hivemind's cache_on_store) and the beat's fetch of every copy renews: at most about a beat behind. A
-# fetch of every copy was ~30 KB at P = 1 and ~90 KB at P = 8 on 4 peers, four times a second while a round waits
-# (docs/fragments.md).
+# A round's poll, and each beat, read our node's own copy of the records where other peers' stores reach it as they
+# are made: hivemind keeps each key on its 5 nearest nodes (every node, in a swarm of 5) and a store reaches them
+# at once, so there that copy is current and asks nobody. It is read as any copy whose newest record was stored at
+# most POLL_LAG ago (our own beat keeps ours inside it), and trusted where it holds another peer's record of the
+# last beat. Elsewhere our copy is hivemind's cache of our last fetch, and they fetch every copy: a poll at most
+# every COPY_POLL_AGE, a beat once a beat. A fetch of every copy was ~30 KB at P = 1 and ~90 KB at P = 8 on 4 peers
+# (docs/fragments.md), 120-160 KB on 10 nodes (docs/bandwidth.md).
 POLL_LAG = HEARTBEAT
+COPY_POLL_AGE = 0.5  # a round polls every 0.25 s: every other poll, where our node holds no replica
 
 
 def records_key(run_id: str) -> str:
@@ -74,17 +75,18 @@ def bounded(future, timeout: float):
 
 
 def fetch_records(dht: DHT, run_id: str, timeout: float = DHT_CALL_TIMEOUT,
-                  lag: Optional[float] = None) -> list[PeerRecord]:
-    return [record for record, _ in fetch_records_seen(dht, run_id, timeout, lag)]
+                  lag: Optional[float] = None, beam: Optional[int] = None) -> list[PeerRecord]:
+    return [record for record, _ in fetch_records_seen(dht, run_id, timeout, lag, beam)]
 
 
-def fetch_records_seen(dht: DHT, run_id: str, timeout: float = DHT_CALL_TIMEOUT,
-                       lag: Optional[float] = None) -> list[tuple[PeerRecord, Optional[float]]]:
+def fetch_records_seen(dht: DHT, run_id: str, timeout: float = DHT_CALL_TIMEOUT, lag: Optional[float] = None,
+                       beam: Optional[int] = None) -> list[tuple[PeerRecord, Optional[float]]]:
     """Every live, well-formed peer record, signed by the peer it names, with the seconds since its peer last
-    published it (None: unknown). From every replica's copy, merged; or, with `lag`, from any copy (our node's own
-    first) whose newest record was stored at most `lag` seconds ago (POLL_LAG)."""
+    published it (None: unknown). From every replica's copy, merged (`beam`: the copies of the nodes a search of
+    that width visits, hivemind's 20 by default); or, with `lag`, from any copy (our node's own first) whose
+    newest record was stored at most `lag` seconds ago (POLL_LAG)."""
     if lag is None:
-        fresh = dict(latest=True)
+        fresh = dict(latest=True, **({} if beam is None else dict(beam_size=beam)))
     else:  # a copy's expiration is its newest record's: stored at expiration − TTL
         fresh = dict(latest=False, sufficient_expiration_time=get_dht_time() + TTL - lag)
     found = bounded(dht.get(records_key(run_id), return_future=True, **fresh), timeout)
@@ -125,7 +127,8 @@ class Heartbeat:
         self._lock, self._fetching = threading.Lock(), threading.Lock()
         self._stop, self._changed = threading.Event(), threading.Event()
         self._records: list[PeerRecord] = []
-        self._fetched_at = self._polled_at = float("-inf")
+        self._fetched_at = self._polled_at = self._fetched_dht = float("-inf")
+        self.fetches = 0  # of every replica's copy
         self._started = self._stopped = False
         self._thread = threading.Thread(target=self._loop, daemon=True, name="heartbeat")
 
@@ -171,23 +174,40 @@ class Heartbeat:
         """Every live peer's record from every replica's copy, fetched now, or as any caller fetched it within
         `max_age` seconds (so the fragments of a peer, polling side by side, make one DHT request, not P); `records`
         gives the same view."""
-        return self._read(max_age, lag=None)
+        return self._read(max_age)
 
     def poll(self, max_age: float = 0.0) -> list[PeerRecord]:
-        """As `fetch`, for a round waiting for peers (four times a second): from our node's own copy while it holds a
-        record stored within POLL_LAG. A node in client mode holds no replica, and reads every copy."""
-        return self._read(max_age, lag=None if self.record.client_mode else POLL_LAG)
+        """As `fetch`, for a round waiting for peers (four times a second): our node's own copy where other peers'
+        stores reach it as they are made, every copy at most every COPY_POLL_AGE otherwise (a node in client mode,
+        which holds no replica: every copy, as `fetch`)."""
+        if self.record.client_mode:
+            return self._read(max_age)
+        return self._view(max_age, every_copy_age=COPY_POLL_AGE)
 
-    def _read(self, max_age: float, lag: Optional[float]) -> list[PeerRecord]:
+    def _view(self, max_age: float, every_copy_age: float) -> list[PeerRecord]:
+        """Everyone's records: as read within `max_age`; else from our node's own copy where it holds another peer's
+        record stored within a beat and since our last fetch (a replica: every node is one in a swarm of 5, and
+        each peer stores every beat), which asks nobody; else from every copy, fetched within `every_copy_age` (our
+        copy is then a cache of that fetch)."""
         with self._fetching:
-            # a poll may reuse a fetch of every copy; a fetch of every copy never reuses a poll
-            last = self._fetched_at if lag is None else max(self._fetched_at, self._polled_at)
-            if time.monotonic() - last > max_age:
-                self._records = fetch_records(self.dht, self.run_id, lag=lag)
-                if lag is None:
-                    self._fetched_at = time.monotonic()
-                else:
-                    self._polled_at = time.monotonic()
+            if time.monotonic() - max(self._fetched_at, self._polled_at) <= max_age:
+                return list(self._records)
+            seen = fetch_records_seen(self.dht, self.run_id, lag=POLL_LAG)
+            # a record stored since our last fetch came to our node by a store, not in that fetch
+            newer = min(HEARTBEAT, get_dht_time() - self._fetched_dht)
+            if any(r.peer != self.record.peer and age is not None and age < newer for r, age in seen):
+                self._records, self._polled_at = [r for r, _ in seen], time.monotonic()
+                return list(self._records)
+        return self._read(every_copy_age)
+
+    def _read(self, max_age: float) -> list[PeerRecord]:
+        """Every copy, fetched now or within `max_age`."""
+        with self._fetching:
+            if time.monotonic() - self._fetched_at > max_age:
+                self._records = fetch_records(self.dht, self.run_id)
+                self._fetched_at, self._fetched_dht = time.monotonic(), get_dht_time()  # after: what came meanwhile is
+                # in the fetch, not proof that stores reach our copy
+                self.fetches += 1
             return list(self._records)
 
     def publish(self) -> None:
@@ -204,11 +224,19 @@ class Heartbeat:
             try:
                 self.publish()
                 if not self._changed.is_set():  # an update that came during the store goes out first
-                    self.fetch(max_age=HEARTBEAT / 2)  # every copy: what a poll's one copy missed, within a beat
+                    self._beat_view()
                     self._rejoin_if_alone()
             except Exception:  # the DHT may be shutting down; the next beat retries
                 pass
             self._changed.wait(HEARTBEAT)
+
+    def _beat_view(self) -> None:
+        """The beat's view of everyone's records, as a poll's but renewed once a beat. It fetched every copy each
+        beat before: 16 KB/s for each peer on 5 nodes, 140 KB/s on 10 (docs/bandwidth.md)."""
+        if self.record.client_mode:
+            self.fetch(max_age=HEARTBEAT / 2)
+        else:
+            self._view(HEARTBEAT / 2, every_copy_age=HEARTBEAT / 2)
 
     def _rejoin_if_alone(self) -> None:
         if self.rejoin is None or any(r.peer != self.record.peer for r in self._records):

@@ -7,7 +7,10 @@ records as a peer's do (signed, with a sketch and the join settings).
 Phases, each `--seconds` long: the DHT's upkeep alone; each peer storing its record every heartbeat, with no
 fetch; the heartbeats (a store and a fetch every beat); then one peer also fetching the records every `--poll`
 seconds (a round waiting for peers: `RoundRules.poll`), first from every replica's copy, then as a round polls
-(`records.POLL_LAG`: our node's own copy while it is fresh).
+(`records.POLL_LAG`: our node's own copy while it is fresh). With `--freshness K`, K times each: one peer changes
+its record, and another peer polls as a round does (`Heartbeat.poll`), or its node fetches every copy, every
+`--poll` seconds until it sees the change: how far behind a poll is, where a swarm of more than 5 nodes leaves our
+node without a replica of the records.
 Issue 50: a peer of P fragments runs P such lanes, so P times this traffic.
 """
 
@@ -45,6 +48,36 @@ def measure(seconds: float, each=None, every: float = 0.0) -> tuple[float, int]:
     return (loopback_bytes_sent() - start) / (time.monotonic() - t0), calls
 
 
+def seen_after(beat: Heartbeat, read, version: int, poll: float, limit: float = 10.0) -> float:
+    """Seconds from `beat` publishing `version` until `read()` (every `poll` s) returns it (`limit` where it never
+    does)."""
+    beat.update(version=version)
+    start = time.monotonic()
+    while time.monotonic() - start < limit:
+        if any(r.peer == beat.record.peer and r.version >= version for r in read()):
+            return time.monotonic() - start
+        time.sleep(poll)
+    return limit
+
+
+def freshness(beats: list, poller: int, run_id: str, trials: int, poll: float) -> dict:
+    """How long a change to the last peer's record takes to show in peer `poller`'s polls (`Heartbeat.poll`, as a
+    round waiting for peers reads) and in its node's fetches of every copy, alternately, at random moments."""
+    import random
+    import statistics
+
+    delays = {"poll": [], "fetch": []}
+    reads = dict(poll=beats[poller].poll, fetch=lambda: fetch_records(beats[poller].dht, run_id))
+    version = beats[-1].record.version
+    for trial in range(trials):
+        for kind, read in reads.items():
+            time.sleep(random.uniform(0, HEARTBEAT))
+            version += 1
+            delays[kind].append(seen_after(beats[-1], read, version, poll))
+    return {f"{kind}_seen_after_s": dict(median=round(statistics.median(d), 3), max=round(max(d), 3),
+                                         all=[round(x, 3) for x in d]) for kind, d in delays.items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", type=int, default=4)
@@ -52,6 +85,9 @@ def main() -> int:
     parser.add_argument("--poll", type=float, default=0.25)
     parser.add_argument("--poll-lag", type=float, default=POLL_LAG, help="the polls' lag (records.POLL_LAG)")
     parser.add_argument("--fragments", type=int, default=1, help="records as a peer of P fragments publishes them")
+    parser.add_argument("--beam", type=int, default=0,
+                        help="also fetch every copy with a search of this width: bytes, and how many records (0: no)")
+    parser.add_argument("--freshness", type=int, default=0, help="trials of how far behind a poll is (0: none)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     base = SwarmConfig(run_id="bench-records", connect_timeout=30.0)
@@ -79,7 +115,9 @@ def main() -> int:
         while len(fetch_records(dhts[1], cfg.run_id)) < args.peers and time.monotonic() < deadline:
             time.sleep(1)
         time.sleep(3)
-        idle, _ = measure(args.seconds)  # heartbeats: a store and a fetch every beat
+        before = [getattr(beat, "fetches", 0) for beat in beats]  # (builds before the counter: 0)
+        idle, _ = measure(args.seconds)  # heartbeats: a store every beat, and a view of everyone's records
+        beat_fetches = [getattr(beat, "fetches", 0) - b for beat, b in zip(beats, before)]  # of every copy, per peer
         polling, gets = measure(args.seconds, lambda: fetch_records(dhts[1], cfg.run_id), args.poll)
         # as a round polls (records.POLL_LAG): our node's own copy while its newest record is recent enough
         polling_lag, lag_gets = measure(args.seconds, lambda: fetch_records(dhts[1], cfg.run_id, lag=args.poll_lag),
@@ -89,13 +127,25 @@ def main() -> int:
         result = dict(peers=args.peers, seconds=args.seconds, poll=args.poll, fragments=args.fragments,
                       record_bytes=size,
                       dht_upkeep_bytes_per_s=round(dht_only), stores_bytes_per_s=round(stores),
-                      heartbeats_bytes_per_s=round(idle), polling_bytes_per_s=round(polling), fetches=gets,
+                      heartbeats_bytes_per_s=round(idle), beat_fetches=beat_fetches, polling_bytes_per_s=round(polling), fetches=gets,
                       bytes_per_fetch=round((polling - idle) * args.seconds / max(1, gets)),
                       poll_lag=args.poll_lag, polling_lag_bytes_per_s=round(polling_lag), polls=lag_gets,
                       bytes_per_poll=round((polling_lag - idle) * args.seconds / max(1, lag_gets)),
                       bytes_per_store=round((stores - dht_only) * HEARTBEAT / args.peers),
                       heartbeat_bytes_per_peer_per_s=per_peer(idle - dht_only),
                       of_which_stores_per_peer_per_s=per_peer(stores - dht_only))
+        if args.beam:
+            counts = []
+            narrow, narrow_gets = measure(args.seconds, lambda: counts.append(
+                len(fetch_records(dhts[1], cfg.run_id, beam=args.beam))), args.poll)
+            result.update(beam=args.beam, beam_bytes_per_fetch=round((narrow - idle) * args.seconds / max(1, narrow_gets)),
+                          beam_fetches=narrow_gets, beam_complete=sum(c == args.peers for c in counts),
+                          beam_records_min=min(counts, default=0))
+        if args.freshness:
+            # the peer whose beats fetched every copy most (its node holds no replica), where the build counts them
+            poller = max(range(args.peers - 1), key=lambda i: beat_fetches[i])
+            result.update(nodes=len(dhts), poller=poller,
+                          **freshness(beats, poller, cfg.run_id, args.freshness, args.poll))
         print(json.dumps(result, indent=1))
         if args.json:
             args.json.write_text(json.dumps(result, indent=1))

@@ -12,7 +12,7 @@ from p2pdiloco.config import SwarmConfig
 from p2pdiloco.ops.testbed import loopback_bytes_sent
 from p2pdiloco.protocol.remote import PeerRecord
 from p2pdiloco.swarm import node
-from p2pdiloco.swarm.records import POLL_LAG, Heartbeat, fetch_records
+from p2pdiloco.swarm.records import COPY_POLL_AGE, HEARTBEAT, POLL_LAG, Heartbeat, fetch_records
 from p2pdiloco.swarm.signing import Identity
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
@@ -58,3 +58,57 @@ def test_a_poll_sees_a_new_record_at_once_and_asks_no_replica_while_our_copy_is_
     finally:
         for dht in started:
             node.shutdown(dht)
+
+
+def test_a_beat_and_a_poll_read_their_own_copy_only_while_others_stores_reach_it():
+    """Every node of 3 is a replica. A poll or a beat reads our node's own copy where another peer's record came
+    to it by a store since our last fetch, within a beat: no fetch of every copy. Where it holds only what our last
+    fetch brought (as a node that is no replica holds a cache), or records older than a beat, they fetch every
+    copy: a poll at most every COPY_POLL_AGE."""
+    ids = [Identity.fresh() for _ in range(3)]
+    started = [node.start_dht(BASE, ids[0])]
+    beats = []
+    try:
+        cfg = dataclasses.replace(BASE, initial_peers=tuple(node.visible_addresses(started[0])))
+        started += [node.start_dht(cfg, identity) for identity in ids[1:]]
+        beats = [Heartbeat(dht, BASE.run_id, PeerRecord(i.peer_id, f"p{n}", 3, "abcdef0123456789"), i)
+                 for n, (dht, i) in enumerate(zip(started, ids))]
+        for beat in beats:
+            beat.publish()
+        watcher = beats[2]
+        wait_until(lambda: len(watcher.fetch()) == 3, 30, "the three records")
+        fetched = watcher.fetches
+        assert len(watcher.poll()) == 3 and watcher.fetches == fetched  # the fetch of a moment ago serves
+        time.sleep(COPY_POLL_AGE + 0.1)
+        watcher.poll()  # our copy holds nothing stored since that fetch: every copy again
+        assert watcher.fetches == fetched + 1
+
+        time.sleep(HEARTBEAT + 0.5)  # the others' records, stored once, are now older than a beat
+        watcher.start()
+        wait_until(lambda: watcher.fetches >= fetched + 2, 2 * HEARTBEAT, "a beat's fetch of every copy")
+        assert len(watcher.records()) == 3
+
+        for beat in beats[:2]:
+            beat.start()
+        time.sleep(HEARTBEAT + 0.5)  # a beat of theirs has reached our copy since
+        fetched = watcher.fetches
+        beats[0].update(version=5, digest="0000000000000005")
+        wait_until(lambda: {r.peer: r.version for r in watcher.poll()}.get(ids[0].peer_id) == 5, HEARTBEAT,
+                   "a poll to show p0's new version")
+        wait_until(lambda: {r.peer: r.version for r in watcher.records()}.get(ids[0].peer_id) == 5,
+                   2 * HEARTBEAT + 1, "the beat's view to show it")
+        time.sleep(HEARTBEAT)
+        assert watcher.fetches == fetched, "a beat or a poll fetched every copy while our own copy was current"
+        assert {r.peer for r in watcher.records()} == {i.peer_id for i in ids}
+    finally:
+        for beat in beats:
+            beat.stop()
+        for dht in started:
+            node.shutdown(dht)
+
+
+def wait_until(condition, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)

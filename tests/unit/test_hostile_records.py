@@ -66,7 +66,7 @@ def test_heartbeat_never_makes_the_caller_wait_on_the_dht_and_keeps_a_view_of_pe
                 self.table[subkey] = SimpleNamespace(value=value)
             return done(True)
 
-        def get(self, key, latest=True, return_future=False):
+        def get(self, key, latest=True, return_future=False, **fresh):
             with self.lock:
                 return done(SimpleNamespace(value=dict(self.table)))
 

@@ -111,36 +111,56 @@ def test_a_peer_of_eight_fragments_publishes_its_sketches_in_fp32_and_its_lanes_
         assert dataclasses.replace(back.lane(i), sketch=sketch) == record.lane(i)
 
 
-def test_a_rounds_poll_reads_our_nodes_own_copy_but_every_other_read_asks_every_replica(monkeypatch):
-    """Only the poll of a round waiting for peers may take a copy as fresh as POLL_LAG (records.POLL_LAG); joins,
-    downloads and the beat read every replica's copy, and a node in client mode, which holds no replica, always
-    does: a late joiner in client mode once polled its own copy at join and saw no live peer ahead of it."""
+def test_a_poll_reads_our_nodes_own_copy_only_while_others_stores_reach_it(monkeypatch):
+    """A round's poll takes our node's own copy (records.POLL_LAG) where it holds another peer's record stored since
+    our last fetch of every copy, within a beat: stores reach our node, a replica. Otherwise, and for joins,
+    downloads and any `fetch`, every replica's copy; a node in client mode, which holds no replica, always reads
+    every copy: a late joiner in client mode once polled its own copy at join and saw no live peer ahead of it."""
     import concurrent.futures
     from types import SimpleNamespace
 
+    from hivemind.utils import get_dht_time
+
     class GetDHT:
         def __init__(self):
-            self.gets = []
+            self.gets, self.copy = [], {}
 
         def get(self, key, return_future=False, **fresh):
             self.gets.append(fresh)
             future = concurrent.futures.Future()
-            future.set_result(SimpleNamespace(value={}))
+            future.set_result(SimpleNamespace(value=dict(self.copy)))
             return future
 
-    every_copy = dict(latest=True)
-    dht = GetDHT()
+        def stored(self, identity, age: float) -> None:  # `identity`'s record came `age` seconds ago
+            record = peer_of_three(identity)
+            self.copy[identity.subkey] = SimpleNamespace(value=record.value(),
+                                                         expiration_time=get_dht_time() - age + records.TTL)
+
+    every_copy, dht = dict(latest=True), GetDHT()
     beat = records.Heartbeat(dht, "run", peer_of_three(ME), ME)
-    beat.poll()
-    assert dht.gets[-1]["latest"] is False and "sufficient_expiration_time" in dht.gets[-1]
+    dht.stored(THEM, age=0.1)
+    assert [r.peer for r in beat.poll()] == [THEM.peer_id]  # before any fetch: came by a store
+    assert len(dht.gets) == 1 and dht.gets[0]["latest"] is False and "sufficient_expiration_time" in dht.gets[0]
     beat.fetch(max_age=60.0)  # a poll's view never stands in for every copy
     assert dht.gets[-1] == every_copy and len(dht.gets) == 2
     beat.poll(max_age=60.0)  # every copy stands in for a poll
     assert len(dht.gets) == 2
+    beat.poll()  # THEM's record came before that fetch: our copy may be its cache, and the fetch serves ...
+    assert len(dht.gets) == 3 and dht.gets[-1]["latest"] is False
+    monkeypatch.setattr(records, "COPY_POLL_AGE", 0.0)
+    beat.poll()  # ... until it is COPY_POLL_AGE old: then every copy
+    assert dht.gets[-2]["latest"] is False and dht.gets[-1] == every_copy and len(dht.gets) == 5
+    dht.stored(THEM, age=0.0)  # a store since our fetch: we are a replica
+    beat.poll()
+    assert len(dht.gets) == 6 and dht.gets[-1]["latest"] is False
+    dht.stored(THEM, age=records.HEARTBEAT + 1)  # nothing of the last beat: every copy
+    beat.poll()
+    assert dht.gets[-1] == every_copy and len(dht.gets) == 8
     monkeypatch.setattr(records, "SHARED_FETCH_AGE", 60.0)  # "side by side", however slowly this runs
-    lane = records.LaneBeat(beat, 1)
+    lane, count = records.LaneBeat(beat, 1), len(dht.gets)
     lane.fetch(), lane.poll()
-    assert len(dht.gets) == 2  # both within SHARED_FETCH_AGE of a read that may stand in for them
+    assert len(dht.gets) == count  # both within SHARED_FETCH_AGE of a read that may stand in for them
     client = records.Heartbeat(dht, "run", peer_of_three(ME, client_mode=True), ME)
+    dht.stored(THEM, age=0.0)
     client.poll()
     assert dht.gets[-1] == every_copy
