@@ -232,7 +232,7 @@ class Heartbeat:
 
     def _beat_view(self) -> None:
         """The beat's view of everyone's records, as a poll's but renewed once a beat. It fetched every copy each
-        beat before: 16 KB/s for each peer on 5 nodes, 140 KB/s on 10 (docs/bandwidth.md)."""
+        beat before: about half of a peer's heartbeat bytes, on 5 nodes and on 10 (docs/bandwidth.md)."""
         if self.record.client_mode:
             self.fetch(max_age=HEARTBEAT / 2)
         else:
