@@ -3,6 +3,7 @@ they are made, instead of asking every replica: it sees a peer's new record as s
 no request. Four polls a second of every replica's copy were most of a peer's bytes between rounds at 8 fragments
 (docs/fragments.md)."""
 
+import contextlib
 import dataclasses
 import time
 
@@ -28,9 +29,12 @@ def bytes_of(calls: int, fetch) -> int:
     return loopback_bytes_sent() - before
 
 
-def test_a_poll_sees_a_new_record_at_once_and_asks_no_replica_while_our_copy_is_fresh():
+@contextlib.contextmanager
+def three_peers():
+    """Three DHT nodes, each with a peer's heartbeat (not started) whose record it stored once."""
     ids = [Identity.fresh() for _ in range(3)]
     started = [node.start_dht(BASE, ids[0])]
+    beats = []
     try:
         cfg = dataclasses.replace(BASE, initial_peers=tuple(node.visible_addresses(started[0])))
         started += [node.start_dht(cfg, identity) for identity in ids[1:]]
@@ -38,6 +42,16 @@ def test_a_poll_sees_a_new_record_at_once_and_asks_no_replica_while_our_copy_is_
                  for n, (dht, i) in enumerate(zip(started, ids))]
         for beat in beats:
             beat.publish()
+        yield ids, started, beats
+    finally:
+        for beat in beats:
+            beat.stop()
+        for dht in started:
+            node.shutdown(dht)
+
+
+def test_a_poll_sees_a_new_record_at_once_and_asks_no_replica_while_our_copy_is_fresh():
+    with three_peers() as (ids, started, beats):
         watcher = started[2]
         deadline = time.monotonic() + 30
         while len(fetch_records(watcher, BASE.run_id)) < 3 and time.monotonic() < deadline:
@@ -55,9 +69,6 @@ def test_a_poll_sees_a_new_record_at_once_and_asks_no_replica_while_our_copy_is_
             beat.publish()  # a store just made: our copy is fresh
         polls = bytes_of(calls, lambda: fetch_records(watcher, BASE.run_id, lag=POLL_LAG))
         assert every_copy > 3_000 * calls and polls < every_copy / 20, (every_copy, polls)  # ~8 KB a fetch here
-    finally:
-        for dht in started:
-            node.shutdown(dht)
 
 
 def test_a_beat_and_a_poll_read_their_own_copy_only_while_others_stores_reach_it():
@@ -65,16 +76,7 @@ def test_a_beat_and_a_poll_read_their_own_copy_only_while_others_stores_reach_it
     to it by a store since our last fetch, within a beat: no fetch of every copy. Where it holds only what our last
     fetch brought (as a node that is no replica holds a cache), or records older than a beat, they fetch every
     copy: a poll at most every COPY_POLL_AGE."""
-    ids = [Identity.fresh() for _ in range(3)]
-    started = [node.start_dht(BASE, ids[0])]
-    beats = []
-    try:
-        cfg = dataclasses.replace(BASE, initial_peers=tuple(node.visible_addresses(started[0])))
-        started += [node.start_dht(cfg, identity) for identity in ids[1:]]
-        beats = [Heartbeat(dht, BASE.run_id, PeerRecord(i.peer_id, f"p{n}", 3, "abcdef0123456789"), i)
-                 for n, (dht, i) in enumerate(zip(started, ids))]
-        for beat in beats:
-            beat.publish()
+    with three_peers() as (ids, _, beats):
         watcher = beats[2]
         wait_until(lambda: len(watcher.fetch()) == 3, 30, "the three records")
         fetched = watcher.fetches
@@ -100,11 +102,6 @@ def test_a_beat_and_a_poll_read_their_own_copy_only_while_others_stores_reach_it
         time.sleep(HEARTBEAT)
         assert watcher.fetches == fetched, "a beat or a poll fetched every copy while our own copy was current"
         assert {r.peer for r in watcher.records()} == {i.peer_id for i in ids}
-    finally:
-        for beat in beats:
-            beat.stop()
-        for dht in started:
-            node.shutdown(dht)
 
 
 def wait_until(condition, seconds: float, what: str) -> None:
