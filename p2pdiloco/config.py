@@ -405,8 +405,8 @@ class PeerConfig:
         "CHECKPOINT_DIR/RUN_ID, in memory only while a round starts or ends, an evaluation, a checkpoint or a "
         "joiner reads them, and the round's averaging buffer (4 more) and error feedback's residual (4 more, where "
         "rounds use it) in others, paged in a piece at a time: the peak is then the inner loop's. Costs the disk "
-        "12-20 bytes per parameter of writes per round, and no throughput measured. Default: on where those 8 "
-        "bytes per parameter would exceed a sixteenth of this machine's memory (a 1B model below 128 GB), "
+        "12-20 bytes per parameter of writes per round; measured no slower (docs/hardware.md). Default: on where "
+        "those 8 bytes per parameter would exceed a sixteenth of this machine's memory (a 1B model below 128 GB), "
         "except with --fragments.")
     name: Optional[str] = option(None, "Label for logs and metrics (default: end of the peer id).")
     metrics: str = option("", "Metrics sinks besides JSONL, comma-separated: tensorboard, wandb (each an optional "

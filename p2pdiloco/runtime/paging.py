@@ -127,7 +127,8 @@ def _inside(view: torch.Tensor, file: FileVectors) -> bool:
 
 
 def machine_memory_bytes(cgroup: Path = Path("/sys/fs/cgroup/memory.max")) -> int:
-    """The memory this process may use: the machine's, or its cgroup's limit where lower (a container)."""
+    """The memory this process may use: the machine's, or its container's limit where lower (cgroup v2, mounted at
+    /sys/fs/cgroup inside the container; a cgroup v1 limit is not read)."""
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
         limit = cgroup.read_text().strip()

@@ -23,10 +23,11 @@ SHARED_FETCH_AGE = 0.2  # a peer's fragments polling within this share one fetch
 # A round's poll, and each beat, read our node's own copy of the records where other peers' stores reach it as they
 # are made: hivemind keeps each key on its 5 nearest nodes (every node, in a swarm of 5) and a store reaches them
 # at once, so there that copy is current and asks nobody. It is read as any copy whose newest record was stored at
-# most POLL_LAG ago (our own beat keeps ours inside it), and trusted where it holds another peer's record of the
-# last beat. Elsewhere our copy is hivemind's cache of our last fetch, and they fetch every copy: a poll at most
-# every COPY_POLL_AGE, a beat once a beat. A fetch of every copy was ~30 KB at P = 1 and ~90 KB at P = 8 on 4 peers
-# (docs/fragments.md), 120-160 KB on 10 nodes (docs/bandwidth.md).
+# most POLL_LAG ago (our own beat keeps ours inside it), and trusted where it holds another peer's record stored
+# within the last beat and since our last fetch of every copy: it came by a store, not in that fetch. Elsewhere our
+# copy is hivemind's cache of our last fetch, and they fetch every copy: a poll at most every COPY_POLL_AGE, a beat
+# once a beat. A fetch of every copy was ~30 KB at P = 1 and ~90 KB at P = 8 on 4 peers (docs/fragments.md),
+# 120-230 KB on 10 nodes (docs/bandwidth.md).
 POLL_LAG = HEARTBEAT
 COPY_POLL_AGE = 0.5  # a round polls every 0.25 s: every other poll, where our node holds no replica
 
@@ -75,18 +76,17 @@ def bounded(future, timeout: float):
 
 
 def fetch_records(dht: DHT, run_id: str, timeout: float = DHT_CALL_TIMEOUT,
-                  lag: Optional[float] = None, beam: Optional[int] = None) -> list[PeerRecord]:
-    return [record for record, _ in fetch_records_seen(dht, run_id, timeout, lag, beam)]
+                  lag: Optional[float] = None) -> list[PeerRecord]:
+    return [record for record, _ in fetch_records_seen(dht, run_id, timeout, lag)]
 
 
-def fetch_records_seen(dht: DHT, run_id: str, timeout: float = DHT_CALL_TIMEOUT, lag: Optional[float] = None,
-                       beam: Optional[int] = None) -> list[tuple[PeerRecord, Optional[float]]]:
+def fetch_records_seen(dht: DHT, run_id: str, timeout: float = DHT_CALL_TIMEOUT,
+                       lag: Optional[float] = None) -> list[tuple[PeerRecord, Optional[float]]]:
     """Every live, well-formed peer record, signed by the peer it names, with the seconds since its peer last
-    published it (None: unknown). From every replica's copy, merged (`beam`: the copies of the nodes a search of
-    that width visits, hivemind's 20 by default); or, with `lag`, from any copy (our node's own first) whose
-    newest record was stored at most `lag` seconds ago (POLL_LAG)."""
+    published it (None: unknown). From every replica's copy, merged; or, with `lag`, from any copy (our node's own
+    first) whose newest record was stored at most `lag` seconds ago (POLL_LAG)."""
     if lag is None:
-        fresh = dict(latest=True, **({} if beam is None else dict(beam_size=beam)))
+        fresh = dict(latest=True)
     else:  # a copy's expiration is its newest record's: stored at expiration − TTL
         fresh = dict(latest=False, sufficient_expiration_time=get_dht_time() + TTL - lag)
     found = bounded(dht.get(records_key(run_id), return_future=True, **fresh), timeout)

@@ -5,13 +5,14 @@ records as a peer's do (signed, with a sketch and the join settings).
     unshare -n bash -c 'ip link set lo up && .venv/bin/python scripts/bench/bench_records.py --peers 4'
 
 Phases, each `--seconds` long: the DHT's upkeep alone; each peer storing its record every heartbeat, with no
-fetch; the heartbeats (a store and a fetch every beat); then one peer also fetching the records every `--poll`
-seconds (a round waiting for peers: `RoundRules.poll`), first from every replica's copy, then as a round polls
-(`records.POLL_LAG`: our node's own copy while it is fresh). With `--freshness K`, K times each: one peer changes
+fetch; the heartbeats (a store every beat, and a view of everyone's records: `beat_fetches` counts the beats that
+fetched every copy); then one peer also reading the records every `--poll` seconds (a round waiting for peers:
+`RoundRules.poll`), first from every replica's copy, then from any copy stored within `records.POLL_LAG` (our
+node's own first: the read `Heartbeat.poll` makes before it falls back to every copy, which `--freshness`
+exercises). With `--freshness K`, K times each: one peer changes
 its record, and another peer polls as a round does (`Heartbeat.poll`), or its node fetches every copy, every
 `--poll` seconds until it sees the change: how far behind a poll is, where a swarm of more than 5 nodes leaves our
 node without a replica of the records.
-Issue 50: a peer of P fragments runs P such lanes, so P times this traffic.
 """
 
 from __future__ import annotations
@@ -85,8 +86,6 @@ def main() -> int:
     parser.add_argument("--poll", type=float, default=0.25)
     parser.add_argument("--poll-lag", type=float, default=POLL_LAG, help="the polls' lag (records.POLL_LAG)")
     parser.add_argument("--fragments", type=int, default=1, help="records as a peer of P fragments publishes them")
-    parser.add_argument("--beam", type=int, default=0,
-                        help="also fetch every copy with a search of this width: bytes, and how many records (0: no)")
     parser.add_argument("--freshness", type=int, default=0, help="trials of how far behind a poll is (0: none)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -127,20 +126,14 @@ def main() -> int:
         result = dict(peers=args.peers, seconds=args.seconds, poll=args.poll, fragments=args.fragments,
                       record_bytes=size,
                       dht_upkeep_bytes_per_s=round(dht_only), stores_bytes_per_s=round(stores),
-                      heartbeats_bytes_per_s=round(idle), beat_fetches=beat_fetches, polling_bytes_per_s=round(polling), fetches=gets,
+                      heartbeats_bytes_per_s=round(idle), beat_fetches=beat_fetches,
+                      polling_bytes_per_s=round(polling), fetches=gets,
                       bytes_per_fetch=round((polling - idle) * args.seconds / max(1, gets)),
                       poll_lag=args.poll_lag, polling_lag_bytes_per_s=round(polling_lag), polls=lag_gets,
                       bytes_per_poll=round((polling_lag - idle) * args.seconds / max(1, lag_gets)),
                       bytes_per_store=round((stores - dht_only) * HEARTBEAT / args.peers),
                       heartbeat_bytes_per_peer_per_s=per_peer(idle - dht_only),
                       of_which_stores_per_peer_per_s=per_peer(stores - dht_only))
-        if args.beam:
-            counts = []
-            narrow, narrow_gets = measure(args.seconds, lambda: counts.append(
-                len(fetch_records(dhts[1], cfg.run_id, beam=args.beam))), args.poll)
-            result.update(beam=args.beam, beam_bytes_per_fetch=round((narrow - idle) * args.seconds / max(1, narrow_gets)),
-                          beam_fetches=narrow_gets, beam_complete=sum(c == args.peers for c in counts),
-                          beam_records_min=min(counts, default=0))
         if args.freshness:
             # the peer whose beats fetched every copy most (its node holds no replica), where the build counts them
             poller = max(range(args.peers - 1), key=lambda i: beat_fetches[i])

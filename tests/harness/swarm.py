@@ -64,11 +64,7 @@ class LocalSwarm:
         return (self.log_dir / f"{name}.addrs").read_text().split()[0]
 
     def wait_for(self, condition, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-            time.sleep(0.5)
+        wait_for(condition, timeout, what)
 
     def watch_status(self, via: str | None = None, interval: float = 1.0, extra: tuple[str, ...] = ()) -> None:
         """Start `p2pdiloco status --watch --json` through `via` (default: the bootstrap node): one process for the
@@ -109,6 +105,15 @@ def local_swarm(tmp_path: Path, run_id: str):
         yield swarm
     finally:
         swarm.stop_all()
+
+
+def wait_for(condition, timeout: float, what: str, every: float = 0.5) -> None:
+    """Until `condition()` holds, asked every `every` s; an AssertionError naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(every)
 
 
 def alive(pid: int) -> bool:

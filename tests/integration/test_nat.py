@@ -6,12 +6,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from p2pdiloco.ops.testbed import Link, Testbed
 from p2pdiloco.runtime.schema import Resync, Round, of_kind, read_records
+from tests.harness.swarm import wait_for
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300),
               pytest.mark.skipif(os.geteuid() != 0, reason="the testbed needs root (network namespaces)"),
@@ -48,13 +48,6 @@ def join(tb: Testbed, i: int, tmp_path, *args: str) -> subprocess.Popen:
          f"/ip4/{tb.host_address(i)}/tcp/0", "--name", f"p{i}", "--model", "tiny", "--threads", "1", "-H", "10",
          "--eval-every", "0", "--checkpoint-every", "0", "--log-dir", str(tmp_path), "--run-id", "nat", *args],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def wait_for(predicate, seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.3)
 
 
 def applied(tmp_path, name: str) -> list[Round]:

@@ -15,6 +15,7 @@ from p2pdiloco.protocol.remote import PeerRecord
 from p2pdiloco.swarm import node
 from p2pdiloco.swarm.records import COPY_POLL_AGE, HEARTBEAT, POLL_LAG, Heartbeat, fetch_records
 from p2pdiloco.swarm.signing import Identity
+from tests.harness.swarm import wait_for
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
 
@@ -78,7 +79,7 @@ def test_a_beat_and_a_poll_read_their_own_copy_only_while_others_stores_reach_it
     copy: a poll at most every COPY_POLL_AGE."""
     with three_peers() as (ids, _, beats):
         watcher = beats[2]
-        wait_until(lambda: len(watcher.fetch()) == 3, 30, "the three records")
+        wait_for(lambda: len(watcher.fetch()) == 3, 30, "the three records", every=0.1)
         fetched = watcher.fetches
         assert len(watcher.poll()) == 3 and watcher.fetches == fetched  # the fetch of a moment ago serves
         time.sleep(COPY_POLL_AGE + 0.1)
@@ -87,7 +88,7 @@ def test_a_beat_and_a_poll_read_their_own_copy_only_while_others_stores_reach_it
 
         time.sleep(HEARTBEAT + 0.5)  # the others' records, stored once, are now older than a beat
         watcher.start()
-        wait_until(lambda: watcher.fetches >= fetched + 2, 2 * HEARTBEAT, "a beat's fetch of every copy")
+        wait_for(lambda: watcher.fetches >= fetched + 2, 2 * HEARTBEAT, "a beat's fetch of every copy", every=0.1)
         assert len(watcher.records()) == 3
 
         for beat in beats[:2]:
@@ -95,17 +96,10 @@ def test_a_beat_and_a_poll_read_their_own_copy_only_while_others_stores_reach_it
         time.sleep(HEARTBEAT + 0.5)  # a beat of theirs has reached our copy since
         fetched = watcher.fetches
         beats[0].update(version=5, digest="0000000000000005")
-        wait_until(lambda: {r.peer: r.version for r in watcher.poll()}.get(ids[0].peer_id) == 5, HEARTBEAT,
-                   "a poll to show p0's new version")
-        wait_until(lambda: {r.peer: r.version for r in watcher.records()}.get(ids[0].peer_id) == 5,
-                   2 * HEARTBEAT + 1, "the beat's view to show it")
+        wait_for(lambda: {r.peer: r.version for r in watcher.poll()}.get(ids[0].peer_id) == 5, HEARTBEAT,
+                 "a poll to show p0's new version", every=0.1)
+        wait_for(lambda: {r.peer: r.version for r in watcher.records()}.get(ids[0].peer_id) == 5,
+                 2 * HEARTBEAT + 1, "the beat's view to show it", every=0.1)
         time.sleep(HEARTBEAT)
         assert watcher.fetches == fetched, "a beat or a poll fetched every copy while our own copy was current"
         assert {r.peer for r in watcher.records()} == {i.peer_id for i in ids}
-
-
-def wait_until(condition, seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
