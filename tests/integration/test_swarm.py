@@ -63,7 +63,9 @@ def test_three_peers_stay_bitwise_equal_and_learn(tmp_path, wire, median_ratio):
             final.setdefault(s.version, set()).add(s.digest)
         assert all(len(d) == 1 for d in final.values()), summaries
         for s in summaries:
-            assert s.final_val < s.initial_val - 2.0, s  # byte-level loss starts ~5.5 (ln 256)
+            # a fixed 2.0 was set when the loss started at ln 256 ≈ 5.5 (bytes: a bar at 64 % of it); the BPE
+            # model starts near 4.3, where 2.0 asked for 47 % (missed once in CI: 2.333 against 2.283)
+            assert s.final_val < 0.6 * s.initial_val, s
         # the merged model's validation loss fell at every round (issue 46: the demo's loss once rose)
         val = val_by_version(swarm.records(name, "round") for name in names)
         assert len(val) >= 4 and val_rises(val) == [], val
