@@ -87,6 +87,12 @@ class Checkpoints:
         started = self.saved_at = time.monotonic()  # a failed write is not retried at every step
         meta, tensors = self._state(diloco, why)
         job = Write(meta, why, diloco.checkpoint_guard())
+        try:  # a sharded member's ranks write their parts of the optimizer's state now, on this thread
+            tensors = checkpoint.stage(tensors, self.folder)
+        except checkpoint.CheckpointWriteError as e:
+            job.error = str(e)
+            self._report(job)
+            return
         if wait or not self.background:
             self._write(job, tensors)
             job.stall_seconds = time.monotonic() - started

@@ -1,7 +1,9 @@
 """Checkpoints: atomic, verifiable, the last K kept. No networking.
 
 Layout: CHECKPOINT_DIR/NAME/v00000012-<step>/ holds `tensors.safetensors` (Θ, outer momentum, θ, AdamW
-moments) and `meta.json` (version, digest, history, counters, stream position, the tensors file's sha256).
+moments) and `meta.json` (version, digest, history, counters, stream position, the tensors file's sha256). A
+member whose ranks shard the model (`--fsdp`) keeps the AdamW moments in `inner-shards/` instead: each rank's part in
+a file of its own (torch.distributed.checkpoint), their hashes in `meta.json`.
 A checkpoint is written into a hidden temporary folder and renamed into place (rename is atomic), so a kill
 at any moment leaves either the previous set or a complete new one. Loading verifies the hash, the shapes
 and the digest; a damaged checkpoint is reported and the next older one is tried.
@@ -30,6 +32,7 @@ from p2pdiloco.runtime.paging import LetGo
 TENSORS, META = "tensors.safetensors", "meta.json"
 TOKENIZER_DIR = "tokenizer"  # beside a peer's checkpoints: the tokenizer its model reads (export, sample)
 FORMAT = 1
+SHARDS = "inner-shards"  # the entry, and the folder, of a sharded member's inner optimizer state
 
 
 class CheckpointError(RuntimeError):
@@ -44,7 +47,7 @@ class CheckpointWriteError(CheckpointError):
 class Checkpoint:
     path: Path
     meta: dict
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor]  # and, from a sharded member, its ranks' optimizer state (`SHARDS`)
 
 
 Guard = Callable[[], ContextManager]
@@ -53,15 +56,23 @@ Guard = Callable[[], ContextManager]
 def save(folder: Path, meta: dict, tensors: dict[str, Entry], keep: int = 3,
          guard: Guard = contextlib.nullcontext) -> Path:
     """Write one checkpoint atomically and prune all but the newest `keep`. `guard`: held while the entries that
-    read a live vector (`Released`: Θ and the momentum) are written; it raises if they no longer match `meta`."""
+    read a live vector (`Released`: Θ and the momentum) are written; it raises if they no longer match `meta`.
+    A `SHARDS` entry is staged first where it was not (`stage`), then moved in whole."""
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"v{meta['version']:08d}-{meta['inner_step']:09d}"
+    tensors = stage(tensors, folder)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder))
+    shards = tensors.get(SHARDS)
     try:
-        write_safetensors(tmp / TENSORS, tensors, guard)
-        full = dict(meta, format=FORMAT, sha256=sha256_file(tmp / TENSORS))
+        full = dict(meta, format=FORMAT)
+        if shards is not None:
+            os.replace(shards.path, tmp / SHARDS)
+            full["shards_sha256"] = {f.name: sha256_file(f) for f in sorted((tmp / SHARDS).iterdir())}
+        write_safetensors(tmp / TENSORS, {k: v for k, v in tensors.items() if k != SHARDS}, guard)
+        full["sha256"] = sha256_file(tmp / TENSORS)
         (tmp / META).write_text(json.dumps(full, indent=1))
-        for f in (tmp / TENSORS, tmp / META):
+        written = [tmp / TENSORS, tmp / META, *((tmp / SHARDS / name) for name in full.get("shards_sha256", ()))]
+        for f in written:
             with f.open("rb") as handle:
                 os.fsync(handle.fileno())
         if final.exists():
@@ -111,7 +122,50 @@ class Released:
             self.let_go(part)
 
 
-Entry = Union[torch.Tensor, Concatenated, Released]
+class RankShards:
+    """A folder of the inner optimizer's state that a sharded member's ranks wrote, each rank its own part
+    (training.sharded.save_moments: torch.distributed.checkpoint's files), so that no rank ever holds it whole.
+    Written on the training thread (every rank takes part), before the rest of the checkpoint, which may be
+    written by another thread; `save` moves it into the checkpoint, and loading finds it there."""
+
+    live = False
+
+    def __init__(self, path: Path, staged: bool = False):
+        self.path, self.staged = path, staged  # staged: beside the checkpoints, to be moved into one
+
+
+class ToStage:
+    """A `RankShards` entry still to be written: `write(folder)` has the ranks write their parts into `folder`."""
+
+    def __init__(self, write: Callable[[Path], None]):
+        self.write = write
+
+
+Entry = Union[torch.Tensor, Concatenated, Released, RankShards]
+
+
+def stage(tensors: dict, folder: Path) -> dict[str, Entry]:
+    """`tensors` with its `SHARDS` entry, if any, written now into a folder of its own beside the checkpoints
+    (hidden as an interrupted write is, so a start after a kill removes it): from the ranks where it is a
+    `ToStage`, or copied where it is a checkpoint's own (restored, and not dealt out to the ranks yet: moving it
+    would take it from that checkpoint)."""
+    entry = tensors.get(SHARDS)
+    if entry is None or getattr(entry, "staged", False):
+        return tensors
+    folder.mkdir(parents=True, exist_ok=True)
+    staged = Path(tempfile.mkdtemp(prefix=".tmp-shards-", dir=folder))
+    try:
+        if isinstance(entry, ToStage):
+            entry.write(staged)
+        else:
+            staged.rmdir()
+            shutil.copytree(entry.path, staged)
+    except BaseException as e:
+        shutil.rmtree(staged, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise CheckpointWriteError(e.strerror or str(e)) from e
+        raise
+    return dict(tensors, **{SHARDS: RankShards(staged, staged=True)})
 
 
 def host_copies(tensors: dict[str, Entry]) -> dict[str, Entry]:
@@ -119,7 +173,7 @@ def host_copies(tensors: dict[str, Entry]) -> dict[str, Entry]:
     state) copied to host memory now; the live vectors (Θ and the momentum, which only a round changes) stay
     where they are, read under the write's guard."""
     def copy(entry: Entry) -> Entry:
-        if getattr(entry, "live", False):
+        if getattr(entry, "live", False) or isinstance(entry, RankShards):
             return entry
         if isinstance(entry, Concatenated):
             return torch.cat([p.detach().reshape(-1).to("cpu", entry.dtype) for p in entry.parts])
@@ -199,7 +253,21 @@ def load_one(path: Path, n_params: int) -> Checkpoint:
             raise CheckpointError(f"{path}: {key} tensor does not match this model ({n_params} parameters)")
     if digest(tensors["global"], tensors["momentum"]) != meta.get("digest"):
         raise CheckpointError(f"{path}: global state does not match its recorded digest")
+    if "shards_sha256" in meta:
+        tensors[SHARDS] = _verified_shards(path, meta["shards_sha256"])
     return Checkpoint(path, meta, tensors)
+
+
+def _verified_shards(path: Path, hashes) -> RankShards:
+    """The ranks' files of a sharded member's optimizer state, each as `meta.json` hashed it."""
+    folder = path / SHARDS
+    names = list(hashes) if isinstance(hashes, dict) else []
+    if not names or any(Path(name).name != name or not (folder / name).is_file() for name in names):
+        raise CheckpointError(f"{path}: the ranks' optimizer state ({SHARDS}) is missing or not as recorded")
+    if any(sha256_file(folder / name) != hashes[name] for name in names):
+        raise CheckpointError(f"{path}: the ranks' optimizer state ({SHARDS}) is truncated or corrupt "
+                              "(hash mismatch)")
+    return RankShards(folder)
 
 
 def latest_meta(folder: Path) -> Optional[dict]:

@@ -543,7 +543,7 @@ def trainer_checkpoint(trainer: InnerTrainer) -> tuple[dict, dict[str, Entry]]:
     """θ, the inner optimizer's state, the step count and the data stream's position: a checkpoint's part that is
     the trainer's, whatever merges its model (one DiLoCo, or the fragments of training.fragments)."""
     tensors = {"local": Concatenated([p for _, p, _ in param_slices(trainer.model)])}
-    moments, scalars = trainer.optimizer_state()
+    moments, scalars = trainer.checkpoint_moments()
     tensors.update(moments)
     meta = dict(inner_optimizer=trainer.cfg.optimizer, inner_scalars=scalars, inner_step=trainer.total_steps,
                 stream_position=getattr(trainer.batches, "position", None),

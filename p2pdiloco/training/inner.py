@@ -21,7 +21,8 @@ from p2pdiloco.config import ConfigError, InnerConfig
 from p2pdiloco.core.exact import chunks
 from p2pdiloco.training.ranks import EVERYTHING, MOMENTS, THETA, Lockstep, Ranks, RanksDiverged, Replicas, \
     data_parallel
-from p2pdiloco.training.sharded import Shards, shard_model
+from p2pdiloco.training.checkpoint import SHARDS, ToStage
+from p2pdiloco.training.sharded import Shards, shard_model, whole_moments
 from p2pdiloco.training.schedule import inner_lr
 from p2pdiloco.runtime.paging import LetGo, hold
 
@@ -213,12 +214,24 @@ class InnerTrainer:
         self._behind = False
         return tensors, scalars
 
-    def restore_optimizer_state(self, tensors: dict[str, torch.Tensor], scalars: dict, step: int) -> None:
-        """A checkpoint's optimizer state (whole, whatever the ranks that wrote it): for the shards at the next
-        step where they are sharded, else into this optimizer (a member's other ranks take it from rank 0's)."""
+    def checkpoint_moments(self) -> tuple[dict, dict]:
+        """The inner optimizer's state as a checkpoint keeps it: `optimizer_state`'s, or where the ranks shard it,
+        a `ToStage` entry with which each rank writes its own part when the checkpoint is staged (rank 0 never
+        holds it whole: 8 bytes a parameter with AdamW)."""
+        if not self.sharded or self.layout.restored is not None:
+            return self.optimizer_state()
+        _, scalars = optimizer_state(self.optimizer, self.trained.parameters())  # rank 0's: every rank's alike
+        return {SHARDS: ToStage(lambda folder: self.lockstep.save_shards(self, folder))}, scalars
+
+    def restore_optimizer_state(self, tensors: dict, scalars: dict, step: int) -> None:
+        """A checkpoint's optimizer state (whole, or the files of a sharded member's ranks, whatever their number):
+        for the shards at the next step where they are sharded, else into this optimizer (a member's other ranks
+        take it from rank 0's)."""
         if self.sharded:
             self.layout.restore(tensors, scalars, step)
         else:
+            if SHARDS in tensors:
+                tensors = dict(tensors, **whole_moments(tensors[SHARDS].path))
             restore_optimizer_state(self.optimizer, self.trained.parameters(), tensors, scalars, step=step)
         if self.lockstep is not None:
             self.lockstep.everything_written()

@@ -26,8 +26,9 @@ from p2pdiloco.config import ConfigError
 log = logging.getLogger("p2pdiloco")
 LEADER = 0
 STEP, STOP, GATHER = 0.0, 1.0, 2.0  # the command of a control message
-# what comes after it (GATHER: what goes): nothing, θ, θ and the optimizer's state, or the optimizer's state
-SAME, THETA, EVERYTHING, MOMENTS = 0.0, 1.0, 2.0, 3.0
+# what comes after it (GATHER: what goes): nothing, θ, θ and the optimizer's state, or the optimizer's state; or
+# (GATHER) the optimizer's state written by each rank, its own part, into a folder rank 0 names
+SAME, THETA, EVERYTHING, MOMENTS, SHARDS = 0.0, 1.0, 2.0, 3.0, 4.0
 RANK_WAIT = datetime.timedelta(hours=12)
 CHECK_EVERY = 100  # inner steps between checks that every rank holds the same θ (a missed broadcast is a bug)
 
@@ -130,6 +131,12 @@ class Lockstep:
         state (MOMENTS, returned), or both (EVERYTHING). Every rank takes part."""
         send_control(GATHER, what, False, trainer.batches.position, 0.0, trainer.device)
         return trainer.layout.gather(trainer, what)
+
+    def save_shards(self, trainer, folder) -> None:
+        """Where θ is sharded: each rank writes its part of the optimizer's state into `folder`. Every rank takes
+        part."""
+        send_control(GATHER, SHARDS, False, trainer.batches.position, 0.0, trainer.device)
+        trainer.layout.gather(trainer, SHARDS, folder)
 
     def stop(self, trainer) -> None:
         """The member leaves: the other ranks leave their loop, once every rank's θ was found equal."""

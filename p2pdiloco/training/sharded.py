@@ -6,12 +6,16 @@ The swarm's side is unchanged: rank 0 keeps θ whole in a plain copy of the mode
 and everything that reads or writes θ between steps (the pseudo-gradient, a round's rebase, a checkpoint, a
 restore) works on it. The mirror is brought up to date from the shards only when rank 0 reads θ after a step
 (`gather_theta`: every rank takes part), and a write to it reaches the shards before the next step
-(`scatter_theta`, from rank 0). A checkpoint holds θ and the moments whole, so a member resumes with any number of
-ranks, or as a single process. No network here beyond torch.distributed's own group.
+(`scatter_theta`, from rank 0). A checkpoint holds θ whole and the moments as each rank holds them, a file per rank
+(torch.distributed.checkpoint, `save_moments`): rank 0 never holds them whole, and they are re-sharded on load, so a
+member resumes with any number of ranks, or as a single process (`whole_moments`). No network here beyond
+torch.distributed's own group.
 """
 
 from __future__ import annotations
 
+import warnings
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -19,7 +23,8 @@ import torch.distributed as dist
 from torch import nn
 
 from p2pdiloco.config import ConfigError
-from p2pdiloco.training.ranks import EVERYTHING, LEADER, MOMENTS, THETA
+from p2pdiloco.training.checkpoint import SHARDS as SHARDS_ENTRY
+from p2pdiloco.training.ranks import EVERYTHING, LEADER, MOMENTS, SHARDS, THETA
 
 
 def shard_model(model: nn.Module, device: torch.device) -> nn.Module:
@@ -46,8 +51,10 @@ class Shards:
         self.restored: Optional[tuple[dict[str, torch.Tensor], dict, int]] = None  # rank 0: for the next share
 
     def restore(self, tensors: dict[str, torch.Tensor], scalars: dict, step: int) -> None:
-        """Rank 0: the optimizer state whole from a checkpoint, dealt out to the ranks at the next step."""
-        self.restored = ({k: v for k, v in tensors.items() if k.startswith("inner.")}, scalars, step)
+        """Rank 0: the optimizer state from a checkpoint (whole, or the ranks' files of it), dealt out to the ranks
+        at the next step."""
+        self.restored = ({k: v for k, v in tensors.items() if k.startswith("inner.") or k == SHARDS_ENTRY}, scalars,
+                         step)
 
     def share(self, trainer, everything: bool) -> None:
         """Every rank: rank 0's θ (and with `everything`, what it restored of the optimizer) into the shards."""
@@ -57,9 +64,14 @@ class Shards:
             self.restored = None
         self.let_go_of_mirror()
 
-    def gather(self, trainer, what: float) -> Optional[tuple[dict[str, torch.Tensor], dict]]:
+    def gather(self, trainer, what: float, folder: Optional[Path] = None) -> Optional[tuple[dict, dict]]:
         """Every rank: θ whole into rank 0's mirror (THETA), the optimizer's state whole (MOMENTS, returned), or
-        both (EVERYTHING)."""
+        both (EVERYTHING); or each rank's part of the optimizer's state into rank 0's `folder` (SHARDS)."""
+        if what == SHARDS:
+            box = [str(folder) if folder is not None else None]
+            dist.broadcast_object_list(box, LEADER)
+            save_moments(trainer.optimizer, trainer.trained, Path(box[0]))
+            return None
         if what in (THETA, EVERYTHING):
             gather_theta(trainer.trained, trainer.mirror)
         return gather_moments(trainer.optimizer, trainer.trained) if what in (MOMENTS, EVERYTHING) else None
@@ -121,16 +133,22 @@ def gather_moments(optimizer: torch.optim.Optimizer, trained: nn.Module) -> tupl
 
 
 def scatter_moments(optimizer: torch.optim.Optimizer, trained: nn.Module,
-                    restored: Optional[tuple[dict[str, torch.Tensor], dict, int]]) -> None:
-    """Every rank: each its shards of the optimizer state rank 0 restored (`restored`: its moments whole, scalars
-    and step; None elsewhere, and on rank 0 where it restored nothing)."""
+                    restored: Optional[tuple[dict, dict, int]]) -> None:
+    """Every rank: each its shards of the optimizer state rank 0 restored (`restored`: its moments whole, or the
+    ranks' files of them, scalars and step; None elsewhere, and on rank 0 where it restored nothing)."""
     from p2pdiloco.training.inner import restore_optimizer_state  # inner imports this module
 
     tensors, scalars, step = restored if restored is not None else ({}, {}, None)
-    box = [dict(shapes={k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}, scalars=scalars, step=step)]
+    files = tensors.get(SHARDS_ENTRY)
+    tensors = {k: v for k, v in tensors.items() if k != SHARDS_ENTRY}
+    box = [dict(shapes={k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}, scalars=scalars, step=step,
+                folder=str(files.path) if files is not None else None)]
     dist.broadcast_object_list(box, LEADER)
     meta = box[0]
     if meta["step"] is None:
+        return
+    if meta["folder"] is not None:  # each rank reads its own part of them, whatever the ranks that wrote them
+        load_moments(optimizer, trained, Path(meta["folder"]), meta["scalars"], meta["step"])
         return
     params = list(trained.parameters())
     mine = {}
@@ -145,3 +163,56 @@ def scatter_moments(optimizer: torch.optim.Optimizer, trained: nn.Module,
             dist.broadcast(value, LEADER)
             mine[name] = value
     restore_optimizer_state(optimizer, params, mine, meta["scalars"], step=meta["step"])
+
+
+def save_moments(optimizer: torch.optim.Optimizer, trained: nn.Module, folder: Path) -> None:
+    """Every rank: its part of the optimizer's state into `folder`, as `inner.optimizer_state` names it, a file
+    per rank (torch.distributed.checkpoint; a plain tensor every rank holds alike, AdamW's step, is written once)."""
+    import torch.distributed.checkpoint as dcp
+
+    from p2pdiloco.training.inner import optimizer_state  # inner imports this module
+
+    tensors, _ = optimizer_state(optimizer, trained.parameters())
+    dcp.save(tensors, checkpoint_id=folder)
+
+
+def load_moments(optimizer: torch.optim.Optimizer, trained: nn.Module, folder: Path, scalars: dict,
+                 step: int) -> None:
+    """Every rank: its part of the optimizer's state that `save_moments` wrote, by any number of ranks (each
+    moment sharded as its parameter is now), into this optimizer."""
+    import torch.distributed.checkpoint as dcp
+
+    from p2pdiloco.training.inner import restore_optimizer_state  # inner imports this module
+
+    params = list(trained.parameters())
+    mine = {}
+    for name, (shape, dtype) in saved_shapes(folder).items():
+        p = params[int(name.split(".")[1])]  # inner.{i}.{key}
+        if shape == tuple(p.shape):  # a moment: sharded as its parameter is
+            mine[name] = torch.zeros_like(p, dtype=dtype)
+        else:  # a scalar (AdamW's step)
+            mine[name] = torch.zeros(shape, dtype=dtype, device=p.to_local().device)
+    dcp.load(mine, checkpoint_id=folder)
+    restore_optimizer_state(optimizer, params, mine, scalars, step=step)
+
+
+def whole_moments(folder: Path) -> dict[str, torch.Tensor]:
+    """The optimizer's state that `save_moments` wrote, whole, in this process alone (a single process, or a
+    replicated member's rank 0, resuming from a sharded member's checkpoint)."""
+    import torch.distributed.checkpoint as dcp
+
+    whole = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in saved_shapes(folder).items()}
+    with warnings.catch_warnings():  # that it reads in one process is what no_dist asks, not news
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(whole, checkpoint_id=folder, no_dist=True)
+    return whole
+
+
+def saved_shapes(folder: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Each tensor `save_moments` wrote into `folder`: its whole shape and dtype."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = FileSystemReader(folder).read_metadata().state_dict_metadata
+    return {name: (tuple(meta.size), meta.properties.dtype) for name, meta in saved.items()
+            if isinstance(meta, TensorStorageMetadata)}

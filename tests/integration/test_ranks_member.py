@@ -1,11 +1,12 @@
 """A member of two ranks under torchrun (gloo on CPU) merges with a peer of one: the swarm sees one member that
 trains on twice the batch, and every process of both ends with the same model (DDP). Relaunched with its model
 sharded over the ranks (--fsdp), the member resumes from its checkpoint. A restart with another number of ranks,
-and a sharded member's own checkpoint, are tests/unit/test_sharded.py's."""
+and a sharded member's own checkpoint (a file per rank), are tests/unit/test_sharded.py's and test_rank_shards.py's."""
 
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +34,10 @@ def test_a_member_of_two_torchrun_ranks_merges_as_one_peer_with_twice_the_tokens
     assert restored and restored[-1].version == left_at
     assert swarm.records("box", "round")[-1].version > left_at
     assert [c.why for c in swarm.records("box", "checkpoint") if c.time > restored[-1].time][-1] == "leaving"
+    # the sharded member's checkpoints keep the moments as its ranks hold them: a file each (rank 0 never gathers
+    # them), the whole of θ and Θ beside them
+    saved = Path(swarm.records("box", "checkpoint")[-1].path)
+    assert sorted(p.name for p in (saved / "inner-shards").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     contributions = swarm.records("box", "contribute")
     assert contributions[-1].time > restored[-1].time  # one of the sharded member's
     assert all(c.tokens == 2 * BATCH * SEQ * c.steps for c in contributions)
