@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from p2pdiloco.config import ConfigError
-from p2pdiloco.training.checkpoint import SHARDS as SHARDS_ENTRY
+from p2pdiloco.training.checkpoint import SHARDS as SHARDS_ENTRY, CheckpointWriteError
 from p2pdiloco.training.ranks import EVERYTHING, LEADER, MOMENTS, SHARDS, THETA
 
 
@@ -71,6 +71,8 @@ class Shards:
             box = [str(folder) if folder is not None else None]
             dist.broadcast_object_list(box, LEADER)
             save_moments(trainer.optimizer, trainer.trained, Path(box[0]))
+            if dist.get_rank() == LEADER:
+                written_by_every_rank(Path(box[0]), dist.get_world_size())
             return None
         if what in (THETA, EVERYTHING):
             gather_theta(trainer.trained, trainer.mirror)
@@ -174,6 +176,15 @@ def save_moments(optimizer: torch.optim.Optimizer, trained: nn.Module, folder: P
 
     tensors, _ = optimizer_state(optimizer, trained.parameters())
     dcp.save(tensors, checkpoint_id=folder)
+
+
+def written_by_every_rank(folder: Path, world: int) -> None:
+    """Rank 0, after `save_moments`: a file of every rank in `folder`. A rank on another machine writes its part
+    on that machine's disk, where rank 0's checkpoint would never find it."""
+    found = len(list(folder.glob("*.distcp")))
+    if found != world:
+        raise CheckpointWriteError(f"{found} of the member's {world} ranks wrote their part of the optimizer state "
+                                   f"into {folder}: a member's ranks must share the checkpoint folder's disk")
 
 
 def load_moments(optimizer: torch.optim.Optimizer, trained: nn.Module, folder: Path, scalars: dict,

@@ -20,7 +20,7 @@ from p2pdiloco.training.inner import InnerTrainer, flat_params, load_flat_params
 from p2pdiloco.training.model import build_model
 from p2pdiloco.training.ranks import follow
 from p2pdiloco.training.schedule import inner_lr
-from p2pdiloco.training.sharded import whole_moments
+from p2pdiloco.training.sharded import whole_moments, written_by_every_rank
 from tests.unit.test_ranks import CFG
 from tests.unit.test_sharded import MEMBER, member_trainer, pairs
 
@@ -143,3 +143,10 @@ def test_a_sharded_member_writes_its_moments_a_file_per_rank_and_resumes_from_th
     for step in (3, 4):
         alone.train_step(lr=inner_lr(CFG, step * MEMBER, MEMBER))
     assert torch.allclose(flat_params(alone.model), zero["went_on"], atol=1e-6)
+
+
+def test_a_rank_whose_part_is_not_on_rank_0s_disk_fails_the_write_in_one_line(tmp_path):
+    dcp.save({"inner.0.exp_avg": torch.ones(N)}, checkpoint_id=tmp_path, no_dist=True)  # one rank's file of two
+    with pytest.raises(checkpoint.CheckpointWriteError, match="1 of the member's 2 ranks .* share the checkpoint"):
+        written_by_every_rank(tmp_path, 2)
+    written_by_every_rank(tmp_path, 1)
