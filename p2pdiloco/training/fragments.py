@@ -265,7 +265,8 @@ class Streams:
                                   "the settings it was saved with, or from another folder")
         note = restore_trainer(self.trainer, meta, tensors)
         for i, (fragment, part, rounds) in enumerate(zip(self.fragments, self.parts, saved["parts"])):
-            state = [torch.cat([tensors[key][piece.flat] for piece in fragment.pieces]) for key in ("global", "momentum")]
+            state = [torch.cat([tensors[key][piece.flat] for piece in fragment.pieces])
+                     for key in ("global", "momentum")]
             part.restore_rounds(rounds, state, (contributed or {}).get(i))
             if part.state.digest != rounds.get("digest"):
                 raise CheckpointError(f"fragment {i}: its part of the global state does not match its digest")

@@ -92,7 +92,8 @@ def rank_main(rank: int, folder: str) -> None:
     meta, tensors = trainer_checkpoint(t)
     assert isinstance(tensors[SHARDS], ToStage)
     staged = checkpoint.stage(tensors, Path(folder) / "checkpoints")[SHARDS]  # each rank writes its part
-    saved = dict(theta=flat_params(t.model).clone(), scalars=meta["inner_scalars"], moments={k: v.clone() for k, v in t.optimizer_state()[0].items()},
+    gathered = {k: v.clone() for k, v in t.optimizer_state()[0].items()}  # whole (the step is the live tensor)
+    saved = dict(theta=flat_params(t.model).clone(), scalars=meta["inner_scalars"], moments=gathered,
                  folder=str(staged.path))
     for _ in range(2):
         t.train_step()
