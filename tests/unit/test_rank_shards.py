@@ -3,7 +3,6 @@ part (torch.distributed.checkpoint), so rank 0 never gathers the moments whole. 
 atomically with the rest and are verified on load; the same member resumes from them bit for bit, and a single
 process re-shards them on load (resumes with fewer ranks)."""
 
-import multiprocessing
 import os
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from p2pdiloco.training.ranks import follow
 from p2pdiloco.training.schedule import inner_lr
 from p2pdiloco.training.sharded import whole_moments, written_by_every_rank
 from tests.unit.test_ranks import CFG
-from tests.unit.test_sharded import MEMBER, member_trainer, pairs
+from tests.unit.test_sharded import MEMBER, member_trainer, pairs, two_ranks
 
 N = 64
 
@@ -112,13 +111,7 @@ def rank_main(rank: int, folder: str) -> None:
 
 
 def test_a_sharded_member_writes_its_moments_a_file_per_rank_and_resumes_from_them_with_any_ranks(tmp_path):
-    context = multiprocessing.get_context("fork")  # no group in this process: the children make their own
-    procs = [context.Process(target=rank_main, args=(r, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(180)
-        assert p.exitcode == 0
+    two_ranks(rank_main, tmp_path)
     zero = torch.load(tmp_path / "0.pt")
     folder = Path(zero["folder"])
 

@@ -73,6 +73,18 @@ def rank_main(rank: int, folder: str) -> None:
                f"{folder}/0.pt")
 
 
+def two_ranks(rank_main, folder, timeout: float = 180) -> None:
+    """`rank_main(rank, folder)` in two processes, forked (no group in this process: the children make their own),
+    each of which must exit 0."""
+    context = multiprocessing.get_context("fork")
+    procs = [context.Process(target=rank_main, args=(r, str(folder))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+        assert p.exitcode == 0
+
+
 def one_process() -> InnerTrainer:
     return InnerTrainer(build_model("tiny", seed=0), iter(()), CFG, torch.device("cpu"))
 
@@ -86,13 +98,7 @@ def test_a_sharded_member_holds_half_of_theta_per_rank_and_trains_resumes_as_one
     moments, scalars = optimizer_state(other.optimizer, other.trained.parameters())
     torch.save(dict(theta=flat_params(other.model), moments=moments, scalars=scalars), tmp_path / "saved.pt")
 
-    context = multiprocessing.get_context("fork")  # no group in this process: the children make their own
-    procs = [context.Process(target=rank_main, args=(r, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(180)
-        assert p.exitcode == 0
+    two_ranks(rank_main, tmp_path)
     zero, one = torch.load(tmp_path / "0.pt"), torch.load(tmp_path / "held1.pt")
 
     # each rank holds about half of θ and of the moments (a tensor's rows split in two)
