@@ -3,7 +3,8 @@ as `InnerTrainer.optimizer_state` still reads it) against each rank writing its 
 checkpoint's way now). Two gloo ranks shard a preset with --fsdp (FSDP2), train a few steps, then take one of the
 two; each way runs in a fresh pair of processes, alternated, so that neither reuses the other's freed heap. Rank 0's
 resident memory is sampled every 2 ms during the call: its peak above the moment before is what the checkpoint
-cost it. No network beyond the ranks' own group on loopback files.
+cost it. Also timed: θ gathered whole into rank 0's mirror, which each contribution does (rank 0 encodes and sends
+the member's round). No network beyond the ranks' own group on loopback files.
     .venv/bin/python scripts/bench/bench_rank_checkpoint.py --model large --repeats 2 --out F.json
 """
 
@@ -74,7 +75,9 @@ def rank_main(rank: int, folder: str, model: str, way: str, steps: int) -> None:
         return
     for _ in range(steps):
         t.train_step()
-    t.model  # θ whole into the mirror first: both ways need it, and its cost is not the moments'
+    started = time.monotonic()
+    t.model  # θ whole into rank 0's mirror first, as a contribution gathers it: both ways need it
+    theta_seconds = time.monotonic() - started
     started = time.monotonic()
     with Peak() as peak:
         if way == "whole":
@@ -89,7 +92,8 @@ def rank_main(rank: int, folder: str, model: str, way: str, steps: int) -> None:
     t.release_ranks()
     n = sum(p.numel() for p in t.mirror.parameters())
     Path(folder, "result.json").write_text(json.dumps(dict(way=way, above_bytes=peak.above, seconds=seconds,
-                                                           n_params=n, moments_bytes=held)))
+                                                           n_params=n, moments_bytes=held,
+                                                           theta_gather_seconds=theta_seconds)))
 
 
 def once(model: str, way: str, steps: int) -> dict:
@@ -117,11 +121,15 @@ def main() -> None:
     for way in ("whole", "files"):
         mine = [r for r in runs if r["way"] == way]
         summary[way] = dict(above_bytes_median=statistics.median(r["above_bytes"] for r in mine),
-                            seconds_median=statistics.median(r["seconds"] for r in mine))
+                            seconds_median=statistics.median(r["seconds"] for r in mine),
+                            theta_gather_seconds_median=statistics.median(r["theta_gather_seconds"] for r in mine))
         n = mine[0]["n_params"]
         print(f"{a.model} ({n / 1e6:.1f} M parameters), {way}: rank 0's peak rose "
               f"{summary[way]['above_bytes_median'] / 1e6:.0f} MB ({summary[way]['above_bytes_median'] / n:.2f} "
               f"bytes a parameter), in {summary[way]['seconds_median']:.2f} s (median of {len(mine)})")
+    gathers = [r["theta_gather_seconds"] for r in runs]
+    print(f"θ gathered whole into rank 0's mirror (what each contribution and checkpoint does first): "
+          f"{statistics.median(gathers):.2f} s (median of {len(gathers)})")
     ratio = summary["files"]["above_bytes_median"] / max(1, summary["whole"]["above_bytes_median"])
     print(f"files / whole: {ratio:.3f} of the memory rank 0 took for the checkpoint's moments")
     if a.out:
