@@ -22,7 +22,7 @@ from p2pdiloco.core.exact import chunks
 from p2pdiloco.training.ranks import EVERYTHING, MOMENTS, THETA, Lockstep, Ranks, RanksDiverged, Replicas, \
     data_parallel
 from p2pdiloco.training.checkpoint import SHARDS, ToStage
-from p2pdiloco.training.sharded import Shards, shard_model, whole_moments
+from p2pdiloco.training.sharded import Shards, saved_shapes, shard_model, whole_moments
 from p2pdiloco.training.schedule import inner_lr
 from p2pdiloco.runtime.paging import LetGo, hold
 
@@ -227,11 +227,14 @@ class InnerTrainer:
         """A checkpoint's optimizer state (whole, or the files of a sharded member's ranks, whatever their number):
         for the shards at the next step where they are sharded, else into this optimizer (a member's other ranks
         take it from rank 0's)."""
+        shapes = [tuple(p.shape) for p in self.trained.parameters()]  # a shard's DTensor: its parameter's whole
         if self.sharded:
+            if SHARDS in tensors:  # read by every rank at the next step: checked here, where a failure is one line
+                saved_shapes(tensors[SHARDS].path, shapes)
             self.layout.restore(tensors, scalars, step)
         else:
             if SHARDS in tensors:
-                tensors = dict(tensors, **whole_moments(tensors[SHARDS].path))
+                tensors = dict(tensors, **whole_moments(tensors[SHARDS].path, shapes))
             restore_optimizer_state(self.optimizer, self.trained.parameters(), tensors, scalars, step=step)
         if self.lockstep is not None:
             self.lockstep.everything_written()

@@ -14,6 +14,9 @@ torch.distributed's own group.
 
 from __future__ import annotations
 
+import math
+import pickle
+import sys
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -23,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from p2pdiloco.config import ConfigError
-from p2pdiloco.training.checkpoint import SHARDS as SHARDS_ENTRY, CheckpointWriteError
+from p2pdiloco.training.checkpoint import SHARDS as SHARDS_ENTRY, CheckpointError, CheckpointWriteError
 from p2pdiloco.training.ranks import EVERYTHING, LEADER, MOMENTS, SHARDS, THETA
 
 
@@ -167,6 +170,53 @@ def scatter_moments(optimizer: torch.optim.Optimizer, trained: nn.Module,
     restore_optimizer_state(optimizer, params, mine, meta["scalars"], step=meta["step"])
 
 
+# what DCP's metadata names besides the classes of torch.distributed.checkpoint.metadata, torch.Size and dtypes (a
+# torch release that pickles others is refused, and tests/unit/test_rank_shards.py, which reads real files, fails)
+METADATA_ALSO = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
+                 ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if "." not in name:
+            if module == "torch.distributed.checkpoint.metadata":
+                found = getattr(sys.modules[module], name, None)
+                if isinstance(found, type) and found.__module__ == module:
+                    return found
+            if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+                return getattr(torch, name)
+            if (module, name) in METADATA_ALSO:
+                return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which no checkpoint's metadata holds")
+
+
+def checked_reader(folder: Path):
+    """torch.distributed.checkpoint's reader of `folder` (FileSystemReader, whose `read_metadata` torch's own
+    readers override too) that unpickles the folder's `.metadata` with only the classes DCP's metadata is made of,
+    where its `pickle.load` would run whatever a crafted file names, and reads only files in the folder."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs) -> Metadata:
+            try:
+                with open(Path(folder) / ".metadata", "rb") as f:
+                    metadata = _MetadataUnpickler(f).load()
+            except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
+                raise CheckpointError(f"{folder}: the ranks' optimizer state has unreadable metadata ({e})") from None
+            if not isinstance(metadata, Metadata):
+                raise CheckpointError(f"{folder}: the ranks' optimizer state has unreadable metadata (not DCP's)")
+            names = [getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()]
+            if not all(isinstance(name, str) and name and Path(name).name == name for name in names):
+                raise CheckpointError(f"{folder}: the ranks' optimizer state names files outside its folder")
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return Reader(folder)
+
+
 def save_moments(optimizer: torch.optim.Optimizer, trained: nn.Module, folder: Path) -> None:
     """Every rank: its part of the optimizer's state into `folder`, as `inner.optimizer_state` names it, a file
     per rank (torch.distributed.checkpoint; a plain tensor every rank holds alike, AdamW's step, is written once)."""
@@ -197,33 +247,43 @@ def load_moments(optimizer: torch.optim.Optimizer, trained: nn.Module, folder: P
 
     params = list(trained.parameters())
     mine = {}
-    for name, (shape, dtype) in saved_shapes(folder).items():
+    for name, (shape, dtype) in saved_shapes(folder, [tuple(p.shape) for p in params]).items():
         p = params[int(name.split(".")[1])]  # inner.{i}.{key}
         if shape == tuple(p.shape):  # a moment: sharded as its parameter is
             mine[name] = torch.zeros_like(p, dtype=dtype)
         else:  # a scalar (AdamW's step)
             mine[name] = torch.zeros(shape, dtype=dtype, device=p.to_local().device)
-    dcp.load(mine, checkpoint_id=folder)
+    dcp.load(mine, storage_reader=checked_reader(folder))
     restore_optimizer_state(optimizer, params, mine, scalars, step=step)
 
 
-def whole_moments(folder: Path) -> dict[str, torch.Tensor]:
+def whole_moments(folder: Path, shapes: list[tuple[int, ...]]) -> dict[str, torch.Tensor]:
     """The optimizer's state that `save_moments` wrote, whole, in this process alone (a single process, or a
-    replicated member's rank 0, resuming from a sharded member's checkpoint)."""
+    replicated member's rank 0, resuming from a sharded member's checkpoint), for parameters of `shapes`."""
     import torch.distributed.checkpoint as dcp
 
-    whole = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in saved_shapes(folder).items()}
+    whole = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in saved_shapes(folder, shapes).items()}
     with warnings.catch_warnings():  # that it reads in one process is what no_dist asks, not news
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load(whole, checkpoint_id=folder, no_dist=True)
+        dcp.load(whole, storage_reader=checked_reader(folder), no_dist=True)
     return whole
 
 
-def saved_shapes(folder: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Each tensor `save_moments` wrote into `folder`: its whole shape and dtype."""
-    from torch.distributed.checkpoint import FileSystemReader
+def saved_shapes(folder: Path, shapes: list[tuple[int, ...]]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Each tensor `save_moments` wrote into `folder`: its whole shape and dtype, each a moment of one of the
+    parameters of `shapes` (`inner.{i}.{key}`: parameter i's shape) or a number (AdamW's step); CheckpointError
+    for anything else, before a tensor of it is made."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    saved = FileSystemReader(folder).read_metadata().state_dict_metadata
-    return {name: (tuple(meta.size), meta.properties.dtype) for name, meta in saved.items()
-            if isinstance(meta, TensorStorageMetadata)}
+    saved = checked_reader(folder).read_metadata().state_dict_metadata
+    found = {}
+    for name, meta in saved.items():
+        parts = name.split(".") if isinstance(name, str) else []
+        fits = isinstance(meta, TensorStorageMetadata) and len(parts) == 3 and parts[0] == "inner" \
+            and parts[1].isdigit() and int(parts[1]) < len(shapes)
+        shape = tuple(meta.size) if fits else ()
+        if not fits or not meta.properties.dtype.is_floating_point or \
+                (shape != shapes[int(parts[1])] and math.prod(shape) > 1):
+            raise CheckpointError(f"{folder}: the ranks' optimizer state does not fit this model ({name!r})")
+        found[name] = (shape, meta.properties.dtype)
+    return found

@@ -4,6 +4,7 @@ atomically with the rest and are verified on load; the same member resumes from 
 process re-shards them on load (resumes with fewer ranks)."""
 
 import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -47,7 +48,7 @@ def test_the_ranks_files_go_into_the_checkpoint_whole_and_are_verified_on_load(t
     found = checkpoint.load_latest(tmp_path, N)
     assert found.path == newer and isinstance(found.tensors[SHARDS], RankShards)
     assert set(found.meta["shards_sha256"]) == {p.name for p in (newer / SHARDS).iterdir()}
-    assert torch.equal(whole_moments(found.tensors[SHARDS].path)["inner.0.exp_avg"], torch.full((N,), 2.0))
+    assert torch.equal(whole_moments(found.tensors[SHARDS].path, [(N,)])["inner.0.exp_avg"], torch.full((N,), 2.0))
 
     # a rank's file damaged: that checkpoint is skipped, the older one loads
     part = next(p for p in (newer / SHARDS).iterdir() if p.suffix == ".distcp")
@@ -63,7 +64,7 @@ def test_the_ranks_files_go_into_the_checkpoint_whole_and_are_verified_on_load(t
     again = checkpoint.save(tmp_path, dict(state(1.0)[0], version=2, digest=digest(
         torch.full((N,), 1.0), torch.zeros(N))), dict(state(1.0)[1], **{SHARDS: RankShards(older / SHARDS)}))
     assert checkpoint.load_one(older, N).tensors[SHARDS].path == older / SHARDS
-    assert torch.equal(whole_moments(again / SHARDS)["inner.0.exp_avg"], torch.full((N,), 1.0))
+    assert torch.equal(whole_moments(again / SHARDS, [(N,)])["inner.0.exp_avg"], torch.full((N,), 1.0))
 
 
 def test_ranks_that_fail_to_write_their_parts_leave_nothing_behind(tmp_path):
@@ -122,7 +123,7 @@ def test_a_sharded_member_writes_its_moments_a_file_per_rank_and_resumes_from_th
     assert all(p.stat().st_size <= 0.56 * whole_bytes for p in parts), ([p.stat().st_size for p in parts], whole_bytes)
 
     # read whole in one process, they are the moments rank 0 gathered, bit for bit
-    whole = whole_moments(folder)
+    whole = whole_moments(folder, [tuple(p.shape) for p in build_model("tiny", seed=0).parameters()])
     assert whole.keys() == zero["moments"].keys()
     assert all(torch.equal(whole[name], zero["moments"][name]) for name in whole)
 
@@ -144,3 +145,37 @@ def test_a_rank_whose_part_is_not_on_rank_0s_disk_fails_the_write_in_one_line(tm
     with pytest.raises(checkpoint.CheckpointWriteError, match="1 of the member's 2 ranks .* share the checkpoint"):
         written_by_every_rank(tmp_path, 2)
     written_by_every_rank(tmp_path, 1)
+
+
+class Payload:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_crafted_metadata_is_refused_in_one_line_and_runs_nothing(tmp_path):
+    folder = tmp_path / "shards"
+    dcp.save({"inner.0.exp_avg": torch.ones(N), "inner.0.step": torch.tensor(3.0)}, checkpoint_id=folder,
+             no_dist=True)
+    assert whole_moments(folder, [(N,)])["inner.0.step"] == 3.0  # the real thing reads
+
+    with pytest.raises(CheckpointError, match="does not fit this model"):  # another model's: no tensor made
+        whole_moments(folder, [(N + 1,)])
+    with pytest.raises(CheckpointError, match="does not fit this model"):
+        whole_moments(folder, [])
+
+    real = (folder / ".metadata").read_bytes()
+    metadata = pickle.loads(real)  # (ours, in the test)
+    for info in metadata.storage_data.values():
+        info.relative_path = "../elsewhere.distcp"
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match="outside its folder"):
+        whole_moments(folder, [(N,)])
+
+    marker = tmp_path / "ran"
+    (folder / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(CheckpointError, match="unreadable metadata .*posix.system"):
+        whole_moments(folder, [(N,)])
+    assert not marker.exists()
