@@ -128,8 +128,6 @@ class RankShards:
     Written on the training thread (every rank takes part), before the rest of the checkpoint, which may be
     written by another thread; `save` moves it into the checkpoint, and loading finds it there."""
 
-    live = False
-
     def __init__(self, path: Path, staged: bool = False):
         self.path, self.staged = path, staged  # staged: beside the checkpoints, to be moved into one
 

@@ -14,6 +14,8 @@ torch.distributed's own group.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import pickle
 import sys
@@ -28,6 +30,8 @@ from torch import nn
 from p2pdiloco.config import ConfigError
 from p2pdiloco.training.checkpoint import SHARDS as SHARDS_ENTRY, CheckpointError, CheckpointWriteError
 from p2pdiloco.training.ranks import EVERYTHING, LEADER, MOMENTS, SHARDS, THETA
+
+log = logging.getLogger("p2pdiloco")
 
 
 def shard_model(model: nn.Module, device: torch.device) -> nn.Module:
@@ -219,13 +223,23 @@ def checked_reader(folder: Path):
 
 def save_moments(optimizer: torch.optim.Optimizer, trained: nn.Module, folder: Path) -> None:
     """Every rank: its part of the optimizer's state into `folder`, as `inner.optimizer_state` names it, a file
-    per rank (torch.distributed.checkpoint; a plain tensor every rank holds alike, AdamW's step, is written once)."""
+    per rank (torch.distributed.checkpoint; a plain tensor every rank holds alike, AdamW's step, is written once).
+    A rank's failed write (a full disk) fails it on every rank alike (DCP's CheckpointException, after the same
+    collectives on all): rank 0 raises CheckpointWriteError, one line, and the others go on training."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from p2pdiloco.training.inner import optimizer_state  # inner imports this module
 
     tensors, _ = optimizer_state(optimizer, trained.parameters())
-    dcp.save(tensors, checkpoint_id=folder)
+    try:
+        dcp.save(tensors, checkpoint_id=folder)
+    except CheckpointException as e:  # a BaseException: it would pass every `except Exception` on the way up
+        failures = each_rank(e)
+        if dist.get_rank() == LEADER:
+            raise CheckpointWriteError(f"a rank could not write its part of the optimizer state ({failures})") \
+                from None
+        log.warning("could not write this rank's part of a checkpoint (%s); rank 0 reports it", failures)
 
 
 def written_by_every_rank(folder: Path, world: int) -> None:
@@ -253,7 +267,8 @@ def load_moments(optimizer: torch.optim.Optimizer, trained: nn.Module, folder: P
             mine[name] = torch.zeros_like(p, dtype=dtype)
         else:  # a scalar (AdamW's step)
             mine[name] = torch.zeros(shape, dtype=dtype, device=p.to_local().device)
-    dcp.load(mine, storage_reader=checked_reader(folder))
+    with read_as_checkpoint_error(folder):
+        dcp.load(mine, storage_reader=checked_reader(folder))
     restore_optimizer_state(optimizer, params, mine, scalars, step=step)
 
 
@@ -265,8 +280,26 @@ def whole_moments(folder: Path, shapes: list[tuple[int, ...]]) -> dict[str, torc
     whole = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in saved_shapes(folder, shapes).items()}
     with warnings.catch_warnings():  # that it reads in one process is what no_dist asks, not news
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load(whole, storage_reader=checked_reader(folder), no_dist=True)
+        with read_as_checkpoint_error(folder):
+            dcp.load(whole, storage_reader=checked_reader(folder), no_dist=True)
     return whole
+
+
+def each_rank(e) -> str:
+    """What a DCP CheckpointException says went wrong, rank by rank, on one line."""
+    return "; ".join(f"rank {rank}: {error!r}" for rank, (error, _) in sorted(e.failures.items()))
+
+
+@contextlib.contextmanager
+def read_as_checkpoint_error(folder: Path):
+    """DCP's failed read (a CheckpointException, a BaseException that every `except Exception` lets by) as a
+    CheckpointError of one line."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:
+        raise CheckpointError(f"{folder}: the ranks' optimizer state could not be read ({each_rank(e)})") from None
 
 
 def saved_shapes(folder: Path, shapes: list[tuple[int, ...]]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -89,6 +89,13 @@ def rank_main(rank: int, folder: str) -> None:
         return
     for _ in range(3):
         t.train_step()
+    # a write the disk refuses (here: a folder under a file) fails on every rank alike: one error on rank 0, and
+    # both ranks go on in step (rank 1 would otherwise die in follow(), or the next collective hang)
+    (Path(folder) / "a-file").write_text("")
+    try:
+        t.lockstep.save_shards(t, Path(folder) / "a-file" / "shards")
+    except checkpoint.CheckpointWriteError as e:
+        Path(folder, "refused.txt").write_text(str(e))
     meta, tensors = trainer_checkpoint(t)
     assert isinstance(tensors[SHARDS], ToStage)
     staged = checkpoint.stage(tensors, Path(folder) / "checkpoints")[SHARDS]  # each rank writes its part
@@ -115,6 +122,8 @@ def test_a_sharded_member_writes_its_moments_a_file_per_rank_and_resumes_from_th
     two_ranks(rank_main, tmp_path)
     zero = torch.load(tmp_path / "0.pt")
     folder = Path(zero["folder"])
+    refused = (tmp_path / "refused.txt").read_text()
+    assert "a rank could not write its part of the optimizer state" in refused and "\n" not in refused, refused
 
     # each rank wrote its own part, about half of the moments (a tensor's rows split in two)
     parts = sorted(p for p in folder.iterdir() if p.suffix == ".distcp")
@@ -172,6 +181,12 @@ def test_crafted_metadata_is_refused_in_one_line_and_runs_nothing(tmp_path):
         info.relative_path = "../elsewhere.distcp"
     (folder / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(CheckpointError, match="outside its folder"):
+        whole_moments(folder, [(N,)])
+
+    (folder / ".metadata").write_bytes(real)
+    part = next(folder.glob("*.distcp"))
+    part.write_bytes(part.read_bytes()[:16])  # a file cut short under metadata that reads
+    with pytest.raises(CheckpointError, match="could not be read"):
         whole_moments(folder, [(N,)])
 
     marker = tmp_path / "ran"
