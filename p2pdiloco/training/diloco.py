@@ -40,7 +40,7 @@ from p2pdiloco.training.inner import InnerTrainer, flat_params, load_flat_params
 from p2pdiloco.protocol.outcomes import Committed, Contribution, Kept, Parts, RolledBack, RoundOutcome, Solo
 from p2pdiloco.core.state import GlobalState, contains, merged_in
 from p2pdiloco.protocol.timing import RoundClock
-from p2pdiloco.training.checkpoint import Concatenated, Entry, Released
+from p2pdiloco.training.checkpoint import CheckpointError, Concatenated, Entry, Released
 from p2pdiloco.training.spill import InMemory, OnDisk, assemble
 from p2pdiloco.runtime.paging import LetGo, hold
 
@@ -558,7 +558,11 @@ def restore_trainer(trainer: InnerTrainer, meta: dict, tensors: dict[str, torch.
     trainer.theta_written()
     note = None
     if meta.get("inner_optimizer", "adamw") == trainer.cfg.optimizer:
-        trainer.restore_optimizer_state(tensors, meta.get("inner_scalars") or {}, step=int(meta["inner_step"]))
+        try:
+            trainer.restore_optimizer_state(tensors, meta.get("inner_scalars") or {}, step=int(meta["inner_step"]))
+        except CheckpointError as e:  # θ, Θ and the counters are read and verified: the moments alone are lost
+            trainer.optimizer.state.clear()
+            note = f"{e}: the inner optimizer's moments start afresh"
     else:  # the user switched optimizers: the weights carry over, the moments start afresh
         note = (f"the checkpoint's inner optimizer was {meta.get('inner_optimizer')}, this run's is "
                 f"{trainer.cfg.optimizer}: its moments start afresh")

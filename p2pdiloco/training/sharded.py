@@ -157,7 +157,10 @@ def scatter_moments(optimizer: torch.optim.Optimizer, trained: nn.Module,
     if meta["step"] is None:
         return
     if meta["folder"] is not None:  # each rank reads its own part of them, whatever the ranks that wrote them
-        load_moments(optimizer, trained, Path(meta["folder"]), meta["scalars"], meta["step"])
+        try:
+            load_moments(optimizer, trained, Path(meta["folder"]), meta["scalars"], meta["step"])
+        except CheckpointError as e:  # on every rank alike: DCP's read fails on all of them if one fails
+            start_moments_afresh(optimizer, e)
         return
     params = list(trained.parameters())
     mine = {}
@@ -283,6 +286,16 @@ def whole_moments(folder: Path, shapes: list[tuple[int, ...]]) -> dict[str, torc
         with read_as_checkpoint_error(folder):
             dcp.load(whole, storage_reader=checked_reader(folder), no_dist=True)
     return whole
+
+
+def start_moments_afresh(optimizer: torch.optim.Optimizer, why: CheckpointError) -> None:
+    """Every rank: a fresh optimizer, where the ranks could not read their parts of a checkpoint that passed its
+    checks (its files hash as recorded: written wrong, or by a torch whose format this one does not read). θ, Θ and
+    the counters came from it whole, so the member trains on and loses only the moments; ending here instead, every
+    restart would meet the same checkpoint."""
+    optimizer.state.clear()
+    if dist.get_rank() == LEADER:
+        log.warning("%s: the inner optimizer's moments start afresh", why)
 
 
 def each_rank(e) -> str:

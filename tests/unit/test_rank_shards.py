@@ -3,8 +3,10 @@ part (torch.distributed.checkpoint), so rank 0 never gathers the moments whole. 
 atomically with the rest and are verified on load; the same member resumes from them bit for bit, and a single
 process re-shards them on load (resumes with fewer ranks)."""
 
+import logging
 import os
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from p2pdiloco.core.exact import digest
 from p2pdiloco.training import checkpoint
 from p2pdiloco.training.checkpoint import SHARDS, CheckpointError, RankShards, ToStage
-from p2pdiloco.training.diloco import trainer_checkpoint
+from p2pdiloco.training.diloco import restore_trainer, trainer_checkpoint
 from p2pdiloco.training.inner import InnerTrainer, flat_params, load_flat_params, optimizer_state
 from p2pdiloco.training.model import build_model
 from p2pdiloco.training.ranks import follow
@@ -114,8 +116,30 @@ def rank_main(rank: int, folder: str) -> None:
     for _ in range(2):
         t.train_step()
     resumed = flat_params(t.model).clone()
+
+    # parts that pass the checkpoint's checks but that a rank cannot read (written wrong, or by another torch's
+    # format): both ranks train on from θ with fresh moments, and rank 0 says so in one line
+    cut = cut_short(Path(saved["folder"]), Path(folder) / "cut", "__1_0.distcp")
+    lines = logged(Path(folder) / "afresh.log")
+    t.restore_optimizer_state({SHARDS: RankShards(cut)}, saved["scalars"], step=3)
+    t.train_step()
+    step_after = float(t.optimizer_state()[0]["inner.0.step"])
     t.release_ranks()
-    torch.save(dict(saved, went_on=went_on, resumed=resumed), f"{folder}/0.pt")
+    logging.getLogger("p2pdiloco").removeHandler(lines)
+    torch.save(dict(saved, went_on=went_on, resumed=resumed, step_after=step_after, cut=str(cut)), f"{folder}/0.pt")
+
+
+def cut_short(folder: Path, into: Path, name: str) -> Path:
+    """A copy of a rank's files with `name` cut short under metadata that still reads."""
+    shutil.copytree(folder, into)
+    (into / name).write_bytes((into / name).read_bytes()[:16])
+    return into
+
+
+def logged(path: Path) -> logging.Handler:
+    handler = logging.FileHandler(path)
+    logging.getLogger("p2pdiloco").addHandler(handler)
+    return handler
 
 
 def test_a_sharded_member_writes_its_moments_a_file_per_rank_and_resumes_from_them_with_any_ranks(tmp_path):
@@ -147,6 +171,18 @@ def test_a_sharded_member_writes_its_moments_a_file_per_rank_and_resumes_from_th
     for step in (3, 4):
         alone.train_step(lr=inner_lr(CFG, step * MEMBER, MEMBER))
     assert torch.allclose(flat_params(alone.model), zero["went_on"], atol=1e-6)
+
+    # the parts a rank could not read: the member trained on with fresh moments (AdamW's first step again), and
+    # rank 0 said why in one line
+    assert zero["step_after"] == 1.0, zero["step_after"]
+    said = (tmp_path / "afresh.log").read_text().strip()
+    assert "could not be read" in said and "moments start afresh" in said and "\n" not in said, said
+    # and so does one process resuming from them: θ is the checkpoint's, the note says what was lost
+    alone = InnerTrainer(build_model("tiny", seed=5), pairs(3, 2), CFG, torch.device("cpu"))
+    meta = dict(inner_optimizer=CFG.optimizer, inner_scalars=zero["scalars"], inner_step=3)
+    note = restore_trainer(alone, meta, {"local": zero["theta"], SHARDS: RankShards(Path(zero["cut"]))})
+    assert "could not be read" in note and "start afresh" in note and not alone.optimizer.state, note
+    assert torch.equal(flat_params(alone.model), zero["theta"]) and alone.total_steps == 3
 
 
 def test_a_rank_whose_part_is_not_on_rank_0s_disk_fails_the_write_in_one_line(tmp_path):
