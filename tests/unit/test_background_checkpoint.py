@@ -84,3 +84,33 @@ def test_written_inline_on_a_cpu_by_default_and_a_start_clears_what_a_killed_wri
     assert not cut.exists() and restarted.trainer.total_steps == 2
     for x in (d, restarted):
         x.close()
+
+
+def test_ranks_that_cannot_stage_their_parts_are_one_logged_line_and_the_saved_checkpoints_stay(tmp_path, caplog):
+    """A sharded member's ranks write their parts of the optimizer's state on the training thread, before the rest
+    of the checkpoint: a disk that refuses them is the same one line as any refused write, nothing is left beside
+    the checkpoints, and the next save goes through once the disk takes it again."""
+    d = peer()
+    steps(d, 2)
+    c = checkpoints(tmp_path, d)
+    c.save(d, "timed")
+    kept = checkpoint.list_checkpoints(c.folder)
+    moments = d.trainer.checkpoint_moments
+
+    def refused(into):
+        (into / "__0_0.distcp").write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    d.trainer.checkpoint_moments = lambda: ({checkpoint.SHARDS: checkpoint.ToStage(refused)}, {})
+    steps(d, 1)
+    c.save(d, "timed")
+    assert c.error and "No space left on device" in c.error and kept[0].name in c.error and "\n" not in c.error
+    assert [r.message for r in caplog.records if r.levelname == "ERROR"] == [f"p: {c.error}"]
+    assert checkpoint.list_checkpoints(c.folder) == kept and sorted(p.name for p in c.folder.iterdir()) == \
+        sorted(p.name for p in kept)  # and no staged folder left
+    assert [r.why for r in c.metrics.written] == ["timed"]
+
+    d.trainer.checkpoint_moments = moments
+    c.save(d, "timed")
+    assert c.error is None and len(checkpoint.list_checkpoints(c.folder)) == 2
+    d.close()
