@@ -38,11 +38,16 @@ class FragmentView:
 
     def __init__(self, model: torch.nn.Module, fragment: Fragment):
         self.model, self.fragment = model, fragment
+        self._params: Optional[dict[str, torch.Tensor]] = None
 
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        params = dict(self.model.named_parameters())
+        # the model's Parameters by name, looked up once: a walk of the module tree at every call was a sixth of a
+        # fragment's settle on the training thread. A write of θ rebinds a Parameter's data, never the Parameter
+        # (training.parked), so each view below is taken afresh from it
+        if self._params is None:
+            self._params = dict(self.model.named_parameters())
         for piece in self.fragment.pieces:
-            param = params[piece.name].detach()
+            param = self._params[piece.name].detach()
             if not param.is_contiguous():
                 raise ValueError(f"fragments: {piece.name} is not contiguous, so its rows have no flat view")
             yield f"{piece.name}[{piece.start}:{piece.stop}]", param.view(-1)[piece.start:piece.stop]

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from bench_bandwidth import first_address, stopped_at_exit
+from p2pdiloco.config import InnerConfig
 from p2pdiloco.ops.testbed import Link, Testbed
 from p2pdiloco.runtime.schema import Round, Summary, of_kind, read_records
 
@@ -148,8 +149,11 @@ def main() -> None:
     p.add_argument("--model", default="small")
     p.add_argument("-H", type=int, default=48)
     p.add_argument("--rounds", type=int, default=2, help="rounds of each fragment (--max-rounds)")
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=128)
+    # a peer's own batch by default: utilization is the share of its time between steps, and a fragment's round
+    # costs the training thread a fixed few ms (its outer step, digest and rebase), so a smaller batch than the
+    # peers' lowers it (4 x 128, this bench's default until 2026-12-01: 0.986-0.987 at P = 8, docs/fragments.md)
+    p.add_argument("--batch-size", type=int, default=InnerConfig().batch_size)
+    p.add_argument("--seq-len", type=int, default=InnerConfig().seq_len)
     p.add_argument("--compression", default="int4")
     p.add_argument("--slow-peer", type=float, default=0.0,
                    help="the last peer's link in Mbit/s (a slow uplink among the others; 0: all alike)")
