@@ -126,6 +126,10 @@ class InnerConfig:
     min_lr_ratio: float = option(0.1, "Where cosine and wsd end, as a fraction of --inner-lr.")
     decay_fraction: float = option(0.2, "wsd: the part of --total-tokens the decay takes.")
     weight_decay: float = 0.1
+    beta2: float = option(
+        0.95, "AdamW's second-moment decay for the inner steps (β1 is 0.9). 0.95 is the large-batch LLM "
+        "setting; at the small batches of a CPU peer a longer memory measured better (0.999: docs/parity.md).",
+        flag="adam-beta2")
     batch_size: int = option(16, "Sequences per micro-batch (an inner step takes --accumulate of them).")
     accumulate: int = option(
         1, "Micro-batches of --batch-size whose gradients one inner step sums (gradient accumulation): a step "
@@ -168,6 +172,8 @@ class InnerConfig:
         if self.round_seconds is not None:
             _positive_float(self, "round_seconds")
         _positive_float(self, "lr")
+        if not 0.0 <= self.beta2 < 1.0:
+            raise ConfigError(f"--adam-beta2 must be in [0, 1) (got {self.beta2})")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0:
             raise ConfigError("inner warmup_steps, weight_decay and grad_clip must be >= 0")
         if self.lr_schedule not in LR_SCHEDULES:

@@ -45,3 +45,18 @@ def test_the_fault_plan_reaches_join_through_its_environment_variable(monkeypatc
     monkeypatch.setattr(cli_module, "config_or_usage_error", lambda options: seen.update(options) or 1 / 0)
     CliRunner().invoke(cli, ["join"], env={"P2PDILOCO_FAULT_PLAN": "die_in_allreduce@1"})
     assert seen["fault_plan"] == "die_in_allreduce@1"
+
+
+def test_adam_beta2_reaches_the_inner_optimizer_and_a_bad_one_is_one_line():
+    import torch
+
+    from p2pdiloco.training.inner import make_optimizer
+
+    params = {p.name: (tuple(p.default) if p.multiple else p.default) for p in cli.commands["join"].params
+              if p.name not in ("profile", "nproc", "restarts", "help")}
+    cfg = build_config(dict(params, adam_beta2=0.999))
+    weights = [torch.nn.Parameter(torch.zeros(3))]
+    assert make_optimizer(weights, cfg.inner).param_groups[0]["betas"] == (0.9, 0.999)
+    assert make_optimizer(weights, PeerConfig().inner).param_groups[0]["betas"] == (0.9, 0.95)
+    result = CliRunner().invoke(cli, ["join", "--adam-beta2", "1"])
+    assert result.exit_code != 0 and "--adam-beta2 must be in [0, 1) (got 1.0)" in result.output
