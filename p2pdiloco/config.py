@@ -127,9 +127,9 @@ class InnerConfig:
     decay_fraction: float = option(0.2, "wsd: the part of --total-tokens the decay takes.")
     weight_decay: float = 0.1
     beta2: float = option(
-        0.95, "AdamW's second-moment decay for the inner steps (β1 is 0.9). 0.95 is the large-batch LLM "
-        "setting; at the small batches of a CPU peer a longer memory measured better (0.999: docs/parity.md).",
-        flag="adam-beta2")
+        0.999, "AdamW's second-moment decay for the inner steps (β1 is 0.9). At a peer's batches of thousands "
+        "of tokens 0.999 measured better than 0.95, the large-batch LLM setting (docs/parity.md); a step of "
+        "millions of tokens (a large --accumulate) may want 0.95.", flag="adam-beta2")
     batch_size: int = option(16, "Sequences per micro-batch (an inner step takes --accumulate of them).")
     accumulate: int = option(
         1, "Micro-batches of --batch-size whose gradients one inner step sums (gradient accumulation): a step "
