@@ -25,10 +25,14 @@ def test_every_join_option_is_a_config_field_with_the_same_default_and_help():
         assert param.help == f.metadata["help"] and param.hidden == f.metadata["hidden"]
 
 
+def join_defaults() -> dict:
+    """`join`'s options at their defaults, by parameter name (the ones that act around the peer left out)."""
+    return {p.name: (tuple(p.default) if p.multiple else p.default) for p in cli.commands["join"].params
+            if p.name not in ("profile", "nproc", "restarts", "help")}
+
+
 def test_the_options_defaults_build_the_config_defaults():
-    params = {p.name: (tuple(p.default) if p.multiple else p.default) for p in cli.commands["join"].params
-              if p.name not in ("profile", "nproc", "restarts", "help")}
-    assert build_config(params) == PeerConfig()
+    assert build_config(join_defaults()) == PeerConfig()
 
 
 def test_the_hidden_fault_plan_is_validated_and_not_listed():
@@ -52,9 +56,7 @@ def test_adam_beta2_reaches_the_inner_optimizer_and_a_bad_one_is_one_line():
 
     from p2pdiloco.training.inner import make_optimizer
 
-    params = {p.name: (tuple(p.default) if p.multiple else p.default) for p in cli.commands["join"].params
-              if p.name not in ("profile", "nproc", "restarts", "help")}
-    cfg = build_config(dict(params, adam_beta2=0.95))
+    cfg = build_config(dict(join_defaults(), adam_beta2=0.95))
     weights = [torch.nn.Parameter(torch.zeros(3))]
     assert make_optimizer(weights, cfg.inner).param_groups[0]["betas"] == (0.9, 0.95)
     assert make_optimizer(weights, PeerConfig().inner).param_groups[0]["betas"] == (0.9, 0.999)  # docs/parity.md
