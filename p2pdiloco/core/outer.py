@@ -105,6 +105,18 @@ def rda_reference(deltas: Sequence[torch.Tensor], weights: Sequence[float],
     return rda_combine(weighted_merge(units, weights), norms, weights, segments)
 
 
+def solo_scale(island_sizes: Sequence[int]) -> float:
+    """What a lone member's Δ is scaled by in its solo merge, where the state's latest merges (`island_sizes`:
+    members each) merged up to k members: 1/k, as if the k − 1 absent members had sent Δ = 0. The outer lr and
+    momentum were tuned on merges of k members' tokens, and a lone Δ carries 1/k of them and all of one member's
+    noise. Measured in the three-peer swarm test (int4, H = 15; docs/parity.md), a solo merge after three-member
+    ones raised the merged model's validation loss in 3 runs of 3 (+3.3 to +6.4 %; once +13 % in CI); at 1/√3
+    it still rose in 2 runs of 6 (to +3.2 %); at 1/3 it moved −1.4 to +0.2 % in 9 runs. A peer alone for all the
+    latest merges steps at 1, as a learner alone always did. Only solo merges are scaled: an island's members
+    must derive bit-equal steps, and the merges list is not part of the state's digest."""
+    return 1.0 / max(1, max(island_sizes, default=1))
+
+
 STEP_CHUNK = 1 << 20  # elements per slice of the outer step (4 MB temporaries)
 
 
@@ -119,28 +131,28 @@ class OuterOptimizer:
         self.momentum_buffer = torch.zeros_like(params) if momentum_buffer is None else momentum_buffer
 
     @torch.no_grad()
-    def step(self, merged_delta: torch.Tensor, let_go: LetGo = hold) -> None:
+    def step(self, merged_delta: torch.Tensor, let_go: LetGo = hold, scale: float = 1.0) -> None:
         """A chunk at a time: elementwise, so the same bits, with a chunk's temporaries, not a model's. `done` is
-        told each chunk finished (a parked state pages it out)."""
+        told each chunk finished (a parked state pages it out). `scale`: Δ's (solo_scale)."""
         mu = torch.tensor(self.momentum, dtype=torch.float32)
         lr = torch.tensor(self.lr, dtype=torch.float32)
         for part in chunks(self.params.numel(), STEP_CHUNK):
-            buffer, delta = self.momentum_buffer[part], merged_delta[part]
+            buffer, delta = self.momentum_buffer[part], _scaled(merged_delta[part], scale)
             buffer.mul_(mu).add_(delta)
             update = torch.mul(buffer, mu).add_(delta)
             self.params[part].sub_(update.mul_(lr))
             let_go(part)
 
     @torch.no_grad()
-    def moves(self, merged_delta: torch.Tensor, let_go: LetGo = hold
+    def moves(self, merged_delta: torch.Tensor, let_go: LetGo = hold, scale: float = 1.0
               ) -> tuple[float, float]:
-        """How far `step(merged_delta)` would move Θ and the momentum (L2 norms), leaving both untouched; a
-        chunk at a time, `done` told each chunk read."""
+        """How far `step(merged_delta, scale=scale)` would move Θ and the momentum (L2 norms), leaving both
+        untouched; a chunk at a time, `done` told each chunk read."""
         mu = torch.tensor(self.momentum, dtype=torch.float32)
         lr = torch.tensor(self.lr, dtype=torch.float32)
         theta = momentum = 0.0
         for part in chunks(self.params.numel(), STEP_CHUNK // 4):  # a 1 MB temporary: the round's peak stays put
-            buffer, delta = self.momentum_buffer[part], merged_delta[part]
+            buffer, delta = self.momentum_buffer[part], _scaled(merged_delta[part], scale)
             work = torch.mul(buffer, mu - 1).add_(delta)  # m' − m
             momentum += float(torch.linalg.vector_norm(work)) ** 2
             work.add_(buffer).mul_(mu).add_(delta).mul_(lr)  # lr·(Δ + μ·m'), the step
@@ -162,3 +174,7 @@ class OuterOptimizer:
     def load_state_tensors(self, params: torch.Tensor, momentum_buffer: torch.Tensor) -> None:
         self.params.copy_(params)
         self.momentum_buffer.copy_(momentum_buffer)
+
+
+def _scaled(delta: torch.Tensor, scale: float) -> torch.Tensor:
+    return delta if scale == 1.0 else torch.mul(delta, torch.tensor(scale, dtype=torch.float32))

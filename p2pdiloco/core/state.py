@@ -117,16 +117,16 @@ class GlobalState:
         return lineage_rank(self.version, len(self.last_members), self.digest)
 
     def apply(self, merged: torch.Tensor, members: list[str],
-              let_go: LetGo = hold, tokens: int = 0) -> None:
-        """Θ ← outer step of Θ by `merged`, a chunk at a time; `let_go` is told each chunk of `merged` once
-        read (as Θ's own pages are let go). `tokens`: what the members trained for it."""
+              let_go: LetGo = hold, tokens: int = 0, scale: float = 1.0) -> None:
+        """Θ ← outer step of Θ by `merged` (times `scale`), a chunk at a time; `let_go` is told each chunk of
+        `merged` once read (as Θ's own pages are let go). `tokens`: what the members trained for it."""
         def let_go_both(part: slice) -> None:
             self.let_go(part)
             let_go(part)
 
         with self.lock:
             self.generation += 1
-            self.outer.step(merged, let_go=let_go_both)
+            self.outer.step(merged, let_go=let_go_both, scale=scale)
             self.version += 1
             self.tokens += max(0, int(tokens))
             self.last_members = members
@@ -146,14 +146,18 @@ class GlobalState:
                 return metadata, [t.clone() for t in self.outer.state_tensors()]
             return metadata, [torch.empty_like(t).share_memory_().copy_(t) for t in self.outer.state_tensors()]
 
-    def saw_merge(self, merged: torch.Tensor, let_go: LetGo = hold) -> None:
+    def island_sizes(self) -> list[int]:
+        """Members of each of the latest merges of this state's lineage (outer.solo_scale)."""
+        return [len(tags) for _, tags in self.merges]
+
+    def saw_merge(self, merged: torch.Tensor, let_go: LetGo = hold, scale: float = 1.0) -> None:
         """A verified merge, applied to our state or not (we were stale): learn how far it moves ours."""
         def let_go_both(part: slice) -> None:
             self.let_go(part)
             let_go(part)
 
         with self.lock:
-            self.reach.saw_merge(*self.outer.moves(merged, let_go=let_go_both))
+            self.reach.saw_merge(*self.outer.moves(merged, let_go=let_go_both, scale=scale))
 
     def why_not_adopt(self, metadata: dict, tensors: Sequence[torch.Tensor], corroborated: bool) -> Optional[str]:
         """Why a validated state is too far from ours to take (p2pdiloco.core.reach), or None; `corroborated`: served

@@ -38,6 +38,7 @@ import torch
 
 from p2pdiloco.training.inner import InnerTrainer, flat_params, load_flat_params, param_slices
 from p2pdiloco.protocol.outcomes import Committed, Contribution, Kept, Parts, RolledBack, RoundOutcome, Solo
+from p2pdiloco.core.outer import solo_scale
 from p2pdiloco.core.state import GlobalState, contains, merged_in
 from p2pdiloco.protocol.timing import RoundClock
 from p2pdiloco.training.checkpoint import CheckpointError, Concatenated, Entry, Released
@@ -276,13 +277,14 @@ class DiLoCo:
                 if outcome.state_before is not None:
                     restored = self._load_foreign(*outcome.state_before)
                 if committed:
+                    scale = solo_scale(self.state.island_sizes()) if isinstance(outcome, Solo) else 1.0
                     if outcome.merged is not None:  # how far a merge moves us bounds what we download later
-                        self.state.saw_merge(outcome.merged, outcome.let_go)
+                        self.state.saw_merge(outcome.merged, outcome.let_go, scale)
                     if outcome.state is not None:
                         restored = self._add(restored, self._load_foreign(*outcome.state))  # already holds our Δ
                     elif not outcome.stale:
                         self.state.apply(outcome.merged, [m.peer for m in outcome.members], outcome.let_go,
-                                         tokens=outcome.merged_tokens)
+                                         tokens=outcome.merged_tokens, scale=scale)
                     self.unmerged_tokens -= c.tokens
                     self.unmerged_steps -= c.steps
                     self.unmerged_seconds -= c.seconds

@@ -29,7 +29,10 @@ def test_three_peers_stay_bitwise_equal_and_learn(tmp_path, wire, median_ratio):
     with local_swarm(tmp_path, "bitwise") as swarm:
         for name in names:  # c keeps Θ and the momentum parked in a file: the same bits as the others
             parked = ["--global-state-on-disk"] if name == "c" else []
-            swarm.start_peer(name, "-H", "15", "--max-rounds", "5", "--bandwidth-mbps", "10", *wire, *parked)
+            # c takes a round more than a and b: its last is a solo merge after three-member ones (as a peer that
+            # missed an island ends: CI once saw one raise the merged model's loss from 2.40 to 2.72)
+            rounds = "6" if name == "c" else "5"
+            swarm.start_peer(name, "-H", "15", "--max-rounds", rounds, "--bandwidth-mbps", "10", *wire, *parked)
         # c's averaging buffer lives in a file of its run's folder, mapped by the trainer and the forked averager
         # alike (hivemind would have copied real averaged tensors into /dev/shm); Θ's file comes after the fork
         assert mapping_processes(swarm, "c", tmp_path / "checkpoints" / "bitwise", within=120) >= 2
@@ -66,9 +69,13 @@ def test_three_peers_stay_bitwise_equal_and_learn(tmp_path, wire, median_ratio):
             # a fixed 2.0 was set when the loss started at ln 256 ≈ 5.5 (bytes: a bar at 64 % of it); the BPE
             # model starts near 4.3, where 2.0 asked for 47 % (missed once in CI: 2.333 against 2.283)
             assert s.final_val < 0.6 * s.initial_val, s
-        # the merged model's validation loss fell at every round (issue 46: the demo's loss once rose)
+        # no round raised the merged model's validation loss beyond noise (issue 46: the demo's loss once rose), c's
+        # solo merge neither: its Δ scaled by 1/3 (core.outer.solo_scale). Noise: 0.02 nats, where v5 spread over about
+        # 0.07 in 16 runs; unscaled, the solo merge raised it by 0.07-0.14 in 3 runs, by 0.32 once in CI
+        solo = [r for r in rounds["c"] if r.applied and r.reason == "solo"]
+        assert solo, rounds["c"]
         val = val_by_version(swarm.records(name, "round") for name in names)
-        assert len(val) >= 4 and val_rises(val) == [], val
+        assert len(val) >= 6 and val_rises(val, noise=0.02) == [], val
 
 
 def mapping_processes(swarm, name: str, folder, within: float) -> int:

@@ -11,7 +11,7 @@ from p2pdiloco.training.diloco import DiLoCo, SoloMerger, train
 from p2pdiloco.training.inner import InnerTrainer, flat_params
 from p2pdiloco.training.model import build_model, rda_segments
 from p2pdiloco.training.spill import OnDisk
-from p2pdiloco.core.outer import OuterOptimizer, merge_weights, rda_reference, weighted_merge
+from p2pdiloco.core.outer import OuterOptimizer, merge_weights, rda_reference, solo_scale, weighted_merge
 from p2pdiloco.protocol.outcomes import Committed, RolledBack, Solo
 from p2pdiloco.protocol.remote import Member
 from p2pdiloco.core.state import GlobalState
@@ -123,6 +123,52 @@ def test_a_commit_adds_the_tokens_its_merge_counted_to_theta_not_the_members_cla
     assert d.wait(10).applied
     assert d.state.tokens == 3 * 4 * d.trainer.tokens_per_step and d.state.last_members == ["me", "liar"]
     d.close()
+
+
+class ScriptedMerger:
+    """Each round's outcome from the next function of a script."""
+
+    def __init__(self, *outcomes):
+        self.outcomes, self.deltas = list(outcomes), []
+
+    def merge(self, c):
+        self.deltas.append(c.delta.clone())
+        return self.outcomes.pop(0)(c)
+
+
+def three_members(c):
+    others = [member(p, c.version, c.digest, c.tokens, c.steps) for p in ("b", "c")]
+    return Committed(reason="ok", merged=c.delta.clone(), members=[c.member, *others], weights=[1 / 3] * 3,
+                     merged_tokens=3 * c.tokens)
+
+
+def test_a_solo_merge_after_three_member_merges_steps_a_third_of_its_delta_until_it_has_been_alone_a_while():
+    """Issue 46: in the three-peer swarm a peer's solo merge after three-member ones raised the merged model's loss
+    (CI: 2.40 to 2.72); its Δ now counts as one of the latest islands' three members (core.outer.solo_scale)."""
+    d = make_diloco(ScriptedMerger(three_members, *[Solo.of] * 9))
+    expected = OuterOptimizer(d.state.params.clone(), 0.7, 0.9)
+    scales = []
+    for _ in range(10):
+        for _ in range(4):
+            d.inner_step()
+        d.contribute()
+        latest = d.state.island_sizes()  # outcomes are applied by this thread, in `wait`
+        assert d.wait(10).applied
+        scales.append(solo_scale(latest) if d.state.last_members == ["me"] else 1.0)
+        expected.step(d.merger.deltas[-1], scale=scales[-1])
+        assert torch.equal(d.state.params, expected.params)
+    # the three-member merge at 1; solos at 1/3 while it is among the latest 8 merges, then at 1 (alone a while)
+    assert scales == [1.0] + [1 / 3] * 8 + [1.0], scales
+    d.close()
+
+
+def test_the_solo_scale_is_one_over_the_largest_of_the_latest_islands():
+    assert solo_scale([]) == 1.0 and solo_scale([1, 1]) == 1.0  # a learner alone, as it always stepped
+    assert solo_scale([3, 1, 2]) == pytest.approx(1 / 3) and solo_scale([0]) == 1.0
+    state = GlobalState(torch.zeros(4), lr=1.0, momentum=0.0)
+    state.apply(torch.ones(4), ["a", "b", "c", "d"])
+    state.apply(torch.ones(4), ["a"], scale=solo_scale(state.island_sizes()))
+    assert state.island_sizes() == [4, 1] and torch.equal(state.params, torch.full((4,), -1.25))
 
 
 def test_a_merger_that_raises_costs_one_round_never_the_peer_even_when_waited_for():
