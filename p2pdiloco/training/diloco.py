@@ -278,6 +278,9 @@ class DiLoCo:
                     restored = self._load_foreign(*outcome.state_before)
                 if committed:
                     scale = solo_scale(self.state.island_sizes()) if isinstance(outcome, Solo) else 1.0
+                    if scale != 1.0:
+                        log.info("%s: merged alone after merges of up to %d members: our Δ counts as one of them "
+                                 "(× %.3g)", self.name, round(1 / scale), scale)
                     if outcome.merged is not None:  # how far a merge moves us bounds what we download later
                         self.state.saw_merge(outcome.merged, outcome.let_go, scale)
                     if outcome.state is not None:

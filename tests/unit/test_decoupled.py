@@ -142,9 +142,10 @@ def three_members(c):
                      merged_tokens=3 * c.tokens)
 
 
-def test_a_solo_merge_after_three_member_merges_steps_a_third_of_its_delta_until_it_has_been_alone_a_while():
+def test_a_solo_merge_after_three_member_merges_steps_a_third_of_its_delta_until_it_has_been_alone_a_while(caplog):
     """Issue 46: in the three-peer swarm a peer's solo merge after three-member ones raised the merged model's loss
     (CI: 2.40 to 2.72); its Δ now counts as one of the latest islands' three members (core.outer.solo_scale)."""
+    caplog.set_level("INFO", logger="p2pdiloco.training.diloco")
     d = make_diloco(ScriptedMerger(three_members, *[Solo.of] * 9))
     expected = OuterOptimizer(d.state.params.clone(), 0.7, 0.9)
     scales = []
@@ -159,6 +160,8 @@ def test_a_solo_merge_after_three_member_merges_steps_a_third_of_its_delta_until
         assert torch.equal(d.state.params, expected.params)
     # the three-member merge at 1; solos at 1/3 while it is among the latest 8 merges, then at 1 (alone a while)
     assert scales == [1.0] + [1 / 3] * 8 + [1.0], scales
+    said = [r.getMessage() for r in caplog.records if "merged alone" in r.getMessage()]
+    assert len(said) == 8 and "merges of up to 3 members" in said[0] and "(× 0.333)" in said[0], said
     d.close()
 
 
