@@ -126,8 +126,9 @@ class InnerConfig:
     min_lr_ratio: float = option(0.1, "Where cosine and wsd end, as a fraction of --inner-lr.")
     decay_fraction: float = option(0.2, "wsd: the part of --total-tokens the decay takes.")
     weight_decay: float = 0.1
+    beta1: float = option(0.9, "AdamW's first-moment decay for the inner steps.", flag="adam-beta1")
     beta2: float = option(
-        0.999, "AdamW's second-moment decay for the inner steps (β1 is 0.9). At a peer's batches of thousands "
+        0.999, "AdamW's second-moment decay for the inner steps. At a peer's batches of thousands "
         "of tokens 0.999 measured better than 0.95, the large-batch LLM setting (docs/parity.md); a step of "
         "millions of tokens (a large --accumulate) may want 0.95.", flag="adam-beta2")
     batch_size: int = option(16, "Sequences per micro-batch (an inner step takes --accumulate of them).")
@@ -172,8 +173,9 @@ class InnerConfig:
         if self.round_seconds is not None:
             _positive_float(self, "round_seconds")
         _positive_float(self, "lr")
-        if not 0.0 <= self.beta2 < 1.0:
-            raise ConfigError(f"--adam-beta2 must be in [0, 1) (got {self.beta2})")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"--adam-{name} must be in [0, 1) (got {getattr(self, name)})")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0:
             raise ConfigError("inner warmup_steps, weight_decay and grad_clip must be >= 0")
         if self.lr_schedule not in LR_SCHEDULES:

@@ -46,7 +46,8 @@ class Setup:
     inner_lr: float = 1e-3
     warmup_steps: int = 20
     grad_clip: float = InnerConfig().grad_clip  # a peer's; every row clips alike (0: none)
-    beta2: float = InnerConfig().beta2  # AdamW's, a peer's; every row alike
+    beta1: float = InnerConfig().beta1  # AdamW's, a peer's; every row alike
+    beta2: float = InnerConfig().beta2
     lr_schedule: str = "constant"  # or cosine / wsd, decaying over the row's budget (steps × M × batch tokens)
     min_lr_ratio: float = InnerConfig().min_lr_ratio
     outer_lr: float = OuterConfig().lr  # a peer's defaults
@@ -64,7 +65,7 @@ class Setup:
         return InnerConfig(batch_size=batch_size or self.batch_size, seq_len=self.seq_len, lr=self.inner_lr,
                            warmup_steps=self.warmup_steps, lr_schedule=self.lr_schedule, total_tokens=budget,
                            min_lr_ratio=self.min_lr_ratio, grad_clip=self.grad_clip,
-                           beta2=self.beta2)
+                           beta1=self.beta1, beta2=self.beta2)
 
     @property
     def total_tokens(self) -> int:

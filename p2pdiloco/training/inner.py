@@ -28,7 +28,6 @@ from p2pdiloco.runtime.paging import LetGo, hold
 
 log = logging.getLogger("p2pdiloco")
 
-BETA1 = 0.9
 ALIAS = "@"  # in a checkpoint's optimizer scalars: this state is the tensor saved under another name
 
 
@@ -80,12 +79,12 @@ def make_optimizer(params, cfg: InnerConfig) -> torch.optim.Optimizer:
     """The inner optimizer `cfg.optimizer` names, with the project's AdamW hyperparameters."""
     params = list(params)
     if cfg.optimizer == "adamw8bit":
-        return bitsandbytes().optim.AdamW8bit(params, lr=cfg.lr, betas=(BETA1, cfg.beta2),
+        return bitsandbytes().optim.AdamW8bit(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                               weight_decay=cfg.weight_decay)
     # on a GPU, one fused kernel: it keeps ~0.1 GB less of the host's memory than the default multi-tensor AdamW
     # (CUDA loads fewer kernels for it: H200, 2026-11-28, docs/hardware.md), and launches fewer
     fused = bool(params) and all(p.device.type == "cuda" for p in params)
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=(BETA1, cfg.beta2), weight_decay=cfg.weight_decay,
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
                              fused=fused or None)
 
 

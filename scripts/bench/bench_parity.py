@@ -164,6 +164,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--inner-lr", type=float, default=1e-3)
     p.add_argument("--grad-clip", type=float, default=Setup.grad_clip, help="every row's (0: none); default: a peer's")
+    p.add_argument("--beta1", type=float, default=Setup.beta1, help="every row's AdamW β1; default: a peer's")
     p.add_argument("--beta2", type=float, default=Setup.beta2, help="every row's AdamW β2; default: a peer's")
     p.add_argument("--lr-schedule", default="constant", choices=("constant", "cosine", "wsd"),
                    help="the inner lr after warm-up, decaying over the row's token budget as a swarm's --total-tokens")
@@ -188,7 +189,7 @@ def main() -> None:
         return
     torch.set_num_threads(a.threads)
     base = Setup(data=tuple(x for x in a.data.split(",") if x), model=a.model, batch_size=a.batch_size,
-                 seq_len=a.seq_len, inner_lr=a.inner_lr, grad_clip=a.grad_clip, beta2=a.beta2,
+                 seq_len=a.seq_len, inner_lr=a.inner_lr, grad_clip=a.grad_clip, beta1=a.beta1, beta2=a.beta2,
                  lr_schedule=a.lr_schedule,
                  min_lr_ratio=a.min_lr_ratio, outer_lr=a.outer_lr, outer_momentum=a.outer_momentum,
                  learners=a.learners, steps=a.steps, eval_every=a.eval_every, eval_batches=a.eval_batches,

@@ -51,14 +51,17 @@ def test_the_fault_plan_reaches_join_through_its_environment_variable(monkeypatc
     assert seen["fault_plan"] == "die_in_allreduce@1"
 
 
-def test_adam_beta2_reaches_the_inner_optimizer_and_a_bad_one_is_one_line():
+def test_adams_betas_reach_the_inner_optimizer_and_a_bad_one_is_one_line():
     import torch
 
     from p2pdiloco.training.inner import make_optimizer
 
-    cfg = build_config(dict(join_defaults(), adam_beta2=0.95))
     weights = [torch.nn.Parameter(torch.zeros(3))]
+    cfg = build_config(dict(join_defaults(), adam_beta2=0.95))
     assert make_optimizer(weights, cfg.inner).param_groups[0]["betas"] == (0.9, 0.95)
+    cfg = build_config(dict(join_defaults(), adam_beta1=0.8))
+    assert make_optimizer(weights, cfg.inner).param_groups[0]["betas"] == (0.8, 0.999)
     assert make_optimizer(weights, PeerConfig().inner).param_groups[0]["betas"] == (0.9, 0.999)  # docs/parity.md
-    result = CliRunner().invoke(cli, ["join", "--adam-beta2", "1"])
-    assert result.exit_code != 0 and "--adam-beta2 must be in [0, 1) (got 1.0)" in result.output
+    for flag, value in (("--adam-beta2", "1"), ("--adam-beta1", "-0.1")):
+        result = CliRunner().invoke(cli, ["join", flag, value])
+        assert result.exit_code != 0 and f"{flag} must be in [0, 1) (got {float(value)})" in result.output
