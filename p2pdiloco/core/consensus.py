@@ -17,6 +17,7 @@ import torch
 from p2pdiloco.runtime.paging import LetGo, hold
 
 SKETCH_DIM = 64
+MIN_SKETCH_DIM = 8
 _SEED = 0x5EED
 _CHUNK = 1 << 20
 State = tuple[int, str, Sequence[float]]  # a peer's (version, digest, sketch), as its record publishes them
@@ -41,6 +42,14 @@ def sketch(x: torch.Tensor, k: int = SKETCH_DIM, let_go: LetGo = hold) -> list[f
             out[b] += torch.dot(piece.double(), signs[: piece.numel()])
             let_go(slice(at, at + piece.numel()))
     return [float(v) for v in out]
+
+
+def sketch_dim(fragments: int) -> int:
+    """The values of each fragment's sketch: a peer's P fragments share one budget of SKETCH_DIM, at least
+    MIN_SKETCH_DIM each (a relative error of about 1/√k). Every sketch rides in the peer's one record, which each
+    beat and each round's announcements store, and whose whole dictionary every replica answers a fetch or a store's
+    search with: at P = 8, eight sketches of 64 were two thirds of a 2.9 KB record (docs/fragments.md)."""
+    return max(MIN_SKETCH_DIM, SKETCH_DIM // max(1, fragments))
 
 
 @functools.lru_cache(maxsize=1)

@@ -11,7 +11,7 @@ from concurrent.futures import Future
 from typing import Optional
 
 from p2pdiloco.config import PeerConfig
-from p2pdiloco.core.consensus import sketch
+from p2pdiloco.core.consensus import sketch, sketch_dim
 from p2pdiloco.parts.held import Tensors
 from p2pdiloco.parts.workload import Workload
 from p2pdiloco.protocol.compat import mismatch, wire_mismatch
@@ -130,5 +130,5 @@ class Membership:
 
     def publish(self) -> None:
         """After every round and every change of Θ: our version, digest and sketch in our record."""
-        self.own_sketch = sketch(self.state.params, let_go=self.state.let_go)
+        self.own_sketch = sketch(self.state.params, sketch_dim(self.cfg.swarm.fragments), let_go=self.state.let_go)
         self.merger.publish_state(self.state.version, self.state.digest, self.own_sketch, len(self.state.last_members))

@@ -94,7 +94,7 @@ def test_a_peer_of_eight_fragments_publishes_its_sketches_in_fp32_and_its_lanes_
     import numpy as np
     from hivemind.utils.serializer import MSGPackSerializer
 
-    from p2pdiloco.core.consensus import SKETCH_DIM
+    from p2pdiloco.core.consensus import SKETCH_DIM, sketch_dim
 
     sketch = [((i * 7919) % 1000 - 500) / 3.0 for i in range(SKETCH_DIM)]  # no value fp32 holds exactly
     lanes = [dict(version=12, digest=f"{j:016x}", merged_by=4, sketch=sketch, rounds=12, island=4, bytes_sent=1 << 23)
@@ -109,6 +109,10 @@ def test_a_peer_of_eight_fragments_publishes_its_sketches_in_fp32_and_its_lanes_
     for i in range(8):
         assert back.lane(i).sketch == [float(np.float32(x)) for x in sketch]
         assert dataclasses.replace(back.lane(i), sketch=sketch) == record.lane(i)
+    # with the sketches' budget shared by the fragments (core.consensus.sketch_dim): 8 values each, 1.1 KB in all
+    short = sketch[:sketch_dim(8)]
+    shared = dataclasses.replace(record, sketch=short, lanes=[dict(lane, sketch=short) for lane in lanes])
+    assert len(MSGPackSerializer.dumps(shared.value())) < 0.4 * len(sent)
 
 
 def test_a_poll_reads_our_nodes_own_copy_only_while_others_stores_reach_it(monkeypatch):

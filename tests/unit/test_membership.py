@@ -24,15 +24,16 @@ class Merger:
 
     def publish_state(self, version, digest, sketch, merged_by=0):
         self.published.append(version)
+        self.sketch = sketch
 
 
-def membership(merger) -> tuple[Membership, list]:
+def membership(merger, cfg: PeerConfig = PeerConfig()) -> tuple[Membership, list]:
     written = []
-    diloco = SimpleNamespace(state=GlobalState(torch.zeros(8), 0.7, 0.9), unmerged_steps=3,
+    diloco = SimpleNamespace(state=GlobalState(torch.arange(1000.0), 0.7, 0.9), unmerged_steps=3,
                              trainer=SimpleNamespace(total_steps=12))
     workload = SimpleNamespace(settings=lambda cfg: {})
     metrics = SimpleNamespace(write=written.append)
-    return Membership(PeerConfig(), workload, merger, diloco, SimpleNamespace(park=lambda: None), metrics, "x"), \
+    return Membership(cfg, workload, merger, diloco, SimpleNamespace(park=lambda: None), metrics, "x"), \
         written
 
 
@@ -65,3 +66,18 @@ def test_a_background_join_that_fails_stops_the_stay_and_keeps_the_error_to_rais
     settle(m)
     assert isinstance(m.error, SwarmConnectError) and merger.stop.is_set()
     assert not [r for r in written if isinstance(r, schema.Joined)] and merger.published == []
+
+
+def test_a_peer_of_p_fragments_publishes_a_p_th_of_the_sketch_budget_for_each():
+    """Each fragment's sketch rides in the peer's one record, which every store and fetch carries whole: eight
+    sketches of 64 values were two thirds of a record of 8 fragments (2.9 KB; docs/fragments.md)."""
+    import dataclasses
+
+    from p2pdiloco.core.consensus import SKETCH_DIM, sketch
+
+    for fragments, values in ((1, SKETCH_DIM), (4, SKETCH_DIM // 4), (8, 8), (32, 8)):
+        merger = Merger(live_others=lambda: [])
+        cfg = PeerConfig()
+        m, _ = membership(merger, dataclasses.replace(cfg, swarm=dataclasses.replace(cfg.swarm, fragments=fragments)))
+        m.publish()
+        assert merger.sketch == sketch(torch.arange(1000.0), values), fragments
