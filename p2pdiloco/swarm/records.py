@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections import Counter
@@ -13,6 +14,8 @@ from hivemind.utils import get_dht_time
 
 from p2pdiloco.protocol.remote import LANE_FIELDS, WIRE_VERSION, PeerRecord, parse_peer_record, record_wire
 from p2pdiloco.swarm.signing import Identity, owner_peer, signed_by
+
+log = logging.getLogger("p2pdiloco")
 
 HEARTBEAT = 2.0  # seconds between re-publications
 TTL = 3 * HEARTBEAT  # a peer silent for this long is considered gone
@@ -129,6 +132,7 @@ class Heartbeat:
         self._records: list[PeerRecord] = []
         self._fetched_at = self._polled_at = self._fetched_dht = float("-inf")
         self.fetches = 0  # of every replica's copy
+        self.stores = 0  # of our record: a beat's, or an announcement's (docs/fragments.md counts them per run)
         self._started = self._stopped = False
         self._thread = threading.Thread(target=self._loop, daemon=True, name="heartbeat")
 
@@ -215,6 +219,7 @@ class Heartbeat:
             if self._stop.is_set():  # we are leaving: a store dated after our withdrawal would outlive it
                 return
             value, expiration = self.record.value(), get_dht_time() + TTL
+            self.stores += 1
         bounded(self.dht.store(records_key(self.run_id), subkey=self.identity.subkey, value=value,
                                expiration_time=expiration, return_future=True), DHT_CALL_TIMEOUT)
 
@@ -252,6 +257,7 @@ class Heartbeat:
                 return
             self._stopped = True
             self._stop.set()
+            log.info("heartbeat: %d stores of our record, %d fetches of every copy", self.stores, self.fetches)
             # dated after every store a beat may still send (each dates itself under this lock, before we set
             # the stop): of two stores of one subkey the DHT keeps the later expiration, so the withdrawal wins
             # even where a beat's store lands after it
