@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import time
 
 from p2pdiloco.runtime.procio import io_counters, moved_since
 
@@ -15,12 +16,23 @@ def test_the_bytes_a_process_writes_to_a_pipe_are_counted():
         child.stdin.write(b"y" * 1_000_000)
         child.stdin.close()
         assert len(child.stdout.read(3_000_000)) == 3_000_000
-        moved = moved_since(child.pid, before)
+        moved = _once_the_write_returns(child.pid, before)
         assert 3_000_000 <= moved.written < 3_100_000
         assert 1_000_000 <= moved.read
     finally:
         child.kill()
         child.wait()
+
+
+def _once_the_write_returns(pid, before, deadline_s=20.0):
+    # The kernel adds to wchar when the write call returns, which can be after we have read its last byte:
+    # on a loaded machine the child may not run again for a while (a CI run once saw 0 here).
+    give_up = time.monotonic() + deadline_s
+    while True:
+        moved = moved_since(pid, before)
+        if moved.written >= 3_000_000 or time.monotonic() > give_up:
+            return moved
+        time.sleep(0.05)
 
 
 def test_a_process_that_is_gone_has_no_counters():
