@@ -305,6 +305,10 @@ class SwarmConfig:
     sync_wait: float = option(60.0, "Sync mode: longest wait at a round for peers still training, in seconds.")
     bandwidth_mbps: float = option(100.0, "Assumed link speed until the first round measures it (all-reduce "
                                    "deadlines).")
+    upload_mbps: Optional[float] = option(
+        None, "Cap what this peer's rounds send, in Mbit/s (its pushed codes and the sums it serves; one budget for "
+        "all its fragments' rounds). With --fragments the rounds then spread over the time between them instead of "
+        "bursting at the link's speed (docs/fragments.md). Default: no cap.")
     connect_timeout: float = option(20.0, "Seconds to wait for the initial peers before giving up.",
                                     group="connect")
     compression: str = option(
@@ -352,9 +356,16 @@ class SwarmConfig:
         if self.quorum > self.max_island:
             raise ConfigError(f"quorum ({self.quorum}) cannot exceed max island size ({self.max_island})")
         _positive_float(self, "sync_wait", "bandwidth_mbps", "connect_timeout")
+        if self.upload_mbps is not None:
+            _positive_float(self, "upload_mbps")
         for addr in (*self.initial_peers, *self.listen, *self.announce):
             if not addr.startswith("/"):
                 raise ConfigError(f"{addr!r} is not a multiaddr (expected e.g. /ip4/1.2.3.4/tcp/31337/p2p/Qm...)")
+
+    @property
+    def link_mbps(self) -> float:
+        """The link speed a round's deadlines assume until one is measured: a cap below the link is the link."""
+        return min(self.bandwidth_mbps, self.upload_mbps or math.inf)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,6 +11,7 @@ from typing import Callable, Optional
 from p2pdiloco.config import PeerConfig
 from p2pdiloco.parts.workload import Workload, parking_folder
 from p2pdiloco.runtime.lifeline import start_lifeline
+from p2pdiloco.runtime.pace import upload_pace
 from p2pdiloco.swarm import node
 from p2pdiloco.swarm.averager import ExactAverager
 from p2pdiloco.swarm.wiring import MergeSettings, merge_settings, start_averager
@@ -46,7 +47,7 @@ def start_helpers(cfg: PeerConfig, workload: Workload, share_state: Callable,
     try:
         overlap = cfg.swarm.overlap_steps or cfg.inner.steps  # the next contribution is due H steps later
         settings = merge_settings(cfg.swarm, cfg.outer, workload.n_params, workload.segments, overlap,
-                                  node.peer_id(dht))
+                                  node.peer_id(dht), upload_pace(cfg.swarm.upload_mbps))
         averager = start_averager(settings, dht, share_state, parking_folder(cfg, workload.n_params), make_averager)
     except BaseException:
         node.shutdown(dht)

@@ -34,6 +34,7 @@ from p2pdiloco.protocol.timing import RoundClock
 from p2pdiloco.runtime import schema
 from p2pdiloco.runtime.lifeline import start_lifeline
 from p2pdiloco.runtime.metrics import open_sinks
+from p2pdiloco.runtime.pace import upload_pace
 from p2pdiloco.runtime.stopwatch import Stopwatch
 from p2pdiloco.swarm import node
 from p2pdiloco.swarm.averager import ExactAverager
@@ -88,9 +89,9 @@ def start_fragment_helpers(cfg: PeerConfig, workload: Workload, fragments: tuple
     try:
         overlap = cfg.swarm.overlap_steps or fragment_overlap(cfg.inner.steps, len(fragments),
                                                              cfg.swarm.fragments_in_flight)
-        peer = node.peer_id(dht)
+        peer, pace = node.peer_id(dht), upload_pace(cfg.swarm.upload_mbps)  # one cap for all our fragments' rounds
         settings = tuple(merge_settings(fragment_config(cfg.swarm, f.index, len(fragments)), cfg.outer, f.size, [],
-                                        overlap, peer) for f in fragments)
+                                        overlap, peer, pace) for f in fragments)
         for s, share in zip(settings, shares):
             averagers.append(start_averager(s, dht, share, None, make_averager))
     except BaseException:

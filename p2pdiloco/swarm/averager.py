@@ -25,6 +25,7 @@ from p2pdiloco.protocol.island import Bounds, PenaltyBox, Stragglers
 from p2pdiloco.protocol.merge import BodyStatistics, wire_format
 from p2pdiloco.protocol.remote import Expect
 from p2pdiloco.protocol.timing import allreduce_wire_bytes
+from p2pdiloco.runtime.pace import UploadPace
 from p2pdiloco.runtime.paging import FileVectors
 from p2pdiloco.swarm.auth import MemberPasses
 from p2pdiloco.swarm.island_rounds import REFUSE_SECONDS, IslandRounds, codes_exchange
@@ -75,12 +76,12 @@ class ExactAverager(IslandRounds, DecentralizedAverager):
     def __init__(self, n_elements: int, max_group: int, state_provider: StateProvider, weighting: str,
                  allreduce_cap: float, expect: Expect, bits: int = codec.BITS["none"], topk: Optional[float] = None,
                  bounds: Bounds = Bounds(), robust: bool = False, passes: Optional[MemberPasses] = None,
-                 buffer_folder: Optional[Path] = None, **kwargs):
+                 buffer_folder: Optional[Path] = None, pace: Optional[UploadPace] = None, **kwargs):
         self.n_elements, self.max_group, self.weighting, self.bounds = n_elements, max_group, weighting, bounds
         self.allreduce_cap, self.expect = allreduce_cap, expect
         self.bits = bits  # codes' width on the wire (swarm.codes)
         self.topk = topk  # send only this fraction of each block (codec.TopKFormat)
-        self._codes = codes_exchange(n_elements, robust)
+        self._codes = codes_exchange(n_elements, robust, pace)  # `pace`: the peer's upload cap, shared
         self._state_provider = state_provider
         self._passes = passes  # a swarm with a key: who may join our group, be merged, fetch our state
         self._refused = PenaltyBox(seconds=REFUSE_SECONDS)  # members we turn away at matchmaking, for a while

@@ -50,6 +50,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from p2pdiloco.core import audit, codec
 from p2pdiloco.core.claims import sum_why_not
 from p2pdiloco.protocol.island import lower_median
+from p2pdiloco.runtime.pace import UploadPace, paced
 
 PIECE = 16 * codec.BLOCK  # elements per stream message: even a 32-bit sum of a piece is 1 MB, a quarter of what
 # the p2p daemon's messages may carry, and a piece's work (~5 ms to pack int4) is small beside its transfer
@@ -461,8 +462,10 @@ class CodesExchange:
 
     reduction_type = Reduction  # a test's or fault plan's hostile reducer subclasses it (p2pdiloco.faults)
 
-    def __init__(self, max_payload: int, robust: bool = False, max_pieces: int = 1 << 16):
+    def __init__(self, max_payload: int, robust: bool = False, max_pieces: int = 1 << 16,
+                 pace: Optional[UploadPace] = None):
         self.max_payload = max_payload  # bytes one contribution may take: anything longer is refused
+        self.pace = pace  # the peer's upload cap, if it set one: our pushes and the sums we serve draw on it
         self.max_pieces = max_pieces  # pieces one contribution may take (the whole model's), before we know ours
         self.robust = robust
         self.reductions: dict[bytes, Reduction] = {}
@@ -547,6 +550,7 @@ class CodesExchange:
             return
         try:
             async for metadata, chunk in self.serve(request, timeout, fetcher):
+                await paced(self.pace, len(chunk))
                 yield averaging_pb2.DownloadData(metadata=metadata, tensor_part=runtime_pb2.Tensor(buffer=chunk))
         except CodesError as e:
             yield averaging_pb2.DownloadData(metadata=serializer.dumps(dict(error=str(e),
@@ -648,6 +652,7 @@ class CodesExchange:
             header = serializer.dumps(dict(group=group_id))
             for i, (a, b) in enumerate(pieces):  # each made as the stream asks: quantizing, packing overlap sending
                 data = await off_loop(packed, a, b)
+                await paced(self.pace, len(data))
                 yield averaging_pb2.DownloadData(metadata=header if i == 0 else b"", tensor_part=_blob(data))
 
         async for answer in await stub.rpc_codes_push(messages()):

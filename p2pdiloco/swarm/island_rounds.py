@@ -35,6 +35,7 @@ from p2pdiloco.protocol.merge import encode_piece, group_scales, land_piece
 from p2pdiloco.protocol.remote import parse_island
 from p2pdiloco.protocol.round import IslandReduced
 from p2pdiloco.runtime.heap import give_back_free_heap
+from p2pdiloco.runtime.pace import UploadPace
 from p2pdiloco.swarm.codes import Codes, CodesExchange, codec_cpu_seconds, faults_and_late, piece_ranges
 from p2pdiloco.swarm.statefetch import PartServer, request_pass
 
@@ -318,13 +319,13 @@ class WholeMessagePipe:
         return getattr(self._connection, name)
 
 
-def codes_exchange(n_elements: int, robust: bool) -> CodesExchange:
+def codes_exchange(n_elements: int, robust: bool, pace: Optional[UploadPace] = None) -> CodesExchange:
     """A push's bytes may not exceed the whole model's codes at 24 bits: the widest dense codes (20) or top-k pairs
     (a 14-bit index and the code) of any fraction a swarm would pick, plus a tag per piece (a part's pieces can be
     no more than the whole model's)."""
     pieces = len(piece_ranges(0, n_elements))
     return CodesExchange(max_payload=codec.packed_bytes(n_elements, 24) + 1024 + pieces, robust=robust,
-                         max_pieces=pieces)
+                         max_pieces=pieces, pace=pace)
 
 
 def claims_for(plan, senders: Sequence[int], peer_ids: Sequence, scales: torch.Tensor, limit: int,

@@ -38,6 +38,7 @@ from p2pdiloco.protocol.island import Bounds, PenaltyBox, Stragglers
 from p2pdiloco.protocol.merge import group_scales, wire_format
 from p2pdiloco.protocol.remote import MAX_NORMS, Expect, PeerRecord
 from p2pdiloco.protocol.round import IslandReduced
+from p2pdiloco.runtime.pace import UploadPace, upload_pace
 from p2pdiloco.swarm.auth import MemberPasses, load_swarm_key
 from p2pdiloco.swarm.averager import ExactAverager, averager_limits, hivemind_schema
 from p2pdiloco.swarm.codes import CodesError
@@ -119,11 +120,11 @@ class ReducerAverager(IslandRounds, DecentralizedAverager):
     its part and sends nothing, and no buffer (hivemind gets the shapes of the swarm's, without their memory)."""
 
     def __init__(self, rule: SwarmMergeRule, max_group: int, allreduce_cap: float,
-                 passes: Optional[MemberPasses] = None, **kwargs):
+                 passes: Optional[MemberPasses] = None, pace: Optional[UploadPace] = None, **kwargs):
         self.rule, self.n_elements, self.max_group = rule, rule.n, max_group
         self.weighting, self.bounds, self.bits, self.topk = rule.weighting, rule.bounds, rule.bits, rule.topk
         self.allreduce_cap, self.expect = allreduce_cap, Expect(rule.n, rule.n_norms)
-        self._codes = codes_exchange(rule.n, rule.robust)
+        self._codes = codes_exchange(rule.n, rule.robust, pace)
         self._passes = passes
         self._refused = PenaltyBox(seconds=REFUSE_SECONDS)
         self._left_out = PenaltyBox(seconds=REFUSE_SECONDS)
@@ -185,9 +186,10 @@ ReducerAverager.__name__ = ReducerAverager.__qualname__ = ExactAverager.__name__
 
 def start_reducer(dht: DHT, cfg: SwarmConfig, rule: SwarmMergeRule) -> ReducerAverager:
     key = load_swarm_key(cfg.swarm_key_file)
-    limits = averager_limits(rule.n, cfg.max_island, cfg.bandwidth_mbps)
+    limits = averager_limits(rule.n, cfg.max_island, cfg.link_mbps)
     averager = ReducerAverager(
         rule, 1 << cfg.max_island.bit_length(), limits.allreduce_cap, MemberPasses(key) if key is not None else None,
+        upload_pace(cfg.upload_mbps),
         dht=dht, prefix=rule.prefix, start=False,
         min_group_size=3,  # itself and two contributors: one contributor alone has nobody to merge with
         min_matchmaking_time=limits.matchmaking, request_timeout=limits.request,

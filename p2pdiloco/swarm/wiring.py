@@ -19,6 +19,7 @@ from p2pdiloco.protocol.island import Bounds
 from p2pdiloco.protocol.remote import WIRE_VERSION, Expect
 from p2pdiloco.protocol.round import RoundRules, swarm_rules
 from p2pdiloco.protocol.timing import RoundClock
+from p2pdiloco.runtime.pace import UploadPace
 from p2pdiloco.runtime.paging import PagedStore
 from p2pdiloco.swarm.auth import MemberPasses, load_swarm_key
 from p2pdiloco.swarm.averager import AveragerLimits, ExactAverager, StateProvider, averager_limits
@@ -60,10 +61,12 @@ class MergeSettings:
     overlap_steps: int  # the next contribution is due this many inner steps after the last
     peer: str  # our peer id
     passes: Optional[MemberPasses] = None  # a swarm with a key: who may join, be merged, fetch our state
+    pace: Optional[UploadPace] = None  # the peer's upload cap (--upload-mbps): one for all its averagers
+
 
     @functools.cached_property
     def limits(self) -> AveragerLimits:
-        return averager_limits(self.n, self.cfg.max_island, self.cfg.bandwidth_mbps)
+        return averager_limits(self.n, self.cfg.max_island, self.cfg.link_mbps)
 
     @property
     def bits(self) -> int:
@@ -94,10 +97,10 @@ class MergeSettings:
 
 
 def merge_settings(cfg: SwarmConfig, outer: OuterConfig, n_params: int, segments, overlap_steps: int,
-                   peer: str) -> MergeSettings:
+                   peer: str, pace: Optional[UploadPace] = None) -> MergeSettings:
     key = load_swarm_key(cfg.swarm_key_file)  # checked when the DHT started
     return MergeSettings(cfg, outer, n_params, tuple(segments), overlap_steps, peer,
-                         MemberPasses(key) if key is not None else None)
+                         MemberPasses(key) if key is not None else None, pace)
 
 
 def start_averager(s: MergeSettings, dht: DHT, share_state: StateProvider, buffer_folder: Optional[Path],
@@ -109,6 +112,7 @@ def start_averager(s: MergeSettings, dht: DHT, share_state: StateProvider, buffe
         Expect(s.n, len(s.segments) if outer.rda else 0), s.bits, cfg.topk,
         Bounds.of(outer),
         cfg.robust_merge, s.passes, buffer_folder,  # in a file there, paged in a piece at a time
+        pace=s.pace,
         dht=dht, prefix=averager_prefix(cfg, outer), start=False,
         min_group_size=max(2, cfg.quorum),  # hivemind would "form" a group of 1 at once; K=1 is ours
         min_matchmaking_time=limits.matchmaking, request_timeout=limits.request,

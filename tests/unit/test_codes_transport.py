@@ -9,6 +9,7 @@ import torch
 from hivemind.proto import averaging_pb2, runtime_pb2
 
 from p2pdiloco.core import codec
+from p2pdiloco.runtime.pace import BURST_SECONDS, UploadPace
 from p2pdiloco.swarm.codes import (AHEAD, LATE, PIECE, Codes, CodesError, CodesExchange, Reduction, codec_cpu_seconds,
                                    faults_and_late, off_loop, part_ranges, piece_ranges, serializer)
 
@@ -830,3 +831,46 @@ def test_a_push_waiting_for_a_sender_that_never_comes_goes_on_once_the_wait_is_o
 
     asyncio.run(alone())
     assert reduction.ready and reduction.dropped == {"slow": LATE}
+
+
+def test_a_capped_member_spreads_what_it_sends_at_its_rate_and_the_sum_is_the_same():
+    """--upload-mbps: a member's pushes and the sums it serves draw on its cap, so its round lasts at least its
+    bytes over the rate; the other member, uncapped, is not held back beyond waiting for it."""
+    n, fmt = 4 * PIECE, codec.DenseFormat(4, 2)  # two members: each pushes two pieces and serves two sums
+    codes = {name: torch.randint(-7, 8, (n,), generator=torch.Generator().manual_seed(i))  # no zstd gains
+             for i, name in enumerate("ab")}
+    selected = torch.ones(n, dtype=torch.bool)
+    rate = 2e6  # B/s: a's round is about 0.5 MB, so 0.25 s at least
+    ex = {"a": CodesExchange(max_payload=1 << 22, pace=UploadPace(rate)), "b": CodesExchange(max_payload=1 << 22)}
+    sent = {"a": 0, "b": 0}
+
+    class Counting(LoopbackStub):  # `caller` pushes to, and is served by, the exchange behind this stub
+        async def rpc_codes_push(self, messages):
+            async def counted():
+                async for m in messages:
+                    sent[self.caller] += len(m.tensor_part.buffer)
+                    yield m
+            return await super().rpc_codes_push(counted())
+
+        async def rpc_codes_fetch(self, requests):
+            served, server = await super().rpc_codes_fetch(requests), "b" if self.caller == "a" else "a"
+
+            async def counted():
+                async for m in served:
+                    sent[server] += len(m.tensor_part.buffer)
+                    yield m
+            return counted()
+
+    async def both():
+        stubs = {("a", "b"): Counting(ex["b"], "a"), ("b", "a"): Counting(ex["a"], "b")}
+        started = time.monotonic()
+        results = await asyncio.gather(*(ex[me].run(b"g", ["a", "b"], ["a", "b"], me, made(codes[me], selected),
+                                                    fmt, lambda peer, me=me: stubs[(me, peer)], timeout=30.0)
+                                         for me in "ab"))
+        return results, time.monotonic() - started
+
+    results, seconds = asyncio.run(both())
+    assert sent["a"] > 400_000 and sent["b"] > 400_000
+    assert seconds >= sent["a"] / rate - BURST_SECONDS  # a lower bound: a slow machine cannot fail it
+    for r in results:
+        assert torch.equal(torch.cat(r.sums).to(torch.int64), codes["a"] + codes["b"])
