@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 from bench_bandwidth import first_address, stopped_at_exit
 from p2pdiloco.config import InnerConfig
@@ -37,14 +38,14 @@ while True:
 """
 
 
-def run_variant(tb: Testbed, fragments: int, args, log_dir: Path) -> dict:
+def run_variant(tb: Testbed, fragments: int, cap: Optional[float], args, log_dir: Path) -> dict:
     shutil.rmtree(log_dir, ignore_errors=True)
     log_dir.mkdir(parents=True)
     common = ["--model", args.model, "--threads", "1", "-H", str(args.H), "--max-rounds", str(args.rounds),
               "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--compression", args.compression,
               "--fragments", str(fragments), "--eval-every", "0", "--checkpoint-every", "0", "--log-dir",
               str(log_dir), "--run-id", f"frag{fragments}", "--bandwidth-mbps", str(args.rate_mbit),
-              "--quorum", str(args.peers)]
+              "--quorum", str(args.peers), *(["--upload-mbps", str(cap)] if cap else [])]
     devs = ",".join(f"h{i}" for i in range(args.peers))
     procs, started = [], time.monotonic()
     with stopped_at_exit(procs), (log_dir / "rates.txt").open("w") as rates:
@@ -69,7 +70,7 @@ def run_variant(tb: Testbed, fragments: int, args, log_dir: Path) -> dict:
     peaks = [peak_rate(samples, i + 1, 1.0) for i in range(args.peers)]
     fast = [r for i in range(args.peers - 1 if args.slow_peer else args.peers)
             for r in of_kind(read_records(log_dir / f"p{i}.jsonl"), Round) if r.applied and len(r.members) > 1]
-    result = dict(fragments=fragments, exit_codes=[p.returncode for p in peers], wall_seconds=round(wall, 1),
+    result = dict(fragments=fragments, upload_mbps=cap, exit_codes=[p.returncode for p in peers], wall_seconds=round(wall, 1),
                   peak_bytes_per_s=peaks, peak_mean=statistics.mean(peaks),
                   mean_bytes_per_s=[mean_rate(samples, i + 1) for i in range(args.peers)],
                   merged_rounds=sum(r.applied for r in rounds), rounds=len(rounds),
@@ -83,6 +84,11 @@ def run_variant(tb: Testbed, fragments: int, args, log_dir: Path) -> dict:
                   trace=trace(samples, 1, 0.25))
     result["floor_bytes_per_s"] = floor_rate(result["trace"])
     return result
+
+
+def variant(spec: str) -> tuple[int, Optional[float]]:
+    fragments, _, cap = spec.partition("@")
+    return int(fragments), float(cap) if cap else None
 
 
 def median(values: list):
@@ -129,7 +135,8 @@ def plot(results: dict, path: Path, title: str) -> None:
     for ax, (name, r) in zip(list(axes) if len(results) > 1 else [axes], results.items()):
         xs, ys = zip(*r["trace"]) if r["trace"] else ([], [])
         ax.plot(xs, [y * 8 / 1e6 for y in ys], lw=0.8)
-        ax.set_title(f"--fragments {r['fragments']}: peer 0's send rate (0.25 s bins); peak over 1 s "
+        cap = f" --upload-mbps {r['upload_mbps']:g}" if r.get("upload_mbps") else ""
+        ax.set_title(f"--fragments {r['fragments']}{cap}: peer 0's send rate (0.25 s bins); peak over 1 s "
                      f"{r['peak_bytes_per_s'][0] * 8 / 1e6:.1f} Mbit/s", fontsize=9)
         ax.set_ylabel("Mbit/s")
         ax.grid(alpha=0.3)
@@ -142,7 +149,8 @@ def plot(results: dict, path: Path, title: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--fragments", default="1,8")
+    p.add_argument("--fragments", default="1,8", help="the variants, run in this order: P, or P@CAP for a peer's "
+                   "--upload-mbps CAP (e.g. 1,8@1.5); the peaks' ratios are against the uncapped P = 1")
     p.add_argument("--peers", type=int, default=4)
     p.add_argument("--rate-mbit", type=float, default=100.0)
     p.add_argument("--delay-ms", type=float, default=50.0)
@@ -162,13 +170,14 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("runs/bench-fragments/report.json"))
     p.add_argument("--plot", type=Path, default=Path("runs/bench-fragments/peak.png"))
     args = p.parse_args()
-    variants = [int(x) for x in args.fragments.split(",")]
+    variants = [variant(x) for x in args.fragments.split(",")]
     results = {}
     rates = {args.peers - 1: args.slow_peer} if args.slow_peer else {}
     with Testbed(args.peers, Link(args.rate_mbit, args.delay_ms), rates=rates) as tb:
-        for fragments in variants:
-            results[f"P{fragments}"] = r = run_variant(tb, fragments, args, args.log_dir / f"P{fragments}")
-            print(f"--fragments {fragments}: peak {r['peak_mean'] * 8 / 1e6:.2f} Mbit/s (mean of the peers' 1 s "
+        for fragments, cap in variants:
+            name = f"P{fragments}" + (f"cap{cap:g}" if cap else "")
+            results[name] = r = run_variant(tb, fragments, cap, args, args.log_dir / name)
+            print(f"{name}: peak {r['peak_mean'] * 8 / 1e6:.2f} Mbit/s (mean of the peers' 1 s "
                   f"peaks; peer 0's median over 0.25 s bins {r['floor_bytes_per_s'] * 8 / 1e6:.2f}), "
                   f"utilization {r['utilization']}, final val {r['final_val']}, {r['merged_rounds']} merged "
                   f"rounds, islands {r['island_sizes']}, the others' all-reduce {r['sync_seconds']} s and round "
