@@ -25,17 +25,19 @@ from pathlib import Path
 
 from hivemind.utils.serializer import MSGPackSerializer
 
-from p2pdiloco.config import SwarmConfig
-from p2pdiloco.core.consensus import SKETCH_DIM
+from p2pdiloco.config import PeerConfig, SwarmConfig
+from p2pdiloco.core.consensus import sketch_dim
+from p2pdiloco.core.fragments import RULE as FRAGMENT_RULE
 from p2pdiloco.ops.testbed import loopback_bytes_sent
 from p2pdiloco.protocol.remote import PeerRecord
 from p2pdiloco.swarm import node
 from p2pdiloco.swarm.records import HEARTBEAT, POLL_LAG, Heartbeat, fetch_records
 from p2pdiloco.swarm.signing import Identity
 
-SETTINGS = dict(model="tiny", tokenizer="bytes", compression="int4", data="0123456789abcdef", merge_rule="tokens2",
-                max_weight_ratio="2", max_scale_ratio="2", max_norm_ratio="2", min_norm_ratio="2",
-                stale_factor="0.5", max_influence_ratio="1", robust_merge="on", fragments="1")
+# the join settings a peer of `tiny` publishes (Workload.settings: the model's, tokenizer's and data's hashes, the merge
+# rule and the outer step)
+SETTINGS = PeerConfig(model="tiny").merge_settings(1_787_008, dict(
+    model_config="0123456789abcdef", tokenizer="0123456789abcdef", data="0123456789abcdef", norms="0"))
 
 
 def measure(seconds: float, each=None, every: float = 0.0) -> tuple[float, int]:
@@ -97,11 +99,13 @@ def main() -> int:
             identity = Identity.fresh()
             dht = node.start_dht(cfg, identity)
             dhts.append(dht)
-            lanes = [dict(version=12, digest=f"{j:016x}", merged_by=4, sketch=[0.123456789] * SKETCH_DIM, rounds=12,
+            values = sketch_dim(args.fragments)  # a peer's fragments share one budget of sketch values
+            lanes = [dict(version=12, digest=f"{j:016x}", merged_by=4, sketch=[0.123456789] * values, rounds=12,
                           island=4, bytes_sent=12345678) for j in range(1, args.fragments)]
             record = PeerRecord(peer=identity.peer_id, name=f"p{i}", version=12, digest="0123456789abcdef",
-                                sketch=[0.123456789] * SKETCH_DIM,
-                                settings=dict(SETTINGS, fragments=str(args.fragments)),
+                                sketch=[0.123456789] * values,
+                                settings=dict(SETTINGS, **({"fragments": f"{args.fragments}:{FRAGMENT_RULE}"}
+                                                           if args.fragments > 1 else {})),
                                 inner_step=1234, tokens_per_s=5678.9, loss=2.5, rounds=12, island=4,
                                 bytes_sent=123456789, merged_by=4, lanes=lanes)
             beats.append(Heartbeat(dht, cfg.run_id, record, identity))
