@@ -70,7 +70,8 @@ def run_variant(tb: Testbed, fragments: int, cap: Optional[float], args, log_dir
     peaks = [peak_rate(samples, i + 1, 1.0) for i in range(args.peers)]
     fast = [r for i in range(args.peers - 1 if args.slow_peer else args.peers)
             for r in of_kind(read_records(log_dir / f"p{i}.jsonl"), Round) if r.applied and len(r.members) > 1]
-    result = dict(fragments=fragments, upload_mbps=cap, exit_codes=[p.returncode for p in peers], wall_seconds=round(wall, 1),
+    result = dict(fragments=fragments, upload_mbps=cap, exit_codes=[p.returncode for p in peers],
+                  wall_seconds=round(wall, 1),
                   peak_bytes_per_s=peaks, peak_mean=statistics.mean(peaks),
                   mean_bytes_per_s=[mean_rate(samples, i + 1) for i in range(args.peers)],
                   merged_rounds=sum(r.applied for r in rounds), rounds=len(rounds),
