@@ -63,7 +63,6 @@ class MergeSettings:
     passes: Optional[MemberPasses] = None  # a swarm with a key: who may join, be merged, fetch our state
     pace: Optional[UploadPace] = None  # the peer's upload cap (--upload-mbps): one for all its averagers
 
-
     @functools.cached_property
     def limits(self) -> AveragerLimits:
         return averager_limits(self.n, self.cfg.max_island, self.cfg.link_mbps)

@@ -835,7 +835,7 @@ def test_a_push_waiting_for_a_sender_that_never_comes_goes_on_once_the_wait_is_o
 
 def test_a_capped_member_spreads_what_it_sends_at_its_rate_and_the_sum_is_the_same():
     """--upload-mbps: a member's pushes and the sums it serves draw on its cap, so its round lasts at least its
-    bytes over the rate; the other member, uncapped, is not held back beyond waiting for it."""
+    bytes over the rate, and the sums are the same bits."""
     n, fmt = 4 * PIECE, codec.DenseFormat(4, 2)  # two members: each pushes two pieces and serves two sums
     codes = {name: torch.randint(-7, 8, (n,), generator=torch.Generator().manual_seed(i))  # no zstd gains
              for i, name in enumerate("ab")}

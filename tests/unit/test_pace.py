@@ -2,6 +2,7 @@
 
 import asyncio
 import multiprocessing
+import time
 
 import pytest
 
@@ -42,10 +43,12 @@ def test_processes_forked_after_the_cap_is_made_draw_on_one_budget():
     pace = UploadPace(1000.0, burst_s=0.0)
     ctx = multiprocessing.get_context("fork")
     child = ctx.Process(target=pace.reserve, args=(5000,))  # 5 s of sending, booked in another process
+    started = time.monotonic()
     child.start()
     child.join(30)
     assert child.exitcode == 0
-    assert pace.reserve(1) == pytest.approx(5.0, abs=0.5)
+    wait = pace.reserve(1)  # what the child booked, less the time since it booked it (a loaded machine's fork)
+    assert 5.0 - (time.monotonic() - started) <= wait <= 5.0 and wait > 0
 
 
 def test_spend_waits_what_reserve_says():
