@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -33,6 +34,11 @@ SHARED_FETCH_AGE = 0.2  # a peer's fragments polling within this share one fetch
 # 120-230 KB on 10 nodes (docs/bandwidth.md).
 POLL_LAG = HEARTBEAT
 COPY_POLL_AGE = 0.5  # a round polls every 0.25 s: every other poll, where our node holds no replica
+# A read of the records waits at most this long where we hold a view read within the last TTL − VIEW_WAIT seconds,
+# and that view then serves: a DHT get that stalls (seen once in ~20 testbed runs, for over 10 s) would otherwise
+# fail the round it came from, and with it every island that counted on us. Without a recent view (a join) a read
+# waits DHT_CALL_TIMEOUT and a stall is an error, as before.
+VIEW_WAIT = HEARTBEAT
 
 
 def records_key(run_id: str) -> str:
@@ -177,38 +183,60 @@ class Heartbeat:
     def fetch(self, max_age: float = 0.0) -> list[PeerRecord]:
         """Every live peer's record from every replica's copy, fetched now, or as any caller fetched it within
         `max_age` seconds (so the fragments of a peer, polling side by side, make one DHT request, not P); `records`
-        gives the same view."""
-        return self._read(max_age)
+        gives the same view. A stalled DHT: see VIEW_WAIT."""
+        return self._within_wait(lambda timeout: self._read(max_age, timeout))
 
     def poll(self, max_age: float = 0.0) -> list[PeerRecord]:
         """As `fetch`, for a round waiting for peers (four times a second): our node's own copy where other peers'
         stores reach it as they are made, every copy at most every COPY_POLL_AGE otherwise (a node in client mode,
         which holds no replica: every copy, as `fetch`)."""
         if self.record.client_mode:
-            return self._read(max_age)
-        return self._view(max_age, every_copy_age=COPY_POLL_AGE)
+            return self.fetch(max_age)
+        return self._within_wait(lambda timeout: self._view(max_age, COPY_POLL_AGE, timeout))
 
-    def _view(self, max_age: float, every_copy_age: float) -> list[PeerRecord]:
+    def _within_wait(self, read: Callable[[float], list[PeerRecord]]) -> list[PeerRecord]:
+        """`read(timeout)`, bounded by VIEW_WAIT where our last view is recent enough to stand in for it."""
+        viewed = max(self._fetched_at, self._polled_at)
+        if time.monotonic() - viewed > TTL - VIEW_WAIT:
+            return read(DHT_CALL_TIMEOUT)
+        try:
+            return read(VIEW_WAIT)
+        except TimeoutError:
+            log.warning("the DHT did not answer a read of the records within %.0f s: going on with the view of "
+                        "%.1f s ago", VIEW_WAIT, time.monotonic() - viewed)
+            return list(self._records)
+
+    @contextlib.contextmanager
+    def _reading(self, timeout: float):
+        """One read at a time (a stalled one holds the others back, so they wait for it no longer than for the DHT)."""
+        if not self._fetching.acquire(timeout=timeout):
+            raise TimeoutError(f"another read of the records has not ended within {timeout:.0f} s")
+        try:
+            yield
+        finally:
+            self._fetching.release()
+
+    def _view(self, max_age: float, every_copy_age: float, timeout: float = DHT_CALL_TIMEOUT) -> list[PeerRecord]:
         """Everyone's records: as read within `max_age`; else from our node's own copy where it holds another peer's
         record stored within a beat and since our last fetch (a replica: every node is one in a swarm of 5, and
         each peer stores every beat), which asks nobody; else from every copy, fetched within `every_copy_age` (our
         copy is then a cache of that fetch)."""
-        with self._fetching:
+        with self._reading(timeout):
             if time.monotonic() - max(self._fetched_at, self._polled_at) <= max_age:
                 return list(self._records)
-            seen = fetch_records_seen(self.dht, self.run_id, lag=POLL_LAG)
+            seen = fetch_records_seen(self.dht, self.run_id, timeout=timeout, lag=POLL_LAG)
             # a record stored since our last fetch came to our node by a store, not in that fetch
             newer = min(HEARTBEAT, get_dht_time() - self._fetched_dht)
             if any(r.peer != self.record.peer and age is not None and age < newer for r, age in seen):
                 self._records, self._polled_at = [r for r, _ in seen], time.monotonic()
                 return list(self._records)
-        return self._read(every_copy_age)
+        return self._read(every_copy_age, timeout)
 
-    def _read(self, max_age: float) -> list[PeerRecord]:
+    def _read(self, max_age: float, timeout: float = DHT_CALL_TIMEOUT) -> list[PeerRecord]:
         """Every copy, fetched now or within `max_age`."""
-        with self._fetching:
+        with self._reading(timeout):
             if time.monotonic() - self._fetched_at > max_age:
-                self._records = fetch_records(self.dht, self.run_id)
+                self._records = fetch_records(self.dht, self.run_id, timeout=timeout)
                 self._fetched_at, self._fetched_dht = time.monotonic(), get_dht_time()  # after: what came meanwhile is
                 # in the fetch, not proof that stores reach our copy
                 self.fetches += 1

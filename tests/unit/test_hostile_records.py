@@ -134,3 +134,68 @@ def test_a_peer_that_sees_no_other_asks_its_initial_peers_again_every_few_second
     now[0] += records.REJOIN_EVERY
     beat._rejoin_if_alone()
     assert len(asked) == 2  # another peer is seen: nothing to find again
+
+
+class StallingDHT:
+    """Answers from its table until `stall` is set; then no call of it ever answers (a DHT get that hangs)."""
+
+    def __init__(self):
+        import threading
+        from types import SimpleNamespace
+        self.table, self.stall, self._item = {}, threading.Event(), SimpleNamespace
+
+    def store(self, key, subkey, value, expiration_time, return_future):
+        self.table[subkey] = self._item(value=value, expiration_time=expiration_time)
+        return done(True)
+
+    def get(self, key, return_future, **fresh):
+        return concurrent.futures.Future() if self.stall.is_set() else done(self._item(value=dict(self.table)))
+
+
+@pytest.mark.parametrize("read", ["fetch", "poll"])
+def test_a_stalled_read_of_the_records_gives_the_recent_view_after_a_bounded_wait(read, monkeypatch):
+    """A DHT get that hung for over 10 s once failed a round's start, and so the round of every peer that waited
+    for ours. A recent view now stands in after VIEW_WAIT; without one, the read waits for the DHT as before."""
+    import time
+
+    from p2pdiloco.swarm import records
+
+    monkeypatch.setattr(records, "VIEW_WAIT", 0.3)
+    monkeypatch.setattr(records, "DHT_CALL_TIMEOUT", 0.8)
+    dht, other = StallingDHT(), Identity.fresh()
+    records.Heartbeat(dht, "run", parse_record({**GOOD, "peer": other.peer_id}), other).publish()
+    beat = records.Heartbeat(dht, "run", parse_record(GOOD), ME)
+
+    dht.stall.set()
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):  # no view yet (a join): the DHT's own bound, then an error
+        getattr(beat, read)()
+    assert 0.7 < time.monotonic() - started < 1.5
+
+    dht.stall.clear()
+    assert [r.peer for r in beat.fetch()] == [other.peer_id]
+    dht.stall.set()
+    started = time.monotonic()
+    assert [r.peer for r in getattr(beat, read)()] == [other.peer_id]  # the view of a moment ago
+    assert time.monotonic() - started < 0.7  # VIEW_WAIT (0.3 s), at most twice: never the DHT's bound
+
+
+def test_a_read_behind_a_stalled_one_waits_no_longer_than_for_the_dht(monkeypatch):
+    import threading
+    import time
+
+    from p2pdiloco.swarm import records
+
+    monkeypatch.setattr(records, "VIEW_WAIT", 0.3)
+    dht, other = StallingDHT(), Identity.fresh()
+    records.Heartbeat(dht, "run", parse_record({**GOOD, "peer": other.peer_id}), other).publish()
+    beat = records.Heartbeat(dht, "run", parse_record(GOOD), ME)
+    beat.fetch()
+    dht.stall.set()
+    stalled = threading.Thread(target=lambda: pytest.raises(TimeoutError, beat._read, 0.0, 2.0), daemon=True)
+    stalled.start()  # the beat's own read, holding the lock for its 2 s
+    time.sleep(0.1)
+    started = time.monotonic()
+    assert [r.peer for r in beat.fetch()] == [other.peer_id]
+    assert time.monotonic() - started < 0.6
+    stalled.join()
