@@ -49,7 +49,15 @@ def test_result_unless_closed_returns_the_result_and_keeps_its_timeout():
 def test_a_peer_says_in_its_record_when_its_island_closed_to_others_while_it_waits_for_the_result():
     """protocol.round's wait_for_island needs the record field `merging`: set once the all-reduce began, once."""
 
-    control, beat = SimpleNamespace(began_allreduce=False), Beat(ready=3)
+    class Beat:
+        def __init__(self):
+            self.record, self.updates = PeerRecord(peer="p", name="p", version=3, digest="abcdef"), []
+
+        def update(self, **fields):
+            self.updates.append(fields)
+            self.record = PeerRecord(**{**self.record.__dict__, **fields})
+
+    control, beat = SimpleNamespace(began_allreduce=False), Beat()
     future, polls = concurrent.futures.Future(), []
 
     def on_poll():
@@ -65,48 +73,13 @@ def test_a_peer_says_in_its_record_when_its_island_closed_to_others_while_it_wai
     assert beat.updates == [dict(merging=3)] and beat.record.merging == 3
     # withdrawn with the state the island made, never before: no moment shows neither the island nor its merge.
     # The round's end keeps it (withdrawn there, peers that had waited forked: seen on the H200 machine)
-    merger = rolled_back_merger(beat)
-    assert isinstance(SwarmMerger.merge(merger, contribution_at(3)), RolledBack)
+    merger = fake_merger(4, heartbeat=beat, peer="p", client_mode=True, initial_peers=("/ip4/127.0.0.1/tcp/1",))
+    merger._drive = lambda rnd: RolledBack(reason="test")
+    contribution = Contribution.of(torch.zeros(4), tokens=1, steps=1, version=3, peer="p", name="p", digest="abcdef")
+    assert isinstance(SwarmMerger.merge(merger, contribution), RolledBack)
     assert beat.record.merging == 3 and beat.record.ready == -1
     SwarmMerger.publish_state(merger, 4, "bbbbbb", [])
     assert beat.record.merging == -1 and beat.record.version == 4
-    # and `ready` went out in that one store, not in a store of its own as the round ended
-    assert beat.stored == [dict(merging=3, ready=3), dict(merging=-1, ready=-1)]
-
-
-def test_a_round_that_never_reached_an_all_reduce_withdraws_our_readiness_at_once():
-    """No `merging` to keep others away until the state is published: a peer still shown ready would be
-    counted toward an island that will not have us."""
-    beat = Beat(ready=3)
-    merger = rolled_back_merger(beat)
-    assert isinstance(SwarmMerger.merge(merger, contribution_at(3)), RolledBack)
-    assert beat.stored == [dict(merging=-1, ready=-1)]
-
-
-class Beat:
-    """A heartbeat's record, and what each store of it carried (`update` stores now; `note` rides the next)."""
-
-    def __init__(self, **fields):
-        self.record = PeerRecord(**{**dict(peer="p", name="p", version=3, digest="abcdef"), **fields})
-        self.updates, self.stored = [], []
-
-    def update(self, **fields):
-        self.updates.append(fields)
-        self.note(**fields)
-        self.stored.append(dict(merging=self.record.merging, ready=self.record.ready))
-
-    def note(self, **fields):
-        self.record = PeerRecord(**{**self.record.__dict__, **fields})
-
-
-def rolled_back_merger(beat: Beat) -> SwarmMerger:
-    merger = fake_merger(4, heartbeat=beat, peer="p", client_mode=True, initial_peers=("/ip4/127.0.0.1/tcp/1",))
-    merger._drive = lambda rnd: RolledBack(reason="test")
-    return merger
-
-
-def contribution_at(version: int) -> Contribution:
-    return Contribution.of(torch.zeros(4), tokens=1, steps=1, version=version, peer="p", name="p", digest="abcdef")
 
 
 class HangingDHT:
