@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import statistics
 import subprocess
@@ -84,7 +85,19 @@ def run_variant(tb: Testbed, fragments: int, cap: Optional[float], args, log_dir
                   final_val=statistics.mean(s.final_val for s in summaries) if summaries else None,
                   trace=trace(samples, 1, 0.25))
     result["floor_bytes_per_s"] = floor_rate(result["trace"])
+    result["record_stores"], result["record_fetches"] = zip(*(heartbeat_counts(log_dir / f"p{i}.log")
+                                                              for i in range(args.peers)))
     return result
+
+
+HEARTBEAT_LINE = re.compile(r"heartbeat: (\d+) stores of our record, (\d+) fetches of every copy")
+
+
+def heartbeat_counts(log: Path) -> tuple[Optional[int], Optional[int]]:
+    """How often a peer stored its record and fetched every copy of the records over its run, as it logged them
+    when it left (swarm.records.Heartbeat.stop); None where it did not."""
+    found = HEARTBEAT_LINE.findall(log.read_text(errors="replace")) if log.exists() else []
+    return (int(found[-1][0]), int(found[-1][1])) if found else (None, None)
 
 
 def variant(spec: str) -> tuple[int, Optional[float]]:
@@ -182,7 +195,9 @@ def main() -> None:
                   f"peaks; peer 0's median over 0.25 s bins {r['floor_bytes_per_s'] * 8 / 1e6:.2f}), "
                   f"utilization {r['utilization']}, final val {r['final_val']}, {r['merged_rounds']} merged "
                   f"rounds, islands {r['island_sizes']}, the others' all-reduce {r['sync_seconds']} s and round "
-                  f"{r['round_seconds']} s (medians), {r['wall_seconds']} s, exit {r['exit_codes']}", flush=True)
+                  f"{r['round_seconds']} s (medians), {r['wall_seconds']} s, exit {r['exit_codes']}; stores of each "
+                  f"peer's record {list(r['record_stores'])}, fetches of every copy {list(r['record_fetches'])}",
+                  flush=True)
     base = results.get("P1")
     for name, r in results.items():
         if base is not None and r is not base:
