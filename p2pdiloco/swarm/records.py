@@ -121,6 +121,11 @@ def other_wires(dht: DHT, run_id: str, timeout: float = DHT_CALL_TIMEOUT) -> Cou
     return Counter(v for v in versions if v != WIRE_VERSION)
 
 
+def _left(deadline: float) -> float:
+    """Seconds until `deadline`, never negative (a lock's -1 would wait forever)."""
+    return max(0.0, deadline - time.monotonic())
+
+
 class Heartbeat:
     """Keeps this peer's record fresh and a recent view of everyone's, from a background thread (from `start`
     on), so the training thread never waits on the DHT: `update` returns at once and the thread publishes right
@@ -207,10 +212,10 @@ class Heartbeat:
             return list(self._records)
 
     @contextlib.contextmanager
-    def _reading(self, timeout: float):
+    def _reading(self, deadline: float):
         """One read at a time (a stalled one holds the others back, so they wait for it no longer than for the DHT)."""
-        if not self._fetching.acquire(timeout=timeout):
-            raise TimeoutError(f"another read of the records has not ended within {timeout:.0f} s")
+        if not self._fetching.acquire(timeout=_left(deadline)):
+            raise TimeoutError("another read of the records has not ended in time")
         try:
             yield
         finally:
@@ -220,23 +225,25 @@ class Heartbeat:
         """Everyone's records: as read within `max_age`; else from our node's own copy where it holds another peer's
         record stored within a beat and since our last fetch (a replica: every node is one in a swarm of 5, and
         each peer stores every beat), which asks nobody; else from every copy, fetched within `every_copy_age` (our
-        copy is then a cache of that fetch)."""
-        with self._reading(timeout):
+        copy is then a cache of that fetch). All of it within `timeout`, its steps together."""
+        deadline = time.monotonic() + timeout
+        with self._reading(deadline):
             if time.monotonic() - max(self._fetched_at, self._polled_at) <= max_age:
                 return list(self._records)
-            seen = fetch_records_seen(self.dht, self.run_id, timeout=timeout, lag=POLL_LAG)
+            seen = fetch_records_seen(self.dht, self.run_id, timeout=_left(deadline), lag=POLL_LAG)
             # a record stored since our last fetch came to our node by a store, not in that fetch
             newer = min(HEARTBEAT, get_dht_time() - self._fetched_dht)
             if any(r.peer != self.record.peer and age is not None and age < newer for r, age in seen):
                 self._records, self._polled_at = [r for r, _ in seen], time.monotonic()
                 return list(self._records)
-        return self._read(every_copy_age, timeout)
+        return self._read(every_copy_age, _left(deadline))
 
     def _read(self, max_age: float, timeout: float = DHT_CALL_TIMEOUT) -> list[PeerRecord]:
-        """Every copy, fetched now or within `max_age`."""
-        with self._reading(timeout):
+        """Every copy, fetched now or within `max_age`, within `timeout`."""
+        deadline = time.monotonic() + timeout
+        with self._reading(deadline):
             if time.monotonic() - self._fetched_at > max_age:
-                self._records = fetch_records(self.dht, self.run_id, timeout=timeout)
+                self._records = fetch_records(self.dht, self.run_id, timeout=_left(deadline))
                 self._fetched_at, self._fetched_dht = time.monotonic(), get_dht_time()  # after: what came meanwhile is
                 # in the fetch, not proof that stores reach our copy
                 self.fetches += 1

@@ -3,6 +3,8 @@
 import concurrent.futures
 import dataclasses
 import math
+import threading
+from typing import Optional
 
 import pytest
 
@@ -140,16 +142,23 @@ class StallingDHT:
     """Answers from its table until `stall` is set; then no call of it ever answers (a DHT get that hangs)."""
 
     def __init__(self):
-        import threading
         from types import SimpleNamespace
         self.table, self.stall, self._item = {}, threading.Event(), SimpleNamespace
+        self.own_copy_delay: Optional[float] = None  # when set: a stalled DHT still answers from our node's copy
 
     def store(self, key, subkey, value, expiration_time, return_future):
         self.table[subkey] = self._item(value=value, expiration_time=expiration_time)
         return done(True)
 
-    def get(self, key, return_future, **fresh):
-        return concurrent.futures.Future() if self.stall.is_set() else done(self._item(value=dict(self.table)))
+    def get(self, key, return_future, latest=True, **fresh):
+        if self.stall.is_set() and (latest or self.own_copy_delay is None):
+            return concurrent.futures.Future()
+        answer = self._item(value=dict(self.table))
+        if latest or not self.own_copy_delay:
+            return done(answer)
+        slow = concurrent.futures.Future()  # our node's own copy, read slowly: the wait goes on to every copy's
+        threading.Timer(self.own_copy_delay, slow.set_result, [answer]).start()
+        return slow
 
 
 @pytest.mark.parametrize("read", ["fetch", "poll"])
@@ -177,7 +186,29 @@ def test_a_stalled_read_of_the_records_gives_the_recent_view_after_a_bounded_wai
     dht.stall.set()
     started = time.monotonic()
     assert [r.peer for r in getattr(beat, read)()] == [other.peer_id]  # the view of a moment ago
-    assert time.monotonic() - started < 0.7  # VIEW_WAIT (0.3 s), at most twice: never the DHT's bound
+    assert time.monotonic() - started < 0.7  # VIEW_WAIT (0.3 s) and a margin: never the DHT's bound
+
+
+def test_a_poll_s_steps_share_one_bound(monkeypatch):
+    """A poll reads our node's own copy, then, where that cannot be trusted, every copy: the bound is the two
+    together, not each (a slow own copy, then a stall, once took VIEW_WAIT for each step)."""
+    import time
+
+    from p2pdiloco.swarm import records
+
+    monkeypatch.setattr(records, "VIEW_WAIT", 0.5)
+    monkeypatch.setattr(records, "COPY_POLL_AGE", 0.0)  # every copy is read again, not taken from the fetch below
+    dht, other = StallingDHT(), Identity.fresh()
+    records.Heartbeat(dht, "run", parse_record({**GOOD, "peer": other.peer_id}), other).publish()
+    beat = records.Heartbeat(dht, "run", parse_record(GOOD), ME)
+    beat.fetch()
+    for item in dht.table.values():  # stored before that fetch: our copy cannot tell us anything newer
+        item.expiration_time -= 1.0
+    dht.own_copy_delay = 0.4
+    dht.stall.set()
+    started = time.monotonic()
+    assert [r.peer for r in beat.poll()] == [other.peer_id]
+    assert time.monotonic() - started < 0.75  # 0.4 s for our copy, then at most the 0.1 s left: not 0.4 + 0.5
 
 
 def test_a_read_behind_a_stalled_one_waits_no_longer_than_for_the_dht(monkeypatch):
