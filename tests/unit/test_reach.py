@@ -34,6 +34,12 @@ def step(state: GlobalState, g: torch.Generator) -> None:
     state.apply(merged, ["a", "b"])
 
 
+def stranger(seed: int = 99) -> torch.Tensor:
+    """A Θ of no lineage of ours, drawn from its own seed: drawn from torch's global generator, a liar's Θ was the
+    lineage's starting point whenever a test before had seeded it with 0 (test_fragments does), so near ours."""
+    return torch.randn(N, generator=torch.Generator().manual_seed(seed))
+
+
 def served(state: GlobalState) -> tuple[dict, list[torch.Tensor]]:
     metadata, tensors = state.snapshot()
     return metadata, tensors
@@ -149,7 +155,7 @@ def test_the_driver_refuses_a_liars_state_blames_it_and_takes_the_honest_one(mon
     honest = GlobalState(ours.params.clone(), LR, MU)
     honest.load(*served(ours))
     step(honest, g)
-    liar = GlobalState(torch.randn(N), LR, MU)
+    liar = GlobalState(stranger(), LR, MU)
     liar.version = 20
     merger = driver(monkeypatch, ours, {"liar": served(liar), "honest": served(honest)},
                     [PeerRecord(peer="honest2", name="honest2", version=honest.version, digest=honest.digest)])
@@ -164,7 +170,7 @@ def test_in_a_swarm_of_two_the_only_other_peers_state_is_taken_however_far():
     """Nothing tells a liar from the only other peer, which may have merged alone while we were away: a state every
     other live peer serves is taken (the limit of this defence, docs/hostile.md)."""
     ours, _ = lineage()
-    far = GlobalState(torch.randn(N), LR, MU)
+    far = GlobalState(stranger(), LR, MU)
     far.version = 20
     with pytest.MonkeyPatch.context() as monkeypatch:
         merger = driver(monkeypatch, ours, {"other": served(far)})
@@ -176,7 +182,7 @@ def test_a_stale_member_refusing_the_only_holder_of_the_result_gives_up_at_once(
     """Stale in an island whose newest member lied, it would wait out the download's deadline for a state only the
     liar holds (seen: 45 s of a round in the swarm test). It stops after the one refusal instead."""
     ours, _ = lineage()
-    liar = GlobalState(torch.randn(N), LR, MU)
+    liar = GlobalState(stranger(), LR, MU)
     liar.version = ours.version + 2
     honest = GlobalState(ours.params.clone(), LR, MU)
     honest.load(*served(ours))
