@@ -125,3 +125,22 @@ def test_share_bounds_hold_each_share_to_its_senders_claims_and_a_reducer_node_t
     assert set(bounds) == {"a", "c", OWN} and bounds[OWN] == pytest.approx(expected)
     assert audit.share_bounds(claims, ["a", "c"], "node", start, end)[OWN] == 0.0
     assert audit.share_bounds(None, ["a", "b"], "b", start, end) == {"a": None, OWN: None}
+
+
+def test_fingerprints_are_the_same_only_where_residues_and_sketch_both_agree():
+    """Either half alone can miss a change (the residues are one number mod p; the sketch's buckets add values that
+    may cancel), so two fingerprints are the same codes only where both halves agree."""
+    fp = fingerprint(codes(4), SEED)
+    other_sketch, other_residue = fp.clone(), fp.clone()
+    other_sketch[audit.RESIDUES] += 1
+    other_residue[0] += 1
+    assert same(fp, fp.clone()) and same(fp, fp + torch.tensor([audit.MOD] + [0] * audit.BUCKETS))  # mod p
+    assert not same(fp, other_sketch) and not same(fp, other_residue)
+
+
+def test_a_fingerprint_of_any_other_length_or_type_is_refused():
+    blob = audit.to_bytes(fingerprint(codes(5), SEED))
+    assert torch.equal(audit.from_bytes(blob), fingerprint(codes(5), SEED))
+    for bad in (blob + bytes(8), blob[:-8], bytearray(blob), memoryview(blob)):  # each a whole number of int64s
+        with pytest.raises(ValueError, match=f"must be {8 * audit.WIDTH} bytes"):
+            audit.from_bytes(bad)

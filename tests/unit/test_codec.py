@@ -344,6 +344,24 @@ def test_the_averager_encodes_and_lands_piece_by_piece_with_the_bits_of_the_whol
     assert torch.equal(out, codec.dequantize(whole.codes, scales))
 
 
+def test_a_landed_piece_that_left_a_sender_out_is_the_others_weighted_mean():
+    """A reducer that left a sender out sums the others' codes only: landing it scales the piece back from their
+    weights to the weights' total, so the piece is the others' weighted mean, not a sum short of a member."""
+    from p2pdiloco.protocol.merge import encode_piece, land_piece
+
+    n = 3 * codec.BLOCK
+    fmt = codec.DenseFormat(20, 3)
+    xs = [torch.randn(n, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    weights = {"a": 0.5, "b": 0.3, "c": 0.2}
+    scales = codec.agreed_scales([codec.block_maxabs(x) * w for x, w in zip(xs, weights.values())], fmt.bits)
+    codes = [encode_piece(x, w, scales, fmt.bits, fmt, 0, n)[0].to(torch.int64) for x, w in zip(xs, weights.values())]
+    without_b, whole = torch.empty(n), torch.empty(n)
+    land_piece(without_b, scales, weights, 0, n, codes[0] + codes[2], frozenset({"b"}))
+    land_piece(whole, scales, weights, 0, n, codes[0] + codes[2], frozenset())
+    assert torch.equal(without_b, whole * torch.tensor(1.0 / 0.7, dtype=torch.float32))
+    assert torch.allclose(without_b, (0.5 * xs[0] + 0.2 * xs[2]) / 0.7, atol=1e-4)
+
+
 @pytest.mark.parametrize("width", [2, 3, 4, 6, 12, 20, 32])
 def test_packing_a_slice_at_a_time_gives_the_bytes_of_packing_all_at_once(width):
     """pack/unpack run a slice at a time (the averager's peak memory); across slice boundaries the bytes and

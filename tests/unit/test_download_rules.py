@@ -118,3 +118,7 @@ def test_once_no_live_peer_holds_or_makes_the_version_for_a_records_life_it_give
     assert download.after_failure("x", behind, 7.0, leaving=False) == Retry(RETRY_SECONDS)
     assert download.after_failure("x", behind, 13.5, leaving=False) == \
         GiveUp("x; no live peer holds v7 or later, nor is making it")
+    on_a_real_clock = rules(min_version=7, deadline=1e9, gone_after=6.0)  # time.monotonic() reads far from 0
+    assert on_a_real_clock.after_failure("x", behind, 5000.0, leaving=False) == Retry(RETRY_SECONDS)
+    assert on_a_real_clock.after_failure("x", behind, 5003.0, leaving=False) == Retry(RETRY_SECONDS)
+    assert isinstance(on_a_real_clock.after_failure("x", behind, 5006.5, leaving=False), GiveUp)

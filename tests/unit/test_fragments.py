@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from p2pdiloco.config import MODEL_PRESETS, SwarmConfig
-from p2pdiloco.core.fragments import Stagger, imbalance, split
+from p2pdiloco.core.fragments import Fragment, Piece, Stagger, imbalance, split
 from p2pdiloco.protocol.outcomes import Solo
 from p2pdiloco.training.diloco import SoloMerger
 from p2pdiloco.training.fragments import Streams, train_streams
@@ -59,6 +59,15 @@ def test_the_stagger_spreads_first_rounds_over_h_and_p_1_leaves_every_h():
     assert not s.due(0, 24, False) and s.due(0, 25, False) and not s.due(0, 99, True) and s.due(0, 100, True)
     with pytest.raises(ValueError):
         Stagger(4, 100, in_flight=0)
+
+
+def test_imbalance_is_the_largest_fragment_over_the_mean_and_only_fragments_join_an_island_early():
+    two = split([("w", (12, 1))], 2)
+    assert [f.size for f in two] == [6, 6] and imbalance(two) == 1.0
+    lopsided = (Fragment(0, (Piece("w", 0, 0, 0, 9),)), Fragment(1, (Piece("w", 0, 0, 9, 12),)))
+    assert imbalance(lopsided) == 1.5  # 9 against a mean of 6
+    assert not Stagger(1, 100).joins_early(100)  # P = 1: its round is due at H, there is nothing to go along with
+    assert Stagger(2, 100).joins_early(50) and not Stagger(2, 100).joins_early(49)
 
 
 def drive(step, contribute, wait, rounds=3, h=4, in_flight=2):
