@@ -344,6 +344,28 @@ def test_the_averager_encodes_and_lands_piece_by_piece_with_the_bits_of_the_whol
     assert torch.equal(out, codec.dequantize(whole.codes, scales))
 
 
+def test_an_island_merged_in_one_place_is_its_included_members_weighted_sum_on_the_groups_scales():
+    """The simulator's island (sim.learners) and a peer's averager merge by the same arithmetic: the included
+    members' codes on the scales from their clipped statistics times their weights, summed once, decoded once."""
+    from p2pdiloco.protocol.island import IslandPlan
+    from p2pdiloco.protocol.merge import group_scales, merged_in_one_place, wire_format
+    from p2pdiloco.protocol.remote import Member
+
+    n = 2 * codec.BLOCK + 17
+    bodies = [torch.randn(n, generator=torch.Generator().manual_seed(10 + i)) for i in range(3)]
+    members = [Member(peer=p, name=p, version=0, digest="00", tokens=1, steps=1, budget=1.0) for p in "abc"]
+    plan = IslandPlan(weights=[0.6, 0.0, 0.4], deadline=1.0, maxabs=[codec.block_maxabs(b) for b in bodies])
+    fmt = wire_format(20, 0.0, 3)
+    assert type(fmt) is codec.DenseFormat and (fmt.bits, fmt.group_size) == (20, 3)
+    topk = wire_format(2, 0.02, 3)
+    assert isinstance(topk, codec.TopKFormat) and (topk.bits, topk.group_size, topk.fraction) == (2, 3, 0.02)
+    merged, scales = merged_in_one_place(bodies, members, plan, 20, fmt)
+    assert torch.equal(scales, codec.agreed_scales([codec.block_maxabs(bodies[0]).double() * 0.6,
+                                                    codec.block_maxabs(bodies[2]).double() * 0.4], 20))
+    assert torch.equal(scales, group_scales(plan, 20))
+    assert torch.allclose(merged, 0.6 * bodies[0] + 0.4 * bodies[2], atol=1e-5)  # b's weight is 0: left out
+
+
 def test_a_landed_piece_that_left_a_sender_out_is_the_others_weighted_mean():
     """A reducer that left a sender out sums the others' codes only: landing it scales the piece back from their
     weights to the weights' total, so the piece is the others' weighted mean, not a sum short of a member."""

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from p2pdiloco.config import MODEL_PRESETS, SwarmConfig
-from p2pdiloco.core.fragments import Fragment, Piece, Stagger, imbalance, split
+from p2pdiloco.core.fragments import Fragment, Piece, Stagger, fragment_overlap, imbalance, split
 from p2pdiloco.protocol.outcomes import Solo
 from p2pdiloco.training.diloco import SoloMerger
 from p2pdiloco.training.fragments import Streams, train_streams
@@ -68,6 +68,12 @@ def test_imbalance_is_the_largest_fragment_over_the_mean_and_only_fragments_join
     assert imbalance(lopsided) == 1.5  # 9 against a mean of 6
     assert not Stagger(1, 100).joins_early(100)  # P = 1: its round is due at H, there is nothing to go along with
     assert Stagger(2, 100).joins_early(50) and not Stagger(2, 100).joins_early(49)
+
+
+def test_a_fragments_grace_window_is_tau_fragment_periods_and_p_1_keeps_h():
+    assert fragment_overlap(96, 1, 2) == 96  # P = 1: the next contribution's due step, as before fragments
+    assert fragment_overlap(96, 8, 2) == 24 and fragment_overlap(96, 8, 1) == 12 and fragment_overlap(96, 2, 1) == 48
+    assert fragment_overlap(4, 8, 1) == 1  # never under one step
 
 
 def drive(step, contribute, wait, rounds=3, h=4, in_flight=2):
