@@ -1,6 +1,8 @@
 """A reducer's account of its sums (p2pdiloco.core.audit): fingerprints that add up exactly, that any change of the
 codes moves, and whose sketch estimates a share's norm well enough to hold it to its sender's claims."""
 
+import hashlib
+
 import pytest
 import torch
 
@@ -144,3 +146,12 @@ def test_a_fingerprint_of_any_other_length_or_type_is_refused():
     for bad in (blob + bytes(8), blob[:-8], bytearray(blob), memoryview(blob)):  # each a whole number of int64s
         with pytest.raises(ValueError, match=f"must be {8 * audit.WIDTH} bytes"):
             audit.from_bytes(bad)
+
+
+def test_a_fingerprint_is_the_same_on_every_peer_and_every_version_of_this_code():
+    """A member checks the fingerprints a reducer computed: the draws behind them (each element's residue
+    multiplier, bucket and sign, from the piece's seed) are part of the wire, pinned here as test_golden pins the
+    codes' bytes. 5,000 codes: whole chunks of the residue's sum and a remainder."""
+    fp = fingerprint(codes(0), SEED)
+    assert hashlib.sha256(audit.to_bytes(fp)).hexdigest()[:16] == "30d915be7cc3af84"
+    assert fp[:3].tolist() == [1946854951, 3, 16]

@@ -57,8 +57,11 @@ def test_the_stagger_spreads_first_rounds_over_h_and_p_1_leaves_every_h():
     assert Stagger(1, 100).first(0) == 100
     s = Stagger(4, 100)
     assert not s.due(0, 24, False) and s.due(0, 25, False) and not s.due(0, 99, True) and s.due(0, 100, True)
-    with pytest.raises(ValueError):
-        Stagger(4, 100, in_flight=0)
+    assert Stagger(8, 4).first(0) == 1  # never before the first step
+    Stagger(1, 1, in_flight=1)  # the least of each is allowed
+    for fragments, h, in_flight in ((0, 100, 2), (4, 0, 2), (4, 100, 0)):
+        with pytest.raises(ValueError, match="must be at least 1"):
+            Stagger(fragments, h, in_flight)
 
 
 def test_imbalance_is_the_largest_fragment_over_the_mean_and_only_fragments_join_an_island_early():
