@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -189,9 +189,11 @@ def round_lengths(steps: int, h: int, first: Optional[int] = None) -> list[int]:
     return lengths
 
 
-def diloco(bench: Bench, h: int, wire: Wire, m: Optional[int] = None, first: Optional[int] = None) -> Curve:
+def diloco(bench: Bench, h: int, wire: Wire, m: Optional[int] = None, first: Optional[int] = None,
+           after_merge: Optional[Callable[[list[Learner]], None]] = None) -> Curve:
     """M learners (default: the setup's), H inner steps each between synchronous rounds (`first`:
-    `round_lengths`)."""
+    `round_lengths`). `after_merge(learners)`: a probe's change to them once each round has merged
+    (scripts/probes/probe_shared_moments.py)."""
     m = m or bench.setup.learners
     if m != bench.setup.learners:  # a learner alone: its budget (the schedule's) is its own tokens
         bench = dataclasses.replace(bench, setup=dataclasses.replace(bench.setup, learners=m))
@@ -214,6 +216,8 @@ def diloco(bench: Bench, h: int, wire: Wire, m: Optional[int] = None, first: Opt
                 if not settled.outcome.committed:
                     raise RuntimeError(f"{learner.name}'s round {r} was not merged: {settled.outcome.reason}")
                 board.publish(learner.name, learner.diloco.state)
+            if after_merge is not None:
+                after_merge(group)
             forks += len({x.diloco.state.digest for x in group}) - 1
             done += length
             if done % s.eval_every == 0 or r == rounds:

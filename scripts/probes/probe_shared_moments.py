@@ -27,8 +27,8 @@ import torch
 
 from p2pdiloco.config import OuterConfig
 from p2pdiloco.protocol.island import Bounds
-from p2pdiloco.sim.learners import Board, Wire
-from p2pdiloco.sim.parity import Bench, Curve, Setup, learners, round_lengths, sync_rules
+from p2pdiloco.sim.learners import Wire
+from p2pdiloco.sim.parity import Bench, Curve, Setup, diloco
 
 MODES = ("none", "mv", "mvc", "vc")
 
@@ -62,34 +62,11 @@ def share(group, mode: str, beta1: float, beta2: float) -> None:
 
 
 def run(bench: Bench, h: int, mode: str) -> Curve:
+    """The benchmark's synchronous row (`sim.parity.diloco`), the moments rewritten after each merge."""
     s = bench.setup
-    torch.manual_seed(s.seed)
     wire = Wire.named("int4", bounds=Bounds.of(OuterConfig()))
-    board = Board(wire, bench.n_params())
-    group = learners(bench, board, sync_rules(h, wire), s.learners)
-    lead = group[0].diloco
-    curve, done = Curve(), 0
-    curve.add(0, bench.bpb(lead.trainer.model, lead.state.params))
-    try:
-        for length in round_lengths(s.steps, h):
-            for learner in group:
-                for _ in range(length):
-                    learner.diloco.inner_step()
-                learner.diloco.contribute()
-            for learner in group:
-                settled = learner.diloco.wait(timeout=600)
-                if not settled.outcome.committed:
-                    raise RuntimeError(f"{learner.name}'s round was not merged: {settled.outcome.reason}")
-                board.publish(learner.name, learner.diloco.state)
-            if mode != "none":
-                share(group, mode, s.beta1, s.beta2)
-            done += length
-            curve.add(done * s.learners * s.batch_size * s.seq_len, bench.bpb(lead.trainer.model, lead.state.params))
-            print(mode, done, round(curve.bpb[-1], 4), flush=True)
-    finally:
-        for learner in group:
-            learner.diloco.close()
-    return curve
+    after_merge = None if mode == "none" else (lambda group: share(group, mode, s.beta1, s.beta2))
+    return diloco(bench, h, wire, after_merge=after_merge)
 
 
 def main() -> None:
