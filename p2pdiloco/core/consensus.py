@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -81,3 +81,9 @@ def fork_distance(own: State, others: Sequence[State]) -> float:
     stays until it expires), so two stale records could show a fork that already healed."""
     version, digest, own_sketch = own
     return max((sketch_distance(own_sketch, s) for v, d, s in others if v == version and d != digest), default=0.0)
+
+
+def forked_with(own: State, others: Mapping[str, State]) -> list[str]:
+    """The peers (by name) `fork_distance` measures against: at our version, with another digest."""
+    version, digest, _ = own
+    return sorted(name for name, (v, d, _) in others.items() if v == version and d != digest)

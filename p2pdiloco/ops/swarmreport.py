@@ -16,7 +16,7 @@ from __future__ import annotations
 import statistics
 import sys
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from p2pdiloco.runtime.schema import Record, Round, Window
 
@@ -140,18 +140,34 @@ def islands_disagreeing(round_records: Iterable[Round]) -> dict[str, set[tuple[i
     return {group: states for group, states in by_island.items() if len(states) > 1}
 
 
-def unresolved_forks(rounds_by_peer: dict[str, list[Round]], within_rounds: int,
-                     from_version: int = 0) -> list[tuple[str, int]]:
+def unresolved_forks(rounds_by_peer: dict[str, list[Round]], within_rounds: int, from_version: int = 0,
+                     live: Optional[Callable[[str, float], bool]] = None) -> list[tuple[str, int]]:
     """(peer, round) where a peer saw live peers disagree at one version (fork_distance > 0) and still saw a
     disagreement in each of its next `within_rounds` rounds (rounds near the end of a log are not judged,
-    nor rounds that ended below `from_version`)."""
+    nor rounds that ended below `from_version`). `live(name, time)`: whether a peer was running then; a round
+    whose fork was only with peers that were not (a killed or frozen peer's record stays until it expires) shows
+    no fork of live peers."""
+    def forked(r: Round) -> bool:
+        if r.fork_distance <= 0:
+            return False
+        return live is None or not r.forked_with or any(live(name, r.time) for name in r.forked_with)
+
     stuck = []
     for name, rounds in rounds_by_peer.items():
         for i, r in enumerate(rounds[:len(rounds) - within_rounds]):
             later = rounds[i + 1:i + 1 + within_rounds]
-            if r.version >= from_version and r.fork_distance > 0 and all(x.fork_distance > 0 for x in later):
+            if r.version >= from_version and forked(r) and all(forked(x) for x in later):
                 stuck.append((name, r.round))
     return stuck
+
+
+def running(lives: list[Life]) -> Callable[[str, float], bool]:
+    """live(slot, time) for `unresolved_forks`: a life of that slot had been spawned and had not ended, and was
+    not frozen then."""
+    def live(slot: str, t: float) -> bool:
+        return any(life.slot == slot and life.spawned <= t <= life.ended
+                   and not any(a <= t <= b for a, b in life.frozen) for life in lives)
+    return live
 
 
 def stale_merges(records: Iterable[Iterable[Record]]) -> list[dict]:

@@ -8,7 +8,7 @@ from typing import Callable, Optional
 
 import torch
 
-from p2pdiloco.core.consensus import consensus_distance, fork_distance
+from p2pdiloco.core.consensus import consensus_distance, fork_distance, forked_with
 from p2pdiloco.parts.workload import Workload
 from p2pdiloco.runtime import schema
 from p2pdiloco.runtime.metrics import Progress
@@ -90,6 +90,7 @@ class RoundLog:
         others = [r for r in self.heartbeat.records() if r.peer != diloco.peer]
         own = (state.version, state.digest, own_sketch)
         others_states = [(r.version, r.digest, r.sketch) for r in others if r.sketch]
+        named = {r.name: (r.version, r.digest, r.sketch) for r in others if r.sketch}
         versions = [r.version for r in others] + [state.version]
         distance = consensus_distance([*others_states, own])
         wall = time.monotonic() - self.started
@@ -100,7 +101,8 @@ class RoundLog:
             tokens=c.tokens, tokens_trained=self.tokens_trained, from_version=c.version,
             unmerged_tokens=settled.unmerged_tokens, steps_in_flight=settled.steps_in_flight,
             step_seconds_ema=diloco.clock.step.get(), consensus_distance=distance,
-            fork_distance=fork_distance(own, others_states), version_spread=max(versions) - min(versions),
+            fork_distance=fork_distance(own, others_states), forked_with=forked_with(own, named),
+            version_spread=max(versions) - min(versions),
             live_peers=len(versions), recovered_tokens=diloco.recovered_tokens, **self._goodput(),
             utilization=self.compute_seconds / max(wall, 1e-9), wall=wall, digest=state.digest,
             fragment=self.fragment))

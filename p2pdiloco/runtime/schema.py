@@ -147,6 +147,7 @@ class Round(Record, kind="round"):
     waited_for_island: bool = False  # for an island that merged from our state without us (not to fork it)
     consensus_distance: float = 0.0
     fork_distance: float = 0.0
+    forked_with: list = field(default_factory=list)  # the peers (names) whose record showed our version, another digest
     version_spread: int = 0
     live_peers: int = 0
     recovered_tokens: int = 0

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from p2pdiloco.core.consensus import consensus_distance, fork_distance, sketch
+from p2pdiloco.core.consensus import consensus_distance, fork_distance, forked_with, sketch
 
 
 def test_sketch_distance_estimates_the_state_distance_and_is_zero_for_one_digest():
@@ -36,6 +36,9 @@ def test_fork_distance_counts_only_forks_we_are_part_of():
     # a peer at our version with another digest: a fork we are in; a peer at another version is merely behind
     assert fork_distance(me, [*stale, (5, "theirs", s1)]) == pytest.approx(2.0)
     assert fork_distance(me, [(5, "mine", s0), (6, "ahead", s2)]) == 0.0
+    # and who: the chaos test tells a fork with a running peer from one with a dead peer's lingering record
+    named = {"left": stale[0], "same": (5, "mine", s0), "ahead": (6, "ahead", s2), "z": (5, "z", s1), "b": (5, "b", s2)}
+    assert forked_with(me, named) == ["b", "z"]
 
 
 def test_every_element_counts_once_with_a_sign_in_its_bucket_across_chunks():

@@ -3,7 +3,8 @@
 import pytest
 
 from p2pdiloco.ops.swarmreport import (val_by_version, val_rises, advances, goodput, islands_disagreeing, longest_stalls, split_lives,
-                                   model_tokens, startup_phases, unresolved_forks, uptime)
+                                   model_tokens, running, startup_phases, unresolved_forks, uptime)
+from p2pdiloco.ops.swarmreport import Life
 from p2pdiloco.runtime.schema import from_dict
 
 
@@ -15,9 +16,9 @@ def window(t, compute, merged, step_seconds=1.0):
     return rec("window", t, compute_seconds=compute, merged_seconds=merged, step_seconds=step_seconds)
 
 
-def round_(t, version, applied=True, group="g", digest="d", adopted=False, fork=0.0, n=0):
+def round_(t, version, applied=True, group="g", digest="d", adopted=False, fork=0.0, n=0, forked_with=()):
     return rec("round", t, version=version, applied=applied, group_id=group, digest=digest, adopted=adopted,
-               fork_distance=fork, round=n)
+               fork_distance=fork, round=n, forked_with=list(forked_with))
 
 
 def test_lives_are_cut_at_spawns_and_end_at_a_kill_or_the_run_end():
@@ -82,6 +83,23 @@ def test_a_fork_that_outlives_its_bound_is_reported():
     assert unresolved_forks({"a": resolved}, within_rounds=2) == []
     assert unresolved_forks({"a": stuck}, within_rounds=2) == [("a", 1)]
     assert unresolved_forks({"a": stuck}, within_rounds=2, from_version=2) == []
+
+
+def test_a_fork_only_with_peers_that_were_not_running_is_no_fork_of_live_peers():
+    # b was killed at 2.5 and restarted at 3.5; c was frozen from 0.5 to 1.5; a fork with either counts only
+    # while it ran
+    lives = [Life("b", 0.0, 2.5, []), Life("b", 3.5, 10.0, []), Life("c", 0.0, 10.0, [], frozen=[(0.5, 1.5)])]
+    live = running(lives)
+    assert [live("b", t) for t in (1.0, 3.0, 4.0)] == [True, False, True]
+    assert [live("c", t) for t in (1.0, 2.0)] == [False, True] and not live("nobody", 1.0)
+
+    def forked_with(name):  # rounds at 0..5, forked from 1 on
+        return [round_(t, t, fork=2.0 if t else 0.0, n=t, forked_with=[name] if name else []) for t in range(6)]
+    everything = [("a", 1), ("a", 2), ("a", 3)]
+    assert unresolved_forks({"a": forked_with("b")}, within_rounds=2) == everything
+    assert unresolved_forks({"a": forked_with("b")}, within_rounds=2, live=live) == []  # b was dead at 3
+    assert unresolved_forks({"a": forked_with("c")}, within_rounds=2, live=live) == [("a", 2), ("a", 3)]  # c: 2-5
+    assert unresolved_forks({"a": forked_with(None)}, within_rounds=2, live=live) == everything  # names nobody
 
 
 def test_the_merged_models_loss_by_version_and_the_rounds_that_raised_it():
