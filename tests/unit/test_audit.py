@@ -44,6 +44,10 @@ def test_the_seed_depends_on_the_group_the_place_the_bytes_and_who_was_left_out(
              piece_seed(b"group", 0, b"served bytes", ("p1",))}
     assert len(seeds) == 5
     assert piece_seed(b"g", 0, b"x", ("b", "a")) == piece_seed(b"g", 0, b"x", ("a", "b"))
+    # the seed is part of the wire: a reducer and its members draw the same fingerprints only where they derive it
+    # alike, so a change here needs a new wire version (these values pin it)
+    assert piece_seed(b"group", 16384, b"served bytes", ("p2", "p1")) == 72677034680951601844108268980685295048
+    assert piece_seed(b"", 0, b"", ()) == 142969120105495649754689305666184089568
 
 
 def test_the_sketch_estimates_the_norm_within_its_spread():
@@ -120,12 +124,19 @@ def test_a_malformed_account_is_refused_with_a_reason():
 def test_share_bounds_hold_each_share_to_its_senders_claims_and_a_reducer_node_to_nothing():
     from p2pdiloco.core.claims import Claims
 
-    claims = {s: Claims(torch.full((3,), 7), torch.tensor([3.0, 4.0, 12.0], dtype=torch.float64)) for s in "abc"}
-    start, end = 16384, 3 * 16384  # blocks 1 and 2: norm √(16 + 144) = 12.65, plus ½√32768 for rounding
+    def claims_of(*norms):
+        return Claims(torch.full((len(norms),), 7), torch.tensor(norms, dtype=torch.float64))
+    claims = {"a": claims_of(3.0, 4.0, 12.0, 5.0), "b": claims_of(9.0, 2.0, 2.0, 9.0)}  # c claimed nothing
+    start, end = 16384, 3 * 16384  # blocks 1 and 2, plus ½√32768 for rounding
+
+    def expected(*block_norms):
+        return sum(x * x for x in block_norms) ** 0.5 * (1 + 1e-4) + 0.5 * (end - start) ** 0.5
     bounds = audit.share_bounds(claims, ["a", "b", "c"], "b", start, end)
-    expected = 160 ** 0.5 * (1 + 1e-4) + 0.5 * (end - start) ** 0.5
-    assert set(bounds) == {"a", "c", OWN} and bounds[OWN] == pytest.approx(expected)
-    assert audit.share_bounds(claims, ["a", "c"], "node", start, end)[OWN] == 0.0
+    assert set(bounds) == {"a", "c", OWN} and bounds["c"] is None
+    assert bounds["a"] == pytest.approx(expected(4.0, 12.0)) and bounds[OWN] == pytest.approx(expected(2.0, 2.0))
+    node = audit.share_bounds(claims, ["a", "b", "c"], "node", start, end)
+    assert set(node) == {"a", "b", "c", OWN} and node[OWN] == 0.0 and node["b"] == pytest.approx(expected(2.0, 2.0))
+    assert audit.share_bounds(claims, ["a", "c"], "c", start, end)[OWN] is None  # a sender with no claims
     assert audit.share_bounds(None, ["a", "b"], "b", start, end) == {"a": None, OWN: None}
 
 

@@ -52,6 +52,28 @@ def test_a_tensor_larger_than_half_a_fragment_is_cut_in_whole_rows():
         split(shapes, 0)
 
 
+def test_a_small_split_worked_by_hand():
+    """50 elements in 2 fragments: pieces of at most ceil(50 / 2 / 2) = 13, so the 10×4 embedding is cut into
+    ceil(40 / 13) = 4 blocks of whole rows, at rows 10·b // 4 = 0, 2, 5, 7 (sizes 8, 12, 8, 12); the largest
+    pieces go first, each to the lightest fragment (the lower index on a tie); an empty tensor holds no piece but
+    its place in the layout; a scalar is one element."""
+    shapes = [("embed", (10, 4)), ("empty", (0, 4)), ("a", (3, 2)), ("b", (4,)), ("scale", ())]
+    f0, f1 = split(shapes, 2)
+    assert [(q.name, q.index, q.offset, q.start, q.stop) for q in f0.pieces] == [
+        ("embed", 0, 0, 0, 8), ("embed", 0, 0, 8, 20), ("a", 2, 40, 0, 6)]
+    assert [(q.name, q.index, q.offset, q.start, q.stop) for q in f1.pieces] == [
+        ("embed", 0, 0, 20, 28), ("embed", 0, 0, 28, 40), ("b", 3, 46, 0, 4), ("scale", 4, 50, 0, 1)]
+    assert (f0.index, f1.index, f0.size, f1.size) == (0, 1, 26, 25)
+    assert [(q.name, s) for q, s in f1.slices()] == [("embed", slice(0, 8)), ("embed", slice(8, 20)),
+                                                     ("b", slice(20, 24)), ("scale", slice(24, 25))]
+    assert f1.pieces[2].flat == slice(46, 50) and f1.pieces[2].size == 4
+    # at P = 16 and 17 pieces hold at most ceil(51 / 32) = 2: the embedding's 10 rows, a's 3, b's 2 halves and
+    # the scalar make 16 pieces, enough for 16 fragments and not for 17
+    assert [f.size for f in split(shapes, 16)] == [4] * 10 + [2] * 5 + [1]
+    with pytest.raises(ValueError, match="17 is more than the model's 16 pieces"):
+        split(shapes, 17)
+
+
 def test_the_stagger_spreads_first_rounds_over_h_and_p_1_leaves_every_h():
     assert [Stagger(4, 100).first(i) for i in range(4)] == [25, 50, 75, 100]
     assert Stagger(1, 100).first(0) == 100
