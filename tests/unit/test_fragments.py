@@ -72,6 +72,11 @@ def test_a_small_split_worked_by_hand():
     assert [f.size for f in split(shapes, 16)] == [4] * 10 + [2] * 5 + [1]
     with pytest.raises(ValueError, match="17 is more than the model's 16 pieces"):
         split(shapes, 17)
+    assert [f.size for f in split([("w", (4,))], 4)] == [1, 1, 1, 1]  # pieces of one element where 4 ≤ 2·P
+    # a tensor of one row is never cut (pieces of at most 15 here): the vector beside it is, in two halves
+    row, vector = split([("w", (1, 30)), ("v", (30,))], 2)
+    assert [(q.name, q.start, q.stop) for q in row.pieces] == [("w", 0, 30)]
+    assert [(q.name, q.start, q.stop) for q in vector.pieces] == [("v", 0, 15), ("v", 15, 30)]
 
 
 def test_the_stagger_spreads_first_rounds_over_h_and_p_1_leaves_every_h():
@@ -99,6 +104,7 @@ def test_a_fragments_grace_window_is_tau_fragment_periods_and_p_1_keeps_h():
     assert fragment_overlap(96, 1, 2) == 96  # P = 1: the next contribution's due step, as before fragments
     assert fragment_overlap(96, 8, 2) == 24 and fragment_overlap(96, 8, 1) == 12 and fragment_overlap(96, 2, 1) == 48
     assert fragment_overlap(4, 8, 1) == 1  # never under one step
+    assert fragment_overlap(100, 3, 1) == 33  # whole steps, rounded down
 
 
 def drive(step, contribute, wait, rounds=3, h=4, in_flight=2):
