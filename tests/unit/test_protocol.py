@@ -10,7 +10,7 @@ from p2pdiloco.core import exact
 from p2pdiloco.protocol.outcomes import Adopted, Committed, Contribution, Left, RolledBack, Solo
 from p2pdiloco.protocol.remote import Member, PeerRecord
 from p2pdiloco.protocol.round import (Done, Download, FormIsland, IslandFailed, IslandReduced, NoIsland,
-                                      ProtocolError, RefreshPeers, Round, RoundRules, WaitForPeers)
+                                      ProtocolError, RefreshPeers, Round, RoundRules, WaitForPeers, swarm_rules)
 from p2pdiloco.protocol.timing import GracePolicy, RoundClock
 
 ME = "me-peer"
@@ -339,6 +339,12 @@ def test_a_stale_member_fetches_the_groups_newer_state_after_committing():
         assert decision == Download(5, "stale contribution")
         o = rnd.on_state(fetched, 112.0).outcome
         assert isinstance(o, Committed) and o.stale and o.state is fetched and o.merged is not None
+        assert o.reason == "ok"
+    worded = new_round()  # a driver may word a verified island's reason as it likes: a commit says "ok"
+    to_island(worded, [record("b", version=4, ready=4)])
+    island = dataclasses.replace(reduced(member(ME), member("b", version=4, digest="bbbbbb")), reason="verified")
+    worded.on_island(island, 110.0)
+    assert worded.on_state(None, 112.0).outcome.reason == "ok"
 
 
 def test_a_member_on_a_same_version_fork_fetches_the_state_the_merge_was_applied_to():
@@ -602,3 +608,22 @@ def test_round_edges_the_mutants_found():
     assert isinstance(flight.on_peers(merged, 105.0), WaitForPeers)
     assert isinstance(flight.on_peers([record("b", version=1, ready=1), merged[1], d], 106.0), FormIsland)
     assert flight.quorum_seconds == pytest.approx(1.0)  # 6 s, less the 5 s spent waiting for their island
+    at_once = new_round(c=contribution(version=0))
+    at_once.start([b, c, d], 100.0)
+    at_once.on_peers([b, c, d], 104.0)  # their island is in flight: 4 s of waiting that is not for quorum
+    looking = [record("b", version=1, ready=1), record("c", version=1, ready=1), d]
+    assert isinstance(at_once.on_peers(looking, 106.0), FormIsland)  # its members look again at once
+    assert at_once.quorum_seconds == pytest.approx(2.0)
+
+
+def test_every_setting_of_a_peers_configuration_reaches_its_round_rules():
+    """swarm_rules is the one place a peer's settings become rules, for the hivemind driver and the simulator:
+    each setting, set off its default here, arrives where a round reads it, and the driver's limits pass through."""
+    from p2pdiloco.config import SwarmConfig
+    cfg = SwarmConfig(mode="sync", quorum=3, max_staleness=1, sync_wait=12.0, wait_for_newest=True,
+                      wait_for_island=False, max_island=5, grace_gamma=0.3)
+    rules = swarm_rules(cfg, overlap_steps=7, grace_floor=2.5, grace_cap=9.0, poll=0.5, buffer_elements=11)
+    assert rules == RoundRules(mode="sync", quorum=3, max_staleness=1, sync_wait=12.0, wait_for_newest=True,
+                               wait_for_island=False, overlap_steps=7, max_island=5,
+                               grace=GracePolicy(gamma=0.3, floor=2.5, cap=9.0), poll=0.5, buffer_elements=11)
+    assert rules != RoundRules() and swarm_rules(cfg, overlap_steps=7, grace_floor=2.5).grace.cap == 60.0
