@@ -377,6 +377,24 @@ def test_the_weight_cap_at_its_edges():
     assert exact_bound == [0.5, 0.25, 0.25] and notes == {}
     zeros, notes = cap_to_median([1.0, 0.0, 0.0], 2.0)  # zeros are no members of the median
     assert zeros == [1.0, 0.0, 0.0] and notes == {}
+    assert cap_to_median([1.0], 0.5) == ([1.0], {})  # alone, whatever the ratio
+    assert cap_to_median([0.2, 0.2], 3.0) == ([0.2, 0.2], {})  # none over the bound: the weights as given
+
+
+def test_the_dilution_cut_at_its_edges():
+    """A member's weight × min(1, its norm × ratio / the upper median of the positive norms)."""
+    from p2pdiloco.protocol.island import cut_below_median_norm
+
+    weights = [0.25] * 4
+    cut, notes = cut_below_median_norm(weights, [1.0, 2.0, 4.0, 8.0], 1.0)  # upper median 4 (index 4 // 2)
+    assert cut == [0.0625, 0.125, 0.25, 0.25] and set(notes) == {0, 1}
+    assert cut_below_median_norm([0.5, 0.5], [1.0, 4.0], 1.0)[0] == [0.125, 0.5]  # two norms are enough
+    assert cut_below_median_norm([0.5, 0.5], [1.0, 4.0], 2.0)[0] == [0.25, 0.5]  # a ratio of 2 halves the floor
+    # zeros are no members of the median: the floor is 2's, and the zero-norm members count for nothing
+    cut, notes = cut_below_median_norm([0.2] * 5, [0.0, 0.0, 0.0, 2.0, 2.0], 1.0)
+    assert cut == [0.0, 0.0, 0.0, 0.2, 0.2] and set(notes) == {0, 1, 2}
+    assert cut_below_median_norm(weights, [1.0, 2.0, 4.0, 8.0], 0.0) == (weights, {})  # 0: no floor
+    assert cut_below_median_norm([1.0], [1.0], 1.0) == ([1.0], {})  # alone: nothing to compare with
 
 
 def test_block_maxima_clipping_at_its_edges():
