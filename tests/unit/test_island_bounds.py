@@ -395,6 +395,7 @@ def test_the_dilution_cut_at_its_edges():
     assert cut == [0.0, 0.0, 0.0, 0.2, 0.2] and set(notes) == {0, 1, 2}
     assert cut_below_median_norm(weights, [1.0, 2.0, 4.0, 8.0], 0.0) == (weights, {})  # 0: no floor
     assert cut_below_median_norm([1.0], [1.0], 1.0) == ([1.0], {})  # alone: nothing to compare with
+    assert cut_below_median_norm([0.5, 0.5], [1.0, 1.0], 0.5)[0] == [0.25, 0.25]  # below 1 the floor is above all
 
 
 def test_block_maxima_clipping_at_its_edges():
