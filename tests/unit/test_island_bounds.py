@@ -381,6 +381,18 @@ def test_the_weight_cap_at_its_edges():
     assert cap_to_median([0.2, 0.2], 3.0) == ([0.2, 0.2], {})  # none over the bound: the weights as given
 
 
+def test_the_token_count_a_merge_adds_is_each_members_at_most_ratio_times_the_lower_median():
+    """What the schedule runs by: a liar's 1000× claim counts as ratio × the island's lower median of positive
+    claims; zeros are no members of that median; a member not merged adds nothing."""
+    from p2pdiloco.protocol.island import counted_tokens
+
+    assert counted_tokens([10, 20], [True, True], 1.0) == 20  # a ratio of 1: the lower median, 10, each
+    assert counted_tokens([10, 20], [True, True], 0.0) == 30  # 0: no cap
+    assert counted_tokens([0, 0, 10, 20], [True] * 4, 2.0) == 30  # the median of 10 and 20, not of the zeros
+    assert counted_tokens([1, 1, 1, 100], [True] * 4, 2.0) == 5  # the liar counts as 2
+    assert counted_tokens([10, 10, 10_000], [True, False, True], 2.0) == 30
+
+
 def test_the_dilution_cut_at_its_edges():
     """A member's weight × min(1, its norm × ratio / the upper median of the positive norms)."""
     from p2pdiloco.protocol.island import cut_below_median_norm
