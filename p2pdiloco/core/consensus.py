@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from typing import Mapping, Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -83,7 +83,8 @@ def fork_distance(own: State, others: Sequence[State]) -> float:
     return max((sketch_distance(own_sketch, s) for v, d, s in others if v == version and d != digest), default=0.0)
 
 
-def forked_with(own: State, others: Mapping[str, State]) -> list[str]:
-    """The peers (by name) `fork_distance` measures against: at our version, with another digest."""
+def forked_with(own: State, others: Iterable[tuple[str, State]]) -> list[str]:
+    """The peers (by name) `fork_distance` measures against: at our version, with another digest. Pairs, not a
+    mapping: a restarted peer's new record and its last life's, not yet expired, may share one name."""
     version, digest, _ = own
-    return sorted(name for name, (v, d, _) in others.items() if v == version and d != digest)
+    return sorted({name for name, (v, d, _) in others if v == version and d != digest})

@@ -90,7 +90,7 @@ class RoundLog:
         others = [r for r in self.heartbeat.records() if r.peer != diloco.peer]
         own = (state.version, state.digest, own_sketch)
         others_states = [(r.version, r.digest, r.sketch) for r in others if r.sketch]
-        named = {r.name: (r.version, r.digest, r.sketch) for r in others if r.sketch}
+        named = [(r.name, (r.version, r.digest, r.sketch)) for r in others if r.sketch]
         versions = [r.version for r in others] + [state.version]
         distance = consensus_distance([*others_states, own])
         wall = time.monotonic() - self.started

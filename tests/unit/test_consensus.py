@@ -37,8 +37,9 @@ def test_fork_distance_counts_only_forks_we_are_part_of():
     assert fork_distance(me, [*stale, (5, "theirs", s1)]) == pytest.approx(2.0)
     assert fork_distance(me, [(5, "mine", s0), (6, "ahead", s2)]) == 0.0
     # and who: the chaos test tells a fork with a running peer from one with a dead peer's lingering record
-    named = {"left": stale[0], "same": (5, "mine", s0), "ahead": (6, "ahead", s2), "z": (5, "z", s1), "b": (5, "b", s2)}
-    assert forked_with(me, named) == ["b", "z"]
+    named = [("left", stale[0]), ("same", (5, "mine", s0)), ("ahead", (6, "ahead", s2)), ("z", (5, "z", s1)),
+             ("b", (5, "b", s2)), ("same", (5, "x", s1))]  # a second record of "same" (a restart), forked
+    assert forked_with(me, named) == ["b", "same", "z"]
 
 
 def test_every_element_counts_once_with_a_sign_in_its_bucket_across_chunks():

@@ -3,8 +3,7 @@
 import pytest
 
 from p2pdiloco.ops.swarmreport import (val_by_version, val_rises, advances, goodput, islands_disagreeing, longest_stalls, split_lives,
-                                   model_tokens, running, startup_phases, unresolved_forks, uptime)
-from p2pdiloco.ops.swarmreport import Life
+                                   model_tokens, running, startup_phases, unresolved_forks, uptime, Life)
 from p2pdiloco.runtime.schema import from_dict
 
 
